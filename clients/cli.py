@@ -1,0 +1,111 @@
+"""The `longdoc` command: serve, ingest, ask, sessions."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from tqdm import tqdm
+
+from clients.client import DEFAULT_URL, ApiError, LongdocClient
+
+app = typer.Typer(help="longdoc: ask questions about documents far longer than a model's context.", no_args_is_help=True)
+
+UrlOption = Annotated[str, typer.Option("--url", envvar="LONGDOC_URL", help="server address")]
+KeyOption = Annotated[str | None, typer.Option("--api-key", envvar="LONGDOC_API_KEY", help="bearer token")]
+
+
+def _client(url: str, api_key: str | None) -> LongdocClient:
+    return LongdocClient(url, api_key=api_key)
+
+
+def _fail(exc: ApiError) -> None:
+    typer.secho(f"error: {exc}", fg="red", err=True)
+    raise typer.Exit(1)
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
+    add_help_option=False,
+)
+def serve(ctx: typer.Context) -> None:
+    """Start the server. Every LONGDOC_* setting is also a flag: `longdoc serve --help` lists them."""
+    import uvicorn
+
+    from server.app import create_app
+    from server.settings import Settings
+
+    settings = Settings(_cli_parse_args=ctx.args, _cli_prog_name="longdoc serve")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+
+
+@app.command()
+def ingest(
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, readable=True, help="a UTF-8 text file")],
+    session: Annotated[str | None, typer.Option(help="session id; a new session is made without one")] = None,
+    memory: Annotated[str | None, typer.Option(help="memory of a new session: truncate or text")] = None,
+    model: Annotated[str | None, typer.Option(help="model of a new session")] = None,
+    url: UrlOption = DEFAULT_URL,
+    api_key: KeyOption = None,
+) -> None:
+    """Add a document to a session, with a progress bar; prints the session id."""
+    client = _client(url, api_key)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        typer.secho(f"error: {file} is not UTF-8 text", fg="red", err=True)
+        raise typer.Exit(1) from None
+    try:
+        session = session or client.create_session(model=model, memory=memory)["id"]
+        with tqdm(desc=file.name, unit="tok", file=sys.stderr) as bar:
+            for event in client.add_document_stream(session, text, name=file.name):
+                if event.event == "progress":
+                    bar.total = event.data["tokens_total"]
+                    bar.update(event.data["tokens_done"] - bar.n)
+                elif event.event == "error":
+                    raise ApiError(0, event.data["error"]["type"], event.data["error"]["message"])
+                elif event.event == "done":
+                    done = event.data
+    except ApiError as exc:
+        _fail(exc)
+    typer.echo(f"session {session}: document {done['id']}, {done['tokens']} tokens in {done['seconds']:.1f} s")
+
+
+@app.command()
+def ask(
+    question: Annotated[str, typer.Argument(help="the question")],
+    session: Annotated[str, typer.Option(help="session id (from `longdoc ingest`)")],
+    max_tokens: Annotated[int | None, typer.Option(help="answer length limit")] = None,
+    temperature: Annotated[float, typer.Option(help="0 is greedy")] = 0.0,
+    url: UrlOption = DEFAULT_URL,
+    api_key: KeyOption = None,
+) -> None:
+    """Ask a question about a session's documents; the answer streams to the terminal."""
+    client = _client(url, api_key)
+    try:
+        for event in client.ask_stream(session, question, max_tokens=max_tokens, temperature=temperature):
+            if event.event == "delta":
+                typer.echo(event.data["text"], nl=False)
+            elif event.event == "error":
+                raise ApiError(0, event.data["error"]["type"], event.data["error"]["message"])
+    except ApiError as exc:
+        _fail(exc)
+    typer.echo()
+
+
+@app.command()
+def sessions(url: UrlOption = DEFAULT_URL, api_key: KeyOption = None) -> None:
+    """List sessions."""
+    try:
+        rows = _client(url, api_key).sessions()
+    except ApiError as exc:
+        _fail(exc)
+    for s in rows:
+        docs = ", ".join(d["name"] for d in s["documents"]) or "-"
+        typer.echo(f"{s['id']}  {s['model']}  {s['memory']}  {s['cache']['entries']} entries  {docs}")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,1 @@
+"""longdoc engine: models, memories, sessions, workers. Import submodules directly."""

@@ -1,0 +1,75 @@
+"""Engine configuration: one validated dataclass per concern, composed into `EngineConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which models to load: the bundled default by name, or local Hugging Face folders."""
+
+    sources: tuple[str, ...] = (DEFAULT_MODEL,)
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
+    cache_dir: Path = Path("~/.cache/longdoc").expanduser()
+
+    def __post_init__(self) -> None:
+        _require(len(self.sources) > 0, "at least one model is needed")
+        _require(self.dtype in ("auto", "bfloat16", "float16", "float32"), f"unknown dtype {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """Limits of the session store."""
+
+    max_sessions: int = 64
+    idle_ttl_seconds: float = 3600.0
+    memory_budget_bytes: int = 512 * 1024**2  # per session
+
+    def __post_init__(self) -> None:
+        _require(self.max_sessions > 0, "max_sessions must be positive")
+        _require(self.idle_ttl_seconds > 0, "idle_ttl_seconds must be positive")
+        _require(self.memory_budget_bytes > 0, "memory_budget_bytes must be positive")
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    """How documents are cut before they reach a memory."""
+
+    segment_len: int = 1024  # tokens per segment (Neurocache's n)
+    max_document_tokens: int = 2_000_000
+
+    def __post_init__(self) -> None:
+        _require(self.segment_len >= 16, "segment_len must be at least 16")
+        _require(self.max_document_tokens > 0, "max_document_tokens must be positive")
+
+
+@dataclass(frozen=True)
+class GenerationLimits:
+    """Bounds on what one request may ask of the model worker."""
+
+    max_new_tokens: int = 1024
+    default_max_tokens: int = 256
+    max_queue: int = 16  # jobs waiting per worker before 429
+
+    def __post_init__(self) -> None:
+        _require(0 < self.default_max_tokens <= self.max_new_tokens, "need 0 < default_max_tokens <= max_new_tokens")
+        _require(self.max_queue > 0, "max_queue must be positive")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    models: ModelSpec = field(default_factory=ModelSpec)
+    sessions: SessionLimits = field(default_factory=SessionLimits)
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    generation: GenerationLimits = field(default_factory=GenerationLimits)
+    default_memory: str = "text"

@@ -1,0 +1,276 @@
+"""The engine: loaded models, their workers, and sessions, behind `engine.interface.EngineClient`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.embedder import Embedder
+from engine.errors import InvalidRequestError, NotFoundError, NotReadyError, TooLargeError
+from engine.generation import StopTokens, generate_steps
+from engine.ingest import ingest_steps, tokenize_document
+from engine.interface import (
+    CacheInfo,
+    EngineStats,
+    GenerationEvent,
+    GenerationParams,
+    IngestEvent,
+    ModelInfo,
+    Retrieval,
+    SessionInfo,
+)
+from engine.memories import MEMORIES, ContextPiece, MemoryContext, build_memory
+from engine.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from engine.prompts import Messages, overhead_tokens, render, with_context
+from engine.sessions import Session, SessionStore
+from engine.worker import EventStream, SerialWorker
+
+log = logging.getLogger(__name__)
+
+EMBEDDER_WORKER = "embedder"
+
+
+@dataclass
+class ModelRuntime:
+    loaded: LoadedModel
+    worker: SerialWorker
+    stop_tokens: StopTokens
+
+    def info(self) -> ModelInfo:
+        return ModelInfo(
+            name=self.loaded.name,
+            source=self.loaded.source,
+            architecture=self.loaded.architecture,
+            context_len=self.loaded.context_len,
+            device=str(self.loaded.device),
+            dtype=str(self.loaded.dtype).removeprefix("torch."),
+            memories=tuple(MEMORIES),
+        )
+
+
+class Engine:
+    """Owns every model and session. Blocking work runs on the workers, never on the event loop."""
+
+    def __init__(self, config: EngineConfig, *, embedder_factory: Callable[[], Embedder] | None = None) -> None:
+        self.config = config
+        self.sessions = SessionStore(config.sessions)
+        self._models: dict[str, ModelRuntime] = {}
+        self._embedder_factory = embedder_factory or self._default_embedder
+        self._embedder: Embedder | None = None
+        self._embed_worker = SerialWorker(EMBEDDER_WORKER, config.generation.max_queue)
+        self._reaper: asyncio.Task[None] | None = None
+        self._ready = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def _default_embedder(self) -> Embedder:
+        device = resolve_device(self.config.models.device)
+        return Embedder(device=device, dtype=resolve_dtype(self.config.models.dtype, device))
+
+    def _load_all(self) -> None:
+        spec = self.config.models
+        for source in spec.sources:
+            loaded = load_model(source, cache_dir=spec.cache_dir, device=spec.device, dtype=spec.dtype)
+            if loaded.name in self._models:
+                raise ValueError(f"two models are named {loaded.name!r}; serve each folder once")
+            worker = SerialWorker(f"model:{loaded.name}", self.config.generation.max_queue)
+            self._models[loaded.name] = ModelRuntime(loaded, worker, StopTokens.of(loaded.model, loaded.tokenizer))
+            log.info("loaded model %s (%s, %s on %s)", loaded.name, loaded.architecture, loaded.dtype, loaded.device)
+        self._embedder = self._embedder_factory()
+
+    async def start(self) -> None:
+        """Load models off the event loop, then start evicting idle sessions."""
+        await asyncio.to_thread(self._load_all)
+        self._ready = True
+        self._reaper = asyncio.create_task(self._reap_idle_sessions())
+
+    async def stop(self) -> None:
+        self._ready = False
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for runtime in self._models.values():
+            runtime.worker.shutdown()
+        self._embed_worker.shutdown()
+
+    async def _reap_idle_sessions(self) -> None:
+        period = min(30.0, self.config.sessions.idle_ttl_seconds / 4)
+        while True:
+            await asyncio.sleep(period)
+            for session_id in self.sessions.evict_idle():
+                log.info("evicted idle session %s", session_id)
+
+    def _require_ready(self) -> None:
+        if not self._ready:
+            raise NotReadyError("the server is still loading its models")
+
+    def _runtime(self, model: str | None) -> ModelRuntime:
+        self._require_ready()
+        name = model or next(iter(self._models))
+        if name not in self._models:
+            raise NotFoundError(f"no model {name!r}; loaded: {sorted(self._models)}")
+        return self._models[name]
+
+    # ---- models and sessions ---------------------------------------------------------------
+
+    def list_models(self) -> list[ModelInfo]:
+        return [runtime.info() for runtime in self._models.values()]
+
+    def create_session(self, model: str | None, memory: str | None, options: dict[str, Any]) -> SessionInfo:
+        runtime = self._runtime(model)
+        context = MemoryContext(tokenizer=runtime.loaded.tokenizer, embedder=self._embedder)
+        memory_obj = build_memory(memory or self.config.default_memory, context, options)
+        return self.sessions.create(runtime.loaded.name, memory_obj, dict(options)).info()
+
+    def list_sessions(self) -> list[SessionInfo]:
+        return [session.info() for session in self.sessions.list()]
+
+    def get_session(self, session_id: str) -> SessionInfo:
+        return self.sessions.get(session_id).info()
+
+    def delete_session(self, session_id: str) -> None:
+        self.sessions.delete(session_id)
+
+    def cache_info(self, session_id: str) -> CacheInfo:
+        return self.sessions.get(session_id).memory.stats()
+
+    async def clear_cache(self, session_id: str) -> CacheInfo:
+        """Forget every document of the session; runs on the worker that reads the memory."""
+        session = self.sessions.get(session_id)
+        if session.ingest_lock.locked():
+            raise InvalidRequestError(f"session {session_id} is ingesting a document; clear it afterwards")
+        await self._embed_worker.run(session.memory.reset)
+        session.documents.clear()
+        return session.memory.stats()
+
+    def stats(self) -> EngineStats:
+        memory_bytes: dict[str, int] = {kind: 0 for kind in MEMORIES}
+        for session in self.sessions.list():
+            memory_bytes[session.memory.kind] += session.memory.stats().bytes
+        depth = {runtime.worker.name: runtime.worker.depth for runtime in self._models.values()}
+        depth[self._embed_worker.name] = self._embed_worker.depth
+        return EngineStats(
+            ready=self._ready, active_sessions=len(self.sessions), session_memory_bytes=memory_bytes, queue_depth=depth
+        )
+
+    # ---- ingestion -------------------------------------------------------------------------
+
+    async def ingest(self, session_id: str, text: str, name: str) -> AsyncIterator[IngestEvent]:
+        """Tokenize and check the document now; the returned stream ingests it segment by segment."""
+        self._require_ready()
+        session = self.sessions.get(session_id)
+        if not text.strip():
+            raise InvalidRequestError("the document is empty")
+        tokenizer = self._models[session.model].loaded.tokenizer
+        document_id = "d-" + secrets.token_hex(6)
+        document = await asyncio.to_thread(tokenize_document, tokenizer, document_id, name, text)
+        limit = self.config.ingest.max_document_tokens
+        if len(document.token_ids) > limit:
+            raise TooLargeError(f"the document has {len(document.token_ids)} tokens; the limit is {limit}")
+        self.sessions.check_budget(session, session.memory.estimate_bytes(len(text), len(document.token_ids)))
+        slot = self._embed_worker.admit()
+        return EventStream(self._ingest_events(session, document), [slot])
+
+    async def _ingest_events(self, session: Session, document: Any) -> AsyncIterator[IngestEvent]:
+        async with session.ingest_lock:
+            session.busy += 1
+            try:
+                steps = ingest_steps(
+                    session.memory,
+                    document,
+                    segment_len=self.config.ingest.segment_len,
+                    budget_bytes=self.sessions.budget_left(session),
+                    on_commit=session.documents.append,
+                )
+                async for event in self._embed_worker.iterate(steps):
+                    yield event
+            finally:
+                session.busy -= 1
+                session.last_used_at = time.time()
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def _check_params(self, params: GenerationParams) -> GenerationParams:
+        limit = self.config.generation.max_new_tokens
+        if not 1 <= params.max_tokens <= limit:
+            raise InvalidRequestError(f"max_tokens must be between 1 and {limit}")
+        return params
+
+    async def ask(self, session_id: str, question: str, params: GenerationParams) -> AsyncIterator[GenerationEvent]:
+        """Answer one question from the session's memory: a retrieval event, text deltas, then done."""
+        return await self.chat([{"role": "user", "content": question}], params, None, session_id)
+
+    async def chat(
+        self, messages: Messages, params: GenerationParams, model: str | None, session_id: str | None
+    ) -> AsyncIterator[GenerationEvent]:
+        """Chat completion; with a session, the last user turn is answered from the session's memory."""
+        self._require_ready()
+        params = self._check_params(params)
+        if not messages or messages[-1].get("role") != "user" or not messages[-1].get("content", "").strip():
+            raise InvalidRequestError("the last message must be a non-empty user message")
+        session = self.sessions.get(session_id) if session_id else None
+        if session is not None and model is not None and model != session.model:
+            raise InvalidRequestError(f"session {session.id} uses model {session.model!r}, not {model!r}")
+        runtime = self._runtime(session.model if session else model)
+        tokenizer = runtime.loaded.tokenizer
+        if session is None:
+            prompt_ids = await asyncio.to_thread(render, tokenizer, messages)
+            self._check_context(runtime, len(prompt_ids), params)
+            events = self._generate(runtime, prompt_ids, params)
+        else:
+            overhead = await asyncio.to_thread(overhead_tokens, tokenizer, messages[:-1], messages[-1]["content"])
+            self._check_context(runtime, overhead, params)
+            budget = runtime.loaded.context_len - params.max_tokens - overhead
+            events = self._chat_events(runtime, session, messages, params, budget)
+        return EventStream(events, [runtime.worker.admit()])
+
+    def _check_context(self, runtime: ModelRuntime, prompt_tokens: int, params: GenerationParams) -> None:
+        context_len = runtime.loaded.context_len
+        if prompt_tokens + params.max_tokens > context_len:
+            raise InvalidRequestError(
+                f"the prompt has {prompt_tokens} tokens and max_tokens is {params.max_tokens}; "
+                f"together they exceed the model's context of {context_len} tokens"
+            )
+
+    async def _chat_events(
+        self, runtime: ModelRuntime, session: Session, messages: Messages, params: GenerationParams, budget: int
+    ) -> AsyncIterator[GenerationEvent]:
+        """Retrieve up to `budget` tokens of context for the last user turn, then generate."""
+        session.busy += 1
+        try:
+            question = messages[-1]["content"]
+            started = time.perf_counter()
+            pieces: list[ContextPiece] = await self._embed_worker.run(session.memory.retrieve, question, budget)
+            yield Retrieval(session.memory.kind, tuple(p.item for p in pieces), time.perf_counter() - started)
+            turn = {"role": "user", "content": with_context(question, pieces)}
+            prompt_ids = await asyncio.to_thread(render, runtime.loaded.tokenizer, [*messages[:-1], turn])
+            async for event in self._generate(runtime, prompt_ids, params):
+                yield event
+        finally:
+            session.busy -= 1
+            session.last_used_at = time.time()
+
+    async def _generate(
+        self, runtime: ModelRuntime, prompt_ids: list[int], params: GenerationParams
+    ) -> AsyncIterator[GenerationEvent]:
+        loaded = runtime.loaded
+        steps = generate_steps(loaded.model, loaded.tokenizer, prompt_ids, params, runtime.stop_tokens)
+        async for event in runtime.worker.iterate(steps):
+            yield event
+
+
+def default_params(config: EngineConfig, **overrides: Any) -> GenerationParams:
+    base = GenerationParams(max_tokens=config.generation.default_max_tokens)
+    return replace(base, **{k: v for k, v in overrides.items() if v is not None})

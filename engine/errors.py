@@ -1,0 +1,51 @@
+"""Errors a user can cause. The server maps each class to one HTTP status; nothing here knows HTTP."""
+
+from __future__ import annotations
+
+
+class LongdocError(Exception):
+    """Base class: `kind` names the error in API responses."""
+
+    kind = "internal_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidRequestError(LongdocError):
+    kind = "invalid_request"
+
+
+class NotFoundError(LongdocError):
+    kind = "not_found"
+
+
+class TooLargeError(LongdocError):
+    kind = "too_large"
+
+
+class NotReadyError(LongdocError):
+    kind = "not_ready"
+
+
+class RetryLaterError(LongdocError):
+    """The request is fine but cannot be served now; `retry_after` is a hint in seconds."""
+
+    kind = "overloaded"
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class QueueFullError(RetryLaterError):
+    kind = "queue_full"
+
+
+class BudgetExceededError(RetryLaterError):
+    kind = "memory_budget_exceeded"
+
+
+class SessionLimitError(RetryLaterError):
+    kind = "too_many_sessions"

@@ -1,0 +1,138 @@
+"""Token-by-token generation on a Hugging Face causal LM: sampling, stop strings, incremental text."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from engine.interface import GenerationDone, GenerationParams, TokenDelta
+
+
+def sample_next(logits: torch.Tensor, params: GenerationParams, generator: torch.Generator | None) -> int:
+    """Pick the next token from float logits [V]: greedy at temperature 0, else nucleus sampling."""
+    if params.temperature <= 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above each token
+        sorted_probs[before >= params.top_p] = 0.0  # the top token always survives
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class TextAssembler:
+    """Turns generated token ids into text deltas, holding back what may still change.
+
+    Held back: an incomplete UTF-8 character, and any tail that could be the start of a stop string.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...]) -> None:
+        self._tokenizer = tokenizer
+        self._stop = tuple(s for s in stop if s)
+        self._ids: list[int] = []
+        self._emitted = 0
+        self.stopped = False
+
+    def _text(self) -> str:
+        return self._tokenizer.decode(self._ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        text = self._text()
+        if text.endswith("\ufffd"):
+            return ""
+        for stop in self._stop:
+            at = text.find(stop, max(0, self._emitted - len(stop)))
+            if at != -1:
+                self.stopped = True
+                return self._take(text[:at])
+        return self._take(text[: len(text) - self._held_tail(text)])
+
+    def flush(self) -> str:
+        return "" if self.stopped else self._take(self._text())
+
+    def _held_tail(self, text: str) -> int:
+        longest = 0
+        for stop in self._stop:
+            for n in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:n]):
+                    longest = max(longest, n)
+                    break
+        return longest
+
+    def _take(self, upto: str) -> str:
+        delta = upto[self._emitted :]
+        self._emitted = max(self._emitted, len(upto))
+        return delta
+
+
+@dataclass(frozen=True)
+class StopTokens:
+    ids: frozenset[int]
+
+    @classmethod
+    def of(cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> StopTokens:
+        ids: set[int] = set()
+        for source in (getattr(model, "generation_config", None), tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            if isinstance(value, int):
+                ids.add(value)
+            elif value:
+                ids.update(int(v) for v in value)
+        im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+            ids.add(im_end)
+        return cls(frozenset(ids))
+
+
+@torch.inference_mode()
+def generate_steps(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids: list[int],
+    params: GenerationParams,
+    stop_tokens: StopTokens,
+) -> Iterator[TokenDelta | GenerationDone]:
+    """A blocking generator: prefill, then one decode step per `next()`, yielding text deltas.
+
+    The model's own KV cache carries state between steps, so each step costs one token.
+    """
+    started = time.perf_counter()
+    device = model.device
+    generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    assembler = TextAssembler(tokenizer, params.stop)
+    cache = DynamicCache()
+    input_ids = torch.tensor([prompt_ids], device=device)
+    ttft = 0.0
+    finish_reason = "length"
+    produced = 0
+    for produced in range(1, params.max_tokens + 1):
+        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        token = sample_next(out.logits[0, -1].float().cpu(), params, generator)
+        if produced == 1:
+            ttft = time.perf_counter() - started
+        if token in stop_tokens.ids:
+            finish_reason = "stop"
+            break
+        delta = assembler.add(token)
+        if delta:
+            yield TokenDelta(delta)
+        if assembler.stopped:
+            finish_reason = "stop"
+            break
+        input_ids = torch.tensor([[token]], device=device)
+    tail = assembler.flush()
+    if tail:
+        yield TokenDelta(tail)
+    yield GenerationDone(
+        finish_reason=finish_reason,
+        prompt_tokens=len(prompt_ids),
+        completion_tokens=produced,
+        ttft_seconds=ttft,
+        total_seconds=time.perf_counter() - started,
+    )

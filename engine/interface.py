@@ -1,0 +1,165 @@
+"""The one contract between server and engine: plain data in, plain data (and async streams) out.
+
+This module imports neither torch nor faiss, so the server can depend on it freely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    source: str
+    architecture: str
+    context_len: int
+    device: str
+    dtype: str
+    memories: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DocumentInfo:
+    id: str
+    name: str
+    chars: int
+    tokens: int
+    segments: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    memory: str
+    entries: int
+    bytes: int
+    capacity: int
+    documents: int
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    id: str
+    model: str
+    memory: str
+    options: dict[str, Any]
+    created_at: float
+    last_used_at: float
+    documents: tuple[DocumentInfo, ...]
+    cache: CacheInfo
+
+
+@dataclass(frozen=True)
+class RetrievedItem:
+    """One piece of memory used for an answer, located in its document by character offsets."""
+
+    chunk_id: int
+    document_id: str
+    char_start: int
+    char_end: int
+    score: float | None = None
+
+
+@dataclass(frozen=True)
+class IngestProgress:
+    document_id: str
+    segments_done: int
+    segments_total: int
+    tokens_done: int
+    tokens_total: int
+
+
+@dataclass(frozen=True)
+class IngestDone:
+    document: DocumentInfo
+
+
+@dataclass(frozen=True)
+class Retrieval:
+    memory: str
+    items: tuple[RetrievedItem, ...]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class GenerationDone:
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_seconds: float
+    total_seconds: float
+
+
+IngestEvent = IngestProgress | IngestDone
+GenerationEvent = Retrieval | TokenDelta | GenerationDone
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Plain numbers for the metrics exporter."""
+
+    ready: bool
+    active_sessions: int
+    session_memory_bytes: dict[str, int] = field(default_factory=dict)  # by memory kind
+    queue_depth: dict[str, int] = field(default_factory=dict)  # by worker name
+
+
+def to_dict(event: Any) -> dict[str, Any]:
+    return asdict(event)
+
+
+class EngineClient(Protocol):
+    """What the HTTP layer may call. Blocking work never happens on the caller's event loop.
+
+    Calls that start work (`ingest`, `ask`, `chat`) validate and enqueue first, raising
+    `engine.errors` exceptions before any event is produced; the returned iterator then streams.
+    Closing the iterator early cancels the work.
+    """
+
+    @property
+    def ready(self) -> bool: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def list_models(self) -> list[ModelInfo]: ...
+
+    def create_session(self, model: str | None, memory: str | None, options: dict[str, Any]) -> SessionInfo: ...
+
+    def list_sessions(self) -> list[SessionInfo]: ...
+
+    def get_session(self, session_id: str) -> SessionInfo: ...
+
+    def delete_session(self, session_id: str) -> None: ...
+
+    def cache_info(self, session_id: str) -> CacheInfo: ...
+
+    async def clear_cache(self, session_id: str) -> CacheInfo: ...
+
+    async def ingest(self, session_id: str, text: str, name: str) -> AsyncIterator[IngestEvent]: ...
+
+    async def ask(self, session_id: str, question: str, params: GenerationParams) -> AsyncIterator[GenerationEvent]: ...
+
+    async def chat(
+        self, messages: list[dict[str, str]], params: GenerationParams, model: str | None, session_id: str | None
+    ) -> AsyncIterator[GenerationEvent]: ...
+
+    def stats(self) -> EngineStats: ...

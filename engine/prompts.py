@@ -1,0 +1,34 @@
+"""Prompts: document context and chat messages rendered with the model's own chat template."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from engine.memories import ContextPiece
+
+Messages = list[dict[str, str]]
+
+INSTRUCTION = "Answer the question using the document excerpts above. Answer briefly."
+
+
+def _format(question: str, excerpts: str) -> str:
+    return f"Document excerpts:\n\n{excerpts}\n\n{INSTRUCTION}\nQuestion: {question}"
+
+
+def with_context(question: str, pieces: list[ContextPiece]) -> str:
+    """One user turn: the retrieved excerpts in document order, then the question."""
+    if not pieces:
+        return question
+    excerpts = "\n\n".join(piece.text.replace("\r\n", "\n").strip() for piece in pieces)
+    return _format(question, excerpts)
+
+
+def render(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def overhead_tokens(tokenizer: PreTrainedTokenizerBase, messages: Messages, question: str) -> int:
+    """Prompt tokens besides the excerpts: earlier turns, template, instruction, question, separators."""
+    framed = [*messages, {"role": "user", "content": _format(question, "")}]
+    return len(render(tokenizer, framed)) + 32

@@ -1,0 +1,1 @@
+"""HTTP layer: FastAPI app, schemas, routes, settings, metrics. Never imports torch or faiss."""

@@ -1,0 +1,71 @@
+"""The FastAPI application: lifespan loads the engine in the background; routers do HTTP only."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Depends, FastAPI, Request, Response
+
+from engine.interface import EngineClient
+from server.deps import require_api_key
+from server.errors import install_error_handlers
+from server.metrics import Metrics
+from server.routes import ask, documents, health, openai, sessions
+from server.settings import Settings
+
+log = logging.getLogger(__name__)
+
+EngineFactory = Callable[[Settings], EngineClient]
+
+
+def default_engine(settings: Settings) -> EngineClient:
+    from engine.engine import Engine  # the only place the server reaches for the engine's implementation
+
+    return Engine(settings.engine_config())
+
+
+async def _load(app: FastAPI) -> None:
+    try:
+        await app.state.engine.start()
+        log.info("ready: %s", ", ".join(m.name for m in app.state.engine.list_models()))
+    except Exception as exc:  # noqa: BLE001 - reported by /readyz
+        app.state.load_error = f"{type(exc).__name__}: {exc}"
+        log.exception("model loading failed")
+
+
+def create_app(settings: Settings | None = None, engine_factory: EngineFactory = default_engine) -> FastAPI:
+    settings = settings or Settings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.engine = engine_factory(settings)
+        app.state.load_error = None
+        loading = asyncio.create_task(_load(app))
+        try:
+            yield
+        finally:
+            loading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loading
+            await app.state.engine.stop()
+
+    app = FastAPI(title="longdoc", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.metrics = Metrics(lambda: app.state.engine.stats() if hasattr(app.state, "engine") else None)
+    install_error_handlers(app)
+    app.include_router(health.router)
+    for router in (sessions.router, documents.router, ask.router, openai.router):
+        app.include_router(router, dependencies=[Depends(require_api_key)])
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next: Callable) -> Response:
+        response = await call_next(request)
+        route = request.scope.get("route")
+        template = getattr(route, "path", "unmatched")
+        app.state.metrics.requests.labels(template, request.method, str(response.status_code)).inc()
+        return response
+
+    return app

@@ -1,0 +1,125 @@
+"""Document upload: JSON `{"text", "name"}`, a multipart file, or a text/plain body."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+
+from fastapi import APIRouter, Query, Request
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
+
+from engine.errors import InvalidRequestError, TooLargeError
+from engine.interface import IngestDone, IngestEvent, IngestProgress
+from server.deps import EngineDep, MetricsDep, SettingsDep
+from server.errors import ApiError
+from server.schemas import DocumentCreate, DocumentPublic
+from server.streaming import event_stream, sse
+
+router = APIRouter(prefix="/v1/sessions", tags=["documents"])
+
+MULTIPART_SLACK = 64 * 1024  # form boundaries and headers around the file
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise TooLargeError(f"the request body is {declared} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLargeError(f"the request body passed the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def decode_text(data: bytes) -> str:
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ApiError(415, "unsupported_media_type", f"the document is not valid UTF-8 text ({exc.reason})") from exc
+
+
+async def _from_multipart(request: Request, body: bytes) -> tuple[str, str | None, bool]:
+    async def replay() -> dict[str, object]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    form = await Request(request.scope, replay).form(max_files=1, max_fields=8, max_part_size=len(body) + 1)
+    upload = form.get("file")
+    if not isinstance(upload, UploadFile):
+        raise InvalidRequestError("multipart uploads need a file field named 'file'")
+    text = decode_text(await upload.read())
+    name = form.get("name") or upload.filename
+    stream = str(form.get("stream", "false")).lower() in ("1", "true", "yes")
+    return text, str(name) if name else None, stream
+
+
+def _from_json(body: bytes) -> tuple[str, str | None, bool]:
+    try:
+        document = DocumentCreate.model_validate_json(body)
+    except ValidationError as exc:
+        raise ApiError(422, "validation_error", "; ".join(e["msg"] for e in exc.errors())) from exc
+    return document.text, document.name, document.stream
+
+
+async def parse_document(request: Request, limit: int) -> tuple[str, str | None, bool]:
+    """(text, name, stream) from whichever body the client sent."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media not in ("application/json", "multipart/form-data", "text/plain"):
+        raise ApiError(415, "unsupported_media_type", "send application/json, multipart/form-data or text/plain")
+    body = await read_body(request, limit + (MULTIPART_SLACK if media != "text/plain" else 0))
+    if media == "application/json":
+        text, name, stream = _from_json(body)
+    elif media == "multipart/form-data":
+        text, name, stream = await _from_multipart(request, body)
+    else:
+        text, name, stream = decode_text(body), None, False
+    if len(text.encode()) > limit:
+        raise TooLargeError(f"the document is over the limit of {limit} bytes")
+    return text, name, stream
+
+
+@router.post("/{session_id}/documents", status_code=201, response_model=DocumentPublic)
+async def add_document(
+    session_id: str,
+    request: Request,
+    engine: EngineDep,
+    settings: SettingsDep,
+    metrics: MetricsDep,
+    stream: bool = Query(False, description="stream ingestion progress as server-sent events"),
+):
+    text, name, stream_body = await parse_document(request, settings.max_document_bytes)
+    memory = engine.get_session(session_id).memory
+    events = await engine.ingest(session_id, text, name or "document")
+    started = time.perf_counter()
+
+    def record(done: IngestDone) -> None:
+        metrics.ingested_tokens.labels(memory).inc(done.document.tokens)
+        metrics.ingest_throughput.labels(memory).observe(done.document.tokens / max(1e-9, time.perf_counter() - started))
+
+    if stream or stream_body:
+        return event_stream(_progress_events(events, record), events)
+    done: IngestDone | None = None
+    async with contextlib.aclosing(events):
+        async for event in events:
+            if isinstance(event, IngestDone):
+                done = event
+    assert done is not None
+    record(done)
+    return DocumentPublic.model_validate(asdict(done.document))
+
+
+async def _progress_events(
+    events: AsyncIterator[IngestEvent], record: Callable[[IngestDone], None]
+) -> AsyncIterator[bytes]:
+    async for event in events:
+        if isinstance(event, IngestProgress):
+            yield sse(asdict(event), event="progress")
+        else:
+            record(event)
+            yield sse(asdict(event.document), event="done")

@@ -1,0 +1,79 @@
+"""Server settings: `LONGDOC_*` environment variables, each also a `longdoc serve --flag`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from engine.config import (
+    DEFAULT_MODEL,
+    EngineConfig,
+    GenerationLimits,
+    IngestConfig,
+    ModelSpec,
+    SessionLimits,
+)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LONGDOC_", cli_kebab_case=True, cli_implicit_flags=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    model: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: [DEFAULT_MODEL],
+        description=f"{DEFAULT_MODEL!r} or a local Hugging Face model folder; repeat to serve several "
+        "(env: comma-separated); the first is the default",
+    )
+    device: str = "auto"
+    dtype: str = "auto"
+    cache_dir: Path = Path("~/.cache/longdoc").expanduser()
+    api_key: SecretStr | None = Field(None, description="when set, /v1 requires 'Authorization: Bearer <key>'")
+    max_document_bytes: int = Field(32 * 1024**2, gt=0)
+    max_document_tokens: int = Field(2_000_000, gt=0)
+    max_sessions: int = Field(64, gt=0)
+    session_ttl_seconds: float = Field(3600.0, gt=0)
+    session_memory_bytes: int = Field(512 * 1024**2, gt=0)
+    segment_len: int = Field(1024, ge=16)
+    max_queue: int = Field(16, gt=0, description="requests admitted per model worker before 429")
+    max_new_tokens: int = Field(1024, gt=0)
+    default_max_tokens: int = Field(256, gt=0)
+    default_memory: str = "text"
+    log_level: str = "info"
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _split_models(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _check_models(cls, value: list[str]) -> list[str]:
+        for source in value:
+            if source != DEFAULT_MODEL and not (Path(source).expanduser() / "config.json").is_file():
+                raise ValueError(f"{source!r} is neither {DEFAULT_MODEL!r} nor a folder with a config.json")
+        return value
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            models=ModelSpec(
+                sources=tuple(self.model), device=self.device, dtype=self.dtype, cache_dir=self.cache_dir.expanduser()
+            ),
+            sessions=SessionLimits(
+                max_sessions=self.max_sessions,
+                idle_ttl_seconds=self.session_ttl_seconds,
+                memory_budget_bytes=self.session_memory_bytes,
+            ),
+            ingest=IngestConfig(segment_len=self.segment_len, max_document_tokens=self.max_document_tokens),
+            generation=GenerationLimits(
+                max_new_tokens=self.max_new_tokens,
+                default_max_tokens=self.default_max_tokens,
+                max_queue=self.max_queue,
+            ),
+            default_memory=self.default_memory,
+        )

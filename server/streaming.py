@@ -1,0 +1,44 @@
+"""Server-sent events on top of FastAPI's own SSE support, and event-to-JSON helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.sse import EventSourceResponse, format_sse_event
+
+from engine.errors import LongdocError
+from server.errors import error_body
+
+log = logging.getLogger(__name__)
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return format_sse_event(data_str=payload, event=event)
+
+
+def error_event(exc: BaseException) -> bytes:
+    """Errors after the stream started can only travel as an `error` event."""
+    if isinstance(exc, LongdocError):
+        return sse(error_body(exc.kind, exc.message), event="error")
+    log.exception("internal error while streaming", exc_info=exc)
+    return sse(error_body("internal_error", "internal server error"), event="error")
+
+
+def event_stream(chunks: AsyncIterator[bytes], upstream: Any) -> EventSourceResponse:
+    """Send `chunks` as SSE; `upstream` (an engine stream) is closed however the response ends,
+    so a client that disconnects cancels the work behind it."""
+
+    async def body() -> AsyncIterator[bytes]:
+        async with contextlib.aclosing(upstream):
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except Exception as exc:  # noqa: BLE001 - reported to the client as an event
+                yield error_event(exc)
+
+    return EventSourceResponse(body(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
