@@ -1,0 +1,132 @@
+"""Truncate and text memories: content, staging and rollback, offsets, limits, state round trips."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.errors import BudgetExceededError, InvalidRequestError
+from engine.ingest import ingest_steps, tokenize_document
+from engine.interface import IngestDone
+from engine.memories import MemoryContext, build_memory
+
+FACT = "The secret harbour of Velmora is guarded by a lighthouse painted violet."
+
+
+def filler(n: int) -> str:
+    words = ["river", "stone", "market", "winter", "lantern", "orchard", "bridge", "sparrow"]
+    return " ".join(f"The {words[i % 8]} number {i} was quiet that day." for i in range(n))
+
+
+def ingest(memory, tokenizer, doc_id: str, text: str, *, segment_len: int = 64, budget: int = 10**9) -> list:
+    document = tokenize_document(tokenizer, doc_id, doc_id, text)
+    committed = []
+    events = list(ingest_steps(memory, document, segment_len=segment_len, budget_bytes=budget, on_commit=committed.append))
+    assert isinstance(events[-1], IngestDone)
+    return committed
+
+
+@pytest.fixture
+def context(tiny_tokenizer, embedder) -> MemoryContext:
+    return MemoryContext(tokenizer=tiny_tokenizer, embedder=embedder)
+
+
+def test_unknown_memory_and_options_are_user_errors(context):
+    with pytest.raises(InvalidRequestError, match="unknown memory"):
+        build_memory("nope", context, {})
+    with pytest.raises(InvalidRequestError, match="unknown memory options"):
+        build_memory("text", context, {"top_kk": 3})
+    with pytest.raises(InvalidRequestError, match="top_k"):
+        build_memory("text", context, {"top_k": 0})
+
+
+def test_truncate_keeps_the_tail_of_the_window(context, tiny_tokenizer):
+    memory = build_memory("truncate", context, {"window_tokens": 50})
+    text = filler(40) + " THE END OF THE BOOK."
+    ingest(memory, tiny_tokenizer, "d1", text)
+    pieces = memory.retrieve("what happened?", max_tokens=1000)
+    assert len(pieces) == 1
+    item = pieces[0].item
+    assert item.char_end == len(text)
+    assert text[item.char_start : item.char_end].endswith("THE END OF THE BOOK.")
+    assert len(tiny_tokenizer(pieces[0].text, add_special_tokens=False)["input_ids"]) <= 52
+    assert memory.stats().entries == 50 and memory.stats().documents == 1
+    assert len(memory.retrieve("q", max_tokens=10)[0].text) < len(pieces[0].text)
+
+
+def test_truncate_spans_documents_in_order(context, tiny_tokenizer):
+    memory = build_memory("truncate", context, {"window_tokens": 400})
+    ingest(memory, tiny_tokenizer, "a", "First document. " * 10)
+    ingest(memory, tiny_tokenizer, "b", "Second document. " * 10)
+    assert [p.item.document_id for p in memory.retrieve("q", 400)] == ["a", "b"]
+
+
+def test_text_memory_finds_the_fact_and_points_at_it(context, tiny_tokenizer):
+    memory = build_memory("text", context, {"chunk_tokens": 32, "top_k": 2})
+    text = filler(60) + " " + FACT + " " + filler(60)
+    ingest(memory, tiny_tokenizer, "book", text)
+    pieces = memory.retrieve("What colour is the lighthouse of Velmora?", max_tokens=1000)
+    hit = [p for p in pieces if "violet" in p.text]
+    assert hit, [p.text for p in pieces]
+    item = hit[0].item
+    assert text[item.char_start : item.char_end] == hit[0].text
+    assert item.document_id == "book" and item.score is not None
+    assert memory.stats().entries == pytest.approx(len(tiny_tokenizer(text)["input_ids"]) / 32, abs=4)
+
+
+def test_text_retrieval_respects_the_token_budget(context, tiny_tokenizer):
+    memory = build_memory("text", context, {"chunk_tokens": 32, "top_k": 4})
+    ingest(memory, tiny_tokenizer, "book", filler(100))
+    assert len(memory.retrieve("river", max_tokens=70)) == 2
+    assert memory.retrieve("river", max_tokens=10) == []
+
+
+@pytest.mark.parametrize("kind", ["truncate", "text"])
+def test_aborted_document_leaves_earlier_documents_intact(context, tiny_tokenizer, kind):
+    memory = build_memory(kind, context, {})
+    ingest(memory, tiny_tokenizer, "kept", FACT + " " + filler(20))
+    before = (memory.stats(), [p.text for p in memory.retrieve("Velmora lighthouse", 4000)])
+    document = tokenize_document(tiny_tokenizer, "dropped", "dropped", filler(200))
+    steps = ingest_steps(memory, document, segment_len=64, budget_bytes=10**9, on_commit=lambda d: None)
+    next(steps), next(steps)
+    steps.close()  # as when the client disconnects mid-ingestion
+    assert (memory.stats(), [p.text for p in memory.retrieve("Velmora lighthouse", 4000)]) == before
+
+
+def test_budget_exceeded_mid_document_rolls_back(context, tiny_tokenizer):
+    memory = build_memory("text", context, {"chunk_tokens": 32})
+    ingest(memory, tiny_tokenizer, "kept", filler(10))
+    before = memory.stats()
+    with pytest.raises(BudgetExceededError):
+        ingest(memory, tiny_tokenizer, "big", filler(300), budget=4000)
+    assert memory.stats() == before
+
+
+def test_text_memory_chunk_limit(context, tiny_tokenizer):
+    memory = build_memory("text", context, {"chunk_tokens": 16, "max_chunks": 5})
+    with pytest.raises(BudgetExceededError, match="at most 5 chunks"):
+        ingest(memory, tiny_tokenizer, "big", filler(30))
+    assert memory.stats().entries == 0
+
+
+@pytest.mark.parametrize("kind", ["truncate", "text"])
+def test_state_dict_round_trip(context, tiny_tokenizer, kind):
+    memory = build_memory(kind, context, {})
+    ingest(memory, tiny_tokenizer, "a", filler(50) + " " + FACT)
+    ingest(memory, tiny_tokenizer, "b", filler(30))
+    restored = build_memory(kind, context, {})
+    restored.load_state_dict(memory.state_dict())
+    assert restored.stats() == memory.stats()
+    query = "Velmora lighthouse colour"
+    assert restored.retrieve(query, 3000) == memory.retrieve(query, 3000)
+    if kind == "text":
+        np.testing.assert_array_equal(restored.state_dict()["vectors"], memory.state_dict()["vectors"])
+
+
+@pytest.mark.parametrize("kind", ["truncate", "text"])
+def test_reset_forgets_everything(context, tiny_tokenizer, kind):
+    memory = build_memory(kind, context, {})
+    ingest(memory, tiny_tokenizer, "a", filler(20))
+    memory.reset()
+    assert memory.stats().entries == 0 and memory.stats().documents == 0
+    assert memory.retrieve("anything", 1000) == []
