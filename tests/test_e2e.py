@@ -1,0 +1,115 @@
+"""End to end on the real default model: a server subprocess on a free loopback port, a 39k-token
+public-domain book ingested in text mode, a question about its middle answered by REST streaming,
+the openai SDK, and the `longdoc` command line."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from clients.client import LongdocClient
+from tests.conftest import CACHE_DIR, FIXTURES
+
+BOOK = FIXTURES / "alice29.txt"
+# The Dormouse's story in chapter VII, about 55% of the way through the book.
+QUESTION = "What were the names of the three little sisters in the Dormouse's story?"
+ANSWER_NAMES = ("Elsie", "Lacie", "Tillie")
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(default_dir):
+    port = free_port()
+    env = {**os.environ, "LONGDOC_CACHE_DIR": str(CACHE_DIR), "LONGDOC_API_KEY": "e2e-key", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "clients.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        assert process.poll() is None, process.stdout.read()
+        try:
+            if httpx.get(f"{url}/readyz").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not become ready"
+        time.sleep(0.5)
+    yield url
+    process.terminate()
+    output = process.communicate(timeout=30)[0]
+    assert "e2e-key" not in output  # the secret never reaches the logs
+
+
+@pytest.fixture(scope="module")
+def session(server):
+    client = LongdocClient(server, api_key="e2e-key")
+    session_id = client.create_session(memory="text")["id"]
+    events = list(client.add_document_stream(session_id, BOOK.read_text(encoding="utf-8"), name="alice"))
+    assert events[-1].event == "done", events[-1]
+    assert events[-1].data["tokens"] > 20_000
+    return session_id
+
+
+def test_streamed_answer_about_the_middle_of_the_book(server, session):
+    client = LongdocClient(server, api_key="e2e-key")
+    events = list(client.ask_stream(session, QUESTION, max_tokens=48))
+    assert events[0].event == "retrieval"
+    deltas = [e.data["text"] for e in events if e.event == "delta"]
+    assert len(deltas) > 3  # it really streamed, token by token
+    answer = "".join(deltas)
+    assert all(name in answer for name in ANSWER_NAMES), answer
+    book = BOOK.read_text(encoding="utf-8")
+    spans = [book[i["char_start"] : i["char_end"]] for i in events[0].data["items"]]
+    assert any("Elsie" in span for span in spans)
+    assert events[-1].event == "done" and events[-1].data["timings"]["ttft_seconds"] > 0
+
+
+def test_openai_sdk_streams_the_answer(server, session):
+    openai = pytest.importorskip("openai")
+    sdk = openai.OpenAI(base_url=f"{server}/v1", api_key="e2e-key")
+    stream = sdk.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=48,
+        temperature=0,
+        stream=True,
+        extra_body={"session_id": session},
+    )
+    answer = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert all(name in answer for name in ANSWER_NAMES), answer
+
+
+def test_metrics_show_the_traffic(server, session):
+    LongdocClient(server, api_key="e2e-key").ask(session, QUESTION, max_tokens=8)
+    text = httpx.get(f"{server}/metrics").text
+    assert 'longdoc_time_to_first_token_seconds_count{endpoint="ask"}' in text
+    assert 'longdoc_ingested_tokens_total{memory="text"}' in text
+
+
+def test_command_line_ingest_and_ask(server, tmp_path: Path):
+    env = {**os.environ, "LONGDOC_URL": server, "LONGDOC_API_KEY": "e2e-key"}
+    cli = [sys.executable, "-m", "clients.cli"]
+    ingested = subprocess.run([*cli, "ingest", str(BOOK)], env=env, capture_output=True, text=True, timeout=300)
+    assert ingested.returncode == 0, ingested.stderr
+    session_id = ingested.stdout.split()[1].rstrip(":")
+    answer = subprocess.run([*cli, "ask", QUESTION, "--session", session_id, "--max-tokens", "48"], env=env, capture_output=True, text=True, timeout=300)
+    assert answer.returncode == 0, answer.stderr
+    assert all(name in answer.stdout for name in ANSWER_NAMES), answer.stdout
+    listed = subprocess.run([*cli, "sessions"], env=env, capture_output=True, text=True, timeout=60)
+    assert session_id in listed.stdout and "alice29.txt" in listed.stdout
+    missing = subprocess.run([*cli, "ask", "q", "--session", "s-missing"], env=env, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 1 and "not_found" in missing.stderr

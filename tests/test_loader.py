@@ -1,0 +1,73 @@
+"""Model loading, settings validation, and the server's independence from torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from engine.config import DEFAULT_MODEL
+from engine.models.loader import load_model, resolve_dtype
+from server.settings import Settings
+from tests.conftest import CACHE_DIR, make_tiny_llama
+
+
+def test_load_local_folder(tiny_dir):
+    loaded = load_model(str(tiny_dir), cache_dir=CACHE_DIR, device="cpu", dtype="float32")
+    assert loaded.name == tiny_dir.name and loaded.architecture == "llama"
+    assert loaded.dtype == torch.float32 and loaded.context_len == 4096
+    assert not loaded.model.training
+
+
+def test_default_model_is_converted_to_safetensors(default_dir):
+    assert (default_dir / "model.safetensors").is_file()
+    config = json.loads((default_dir / "config.json").read_text())
+    assert config["num_hidden_layers"] == 30 and config["hidden_size"] == 576
+    assert "quantization_config" not in config
+    loaded = load_model(DEFAULT_MODEL, cache_dir=CACHE_DIR, device="cpu", dtype="float32")
+    assert loaded.name == DEFAULT_MODEL and loaded.tokenizer.chat_template
+
+
+def test_missing_folder_and_missing_chat_template(tmp_path, tiny_dir):
+    with pytest.raises(FileNotFoundError, match="local Hugging Face model folder"):
+        load_model(str(tmp_path / "nothing"), cache_dir=CACHE_DIR)
+    folder = make_tiny_llama(tmp_path / "no-template", tiny_dir)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="chat template"):
+        load_model(str(folder), cache_dir=CACHE_DIR, device="cpu")
+
+
+def test_dtype_resolution():
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cpu")) in (torch.bfloat16, torch.float32)
+
+
+def test_settings_validate_models_and_read_env(tmp_path, monkeypatch, tiny_dir):
+    with pytest.raises(ValidationError, match="neither"):
+        Settings(model=[str(tmp_path / "missing")])
+    monkeypatch.setenv("LONGDOC_MODEL", f"{DEFAULT_MODEL},{tiny_dir}")
+    monkeypatch.setenv("LONGDOC_MAX_SESSIONS", "7")
+    settings = Settings()
+    assert settings.model == [DEFAULT_MODEL, str(tiny_dir)] and settings.max_sessions == 7
+    flags = Settings(_cli_parse_args=["--max-sessions", "3", "--model", str(tiny_dir)])
+    assert flags.max_sessions == 3 and flags.model == [str(tiny_dir)]
+    assert flags.engine_config().sessions.max_sessions == 3
+    with pytest.raises(ValidationError):
+        Settings(max_queue=0)
+
+
+def test_server_never_imports_torch():
+    code = (
+        "import sys; import server.app, server.routes.ask, server.routes.openai, server.metrics; "
+        "bad = [m for m in ('torch', 'faiss', 'transformers') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
