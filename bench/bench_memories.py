@@ -1,0 +1,158 @@
+"""Serving benchmark per memory mode on the default model, through the real HTTP server.
+
+For a long document (default: Paradise Lost, ~132k tokens) and each memory mode: ingestion
+tokens/s, then warm questions streamed over SSE: time to first token, decode tokens/s
+(vLLM's TPOT = (E2E - TTFT) / (output tokens - 1)), and whether the answers to questions about
+the middle of the book are correct. Medians over warm runs; ratios against `truncate` from the
+same run. Prints a Markdown table and writes it to docs/benchmarks.md.
+
+    make bench                      # or: .venv/bin/python bench/bench_memories.py --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from clients.client import LongdocClient  # noqa: E402
+from scripts.fetch_corpus import fetch  # noqa: E402
+
+# Questions about passages 36-43% of the way into Paradise Lost, with the word a correct answer names.
+MIDDLE_QUESTIONS = (
+    ("Which angel did Heaven's King send to converse with Adam and warn him?", "Raphael"),
+    ("Which seraph stayed faithful to God among the rebel angels?", "Abdiel"),
+)
+WARM_QUESTION = "Who is the speaker at the start of the poem?"
+
+
+@dataclass
+class Row:
+    memory: str
+    tokens: int
+    ingest_seconds: float
+    ttft: float
+    decode_tps: float
+    prompt_tokens: int
+    correct: int
+    asked: int
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "clients.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    process = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
+                return process
+        except httpx.TransportError:
+            time.sleep(0.5)
+    process.kill()
+    raise RuntimeError("server did not become ready")
+
+
+def timed_ask(client: LongdocClient, session: str, question: str, max_tokens: int) -> tuple[float, float, int, str]:
+    """(TTFT, decode tokens/s, prompt tokens, answer) measured on the client side."""
+    started = time.perf_counter()
+    first = None
+    text, done = [], None
+    for event in client.ask_stream(session, question, max_tokens=max_tokens):
+        if event.event == "delta":
+            first = first or time.perf_counter()
+            text.append(event.data["text"])
+        elif event.event == "done":
+            done = event.data
+    end = time.perf_counter()
+    assert done is not None and first is not None, "no answer streamed"
+    out_tokens = done["usage"]["completion_tokens"]
+    decode = (out_tokens - 1) / (end - first) if out_tokens > 1 and end > first else float("nan")
+    return first - started, decode, done["usage"]["prompt_tokens"], "".join(text)
+
+
+def bench_memory(client: LongdocClient, memory: str, text: str, repeats: int, max_tokens: int) -> Row:
+    session = client.create_session(memory=memory)["id"]
+    started = time.perf_counter()
+    document = client.add_document(session, text, name="book")
+    ingest_seconds = time.perf_counter() - started
+    timed_ask(client, session, WARM_QUESTION, max_tokens)  # warm-up
+    ttfts, decodes, prompts = [], [], []
+    correct = 0
+    for i in range(repeats):
+        question, expected = MIDDLE_QUESTIONS[i % len(MIDDLE_QUESTIONS)]
+        ttft, decode, prompt_tokens, answer = timed_ask(client, session, question, max_tokens)
+        ttfts.append(ttft), decodes.append(decode), prompts.append(prompt_tokens)
+        correct += expected.lower() in answer.lower()
+        print(f"  [{memory}] {question} -> {answer.strip()!r}", flush=True)
+    client.delete_session(session)
+    return Row(
+        memory, document["tokens"], ingest_seconds, statistics.median(ttfts), statistics.median(decodes),
+        int(statistics.median(prompts)), correct, repeats,
+    )
+
+
+def table(rows: list[Row]) -> str:
+    base = rows[0]
+    lines = [
+        "| memory | document tokens | ingest tok/s | TTFT median (s) | decode tok/s median | prompt tokens | "
+        "middle-of-book answers correct | TTFT vs truncate | decode vs truncate |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.memory} | {r.tokens} | {r.tokens / r.ingest_seconds:,.0f} | {r.ttft:.2f} | {r.decode_tps:.1f} | "
+            f"{r.prompt_tokens} | {r.correct}/{r.asked} | {r.ttft / base.ttft:.2f}x | {r.decode_tps / base.decode_tps:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--document", type=Path, default=None, help="default: Paradise Lost from the corpus")
+    parser.add_argument("--memories", nargs="+", default=["truncate", "text"])
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    args = parser.parse_args()
+    document = args.document or fetch(ROOT / "data" / "corpus")[3]
+    text = document.read_text(encoding="utf-8")
+    port = free_port()
+    server = start_server(port)
+    try:
+        client = LongdocClient(f"http://127.0.0.1:{port}")
+        rows = [bench_memory(client, m, text, args.repeats, args.max_tokens) for m in args.memories]
+    finally:
+        server.terminate()
+        server.wait(30)
+    result = table(rows)
+    print(result)
+    command = "make bench  # .venv/bin/python bench/bench_memories.py " + " ".join(sys.argv[1:])
+    machine = f"{os.cpu_count()} CPU cores, no GPU"
+    args.out.write_text(
+        "# Benchmarks\n\n## Memory modes on the default model (SmolLM2-135M-Instruct)\n\n"
+        f"Document: `{document.name}`. Machine: {machine}. Command:\n\n```\n{command.strip()}\n```\n\n"
+        f"{result}\n\nTTFT is measured by the client from sending the question to the first streamed text; "
+        "decode tokens/s = (output tokens - 1) / (E2E - TTFT). Medians over warm runs (one warm-up "
+        "question first). Ratios are against `truncate` in the same run.\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
