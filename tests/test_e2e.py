@@ -113,3 +113,26 @@ def test_command_line_ingest_and_ask(server, tmp_path: Path):
     assert session_id in listed.stdout and "alice29.txt" in listed.stdout
     missing = subprocess.run([*cli, "ask", "q", "--session", "s-missing"], env=env, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 1 and "not_found" in missing.stderr
+
+
+def _queue_depth(server: str) -> float:
+    for line in httpx.get(f"{server}/metrics").text.splitlines():
+        if line.startswith('longdoc_queue_depth{worker="model:smollm2-135m-instruct"}'):
+            return float(line.split()[-1])
+    raise AssertionError("no queue depth gauge for the default model")
+
+
+def test_client_disconnect_cancels_generation(server, session):
+    body = {"question": "Retell the whole book in great detail.", "max_tokens": 1000, "stream": True}
+    headers = {"Authorization": "Bearer e2e-key"}
+    with httpx.stream("POST", f"{server}/v1/sessions/{session}/ask", json=body, headers=headers, timeout=60) as response:
+        deltas = 0
+        for line in response.iter_lines():
+            deltas += line == "event: delta"
+            if deltas == 3:
+                break  # hang up mid-answer
+    # 1000 tokens take tens of seconds on this model; a cancelled request frees its slot at once
+    deadline = time.monotonic() + 10
+    while _queue_depth(server) != 0:
+        assert time.monotonic() < deadline, "generation went on after the client left"
+        time.sleep(0.2)
