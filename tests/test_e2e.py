@@ -136,3 +136,18 @@ def test_client_disconnect_cancels_generation(server, session):
     while _queue_depth(server) != 0:
         assert time.monotonic() < deadline, "generation went on after the client left"
         time.sleep(0.2)
+
+
+async def test_async_client_streams_the_same_answer(server, session):
+    from clients.client import AsyncLongdocClient
+
+    client = AsyncLongdocClient(server, api_key="e2e-key")
+    try:
+        names = [e.event async for e in client.ask_stream(session, QUESTION, max_tokens=48)]
+        plain = await client.ask(session, QUESTION, max_tokens=48)
+        info = await client.session(session)
+    finally:
+        await client.aclose()
+    assert names[0] == "retrieval" and names[-1] == "done" and names.count("delta") > 3
+    assert all(name in plain["answer"] for name in ANSWER_NAMES), plain["answer"]
+    assert info["documents"][0]["name"] == "alice"
