@@ -1,0 +1,132 @@
+"""Neurocache's per-session cache of compressed hidden states: a FIFO ring buffer with kNN lookup.
+
+Every stored state has a global write counter t and lives in slot t % capacity. Bookkeeping is by
+counters, never by inspecting vector contents (a normalised vector can sum to zero). A match's
+retrieval window (w) takes the states written right after it, but only while they are still
+resident (not overwritten after a wrap-around), already written, and from the same document.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.knn import KnnBackend, backend_for
+
+_FORMAT = "longdoc-state-cache-v1"
+
+
+@dataclass(frozen=True)
+class Retrieved:
+    """For each query: k * w states with a mask of which are real."""
+
+    states: torch.Tensor  # q, k * w, d
+    mask: torch.Tensor  # q, k * w (bool)
+
+
+class StateCache:
+    def __init__(
+        self,
+        *,
+        capacity: int,
+        dim: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        backend: KnnBackend | None = None,
+    ) -> None:
+        if capacity < 1 or dim < 1:
+            raise ValueError("capacity and dim must be positive")
+        self.capacity, self.dim = capacity, dim
+        self.device, self.dtype = torch.device(device), dtype
+        self.backend = backend or backend_for(self.device)
+        self.states = torch.zeros(capacity, dim, device=self.device, dtype=dtype)
+        self.slot_counter = torch.full((capacity,), -1, dtype=torch.long, device=self.device)  # -1: never written
+        self.slot_document = torch.full((capacity,), -1, dtype=torch.long, device=self.device)
+        self.written = 0  # states written since the last reset
+
+    @property
+    def size(self) -> int:
+        """Valid entries: what has been written, up to capacity."""
+        return min(self.written, self.capacity)
+
+    @property
+    def nbytes(self) -> int:
+        return self.states.numel() * self.states.element_size() + 2 * self.capacity * 8
+
+    def add(self, states: torch.Tensor, document: int) -> None:
+        """Append states [n, d] of one document in order, overwriting the oldest when full."""
+        n = states.shape[0]
+        if n == 0:
+            return
+        if states.shape[1] != self.dim:
+            raise ValueError(f"states have dim {states.shape[1]}, the cache {self.dim}")
+        counters = torch.arange(self.written, self.written + n, device=self.device)
+        if n > self.capacity:  # only the newest `capacity` survive
+            states, counters = states[-self.capacity :], counters[-self.capacity :]
+        slots = counters % self.capacity
+        self.states[slots] = states.to(self.device, self.dtype)
+        self.slot_counter[slots] = counters
+        self.slot_document[slots] = document
+        self.written += n
+
+    def search(self, queries: torch.Tensor, k: int, window: int = 1) -> Retrieved:
+        """Top-k nearest states by L2 for each query [q, d], each with the `window - 1` states
+        written after it; entries that do not exist are zero and masked out."""
+        q = queries.shape[0]
+        states = torch.zeros(q, k * window, self.dim, device=self.device, dtype=self.dtype)
+        mask = torch.zeros(q, k * window, dtype=torch.bool, device=self.device)
+        if self.size == 0 or q == 0:
+            return Retrieved(states, mask)
+        live = self._live_slots()
+        found = min(k, live.numel())
+        _, rows = self.backend.search(self.states[live], queries.to(self.device), found)  # q, found
+        match_counter = self.slot_counter[live[rows.to(self.device)]]  # q, found
+        offsets = torch.arange(window, device=self.device)
+        counters = match_counter.unsqueeze(-1) + offsets  # q, found, w
+        slots = counters % self.capacity
+        ok = (
+            (counters < self.written)
+            & (self.slot_counter[slots] == counters)  # still resident, not overwritten
+            & (self.slot_document[slots] == self.slot_document[slots[..., :1]])  # same document as the match
+        )
+        states[:, : found * window] = self.states[slots].reshape(q, found * window, self.dim)
+        mask[:, : found * window] = ok.reshape(q, found * window)
+        states[~mask] = 0
+        return Retrieved(states, mask)
+
+    def _live_slots(self) -> torch.Tensor:
+        return torch.nonzero(self.slot_counter >= 0).squeeze(-1)
+
+    def reset(self) -> None:
+        self.states.zero_()
+        self.slot_counter.fill_(-1)
+        self.slot_document.fill_(-1)
+        self.written = 0
+
+    def save(self, folder: Path) -> None:
+        """Save to `folder` as safetensors + JSON; `load` restores it bit for bit."""
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {"states": self.states, "slot_counter": self.slot_counter, "slot_document": self.slot_document}
+        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, folder / "cache.safetensors")
+        meta = {"format": _FORMAT, "capacity": self.capacity, "dim": self.dim, "written": self.written,
+                "dtype": str(self.dtype).removeprefix("torch.")}
+        (folder / "cache.json").write_text(json.dumps(meta, indent=2))
+
+    @classmethod
+    def load(cls, folder: Path, *, device: torch.device | str = "cpu", backend: KnnBackend | None = None) -> StateCache:
+        meta = json.loads((folder / "cache.json").read_text())
+        if meta.get("format") != _FORMAT:
+            raise ValueError(f"{folder} does not hold a {_FORMAT} cache")
+        tensors = load_file(folder / "cache.safetensors")
+        cache = cls(capacity=meta["capacity"], dim=meta["dim"], device=device, dtype=getattr(torch, meta["dtype"]), backend=backend)
+        if tensors["states"].shape != (cache.capacity, cache.dim):
+            raise ValueError("saved states do not match the saved capacity and dim")
+        cache.states.copy_(tensors["states"])
+        cache.slot_counter.copy_(tensors["slot_counter"])
+        cache.slot_document.copy_(tensors["slot_document"])
+        cache.written = int(meta["written"])
+        return cache
