@@ -1,0 +1,177 @@
+"""Neurocache adaptation: closed-gate parity per architecture, causality, one retrieval per token,
+cached decoding equal to full recomputation, strict adapter loading."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from engine.models.neurocache import Neurocache, NeurocacheConfig
+
+VOCAB = 97
+
+
+def tiny(arch: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=256))
+    return model.eval()
+
+
+ARCHS = ["llama", "mistral", "qwen2", "gpt2"]
+CONFIG = NeurocacheConfig(top_k=4, window=2, context=2, capacity=256, lora_rank=4)
+
+
+def adapted(arch: str, config: NeurocacheConfig = CONFIG):
+    base = tiny(arch)
+    reference = copy.deepcopy(base)
+    return base, Neurocache(base, config), reference
+
+
+def filled_cache(neurocache: Neurocache, n: int = 100, seed: int = 1):
+    torch.manual_seed(seed)
+    cache = neurocache.new_cache()
+    cache.add(torch.nn.functional.layer_norm(torch.randn(n, neurocache.compressed_dim), (neurocache.compressed_dim,)), document=0)
+    return cache
+
+
+def open_gates(neurocache: Neurocache, seed: int = 2) -> None:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for attention in neurocache.cache_attention.values():
+            attention.gate.normal_(0, 1.0)
+        for lora in neurocache.lora.values():
+            lora.lora_b.weight.normal_(0, 0.1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_closed_gate_equals_base_model(arch):
+    model, neurocache, reference = adapted(arch)
+    ids = torch.randint(0, VOCAB, (2, 24))
+    with torch.no_grad():
+        expected = reference(ids).logits
+        without_cache = model(ids).logits
+        with neurocache.attached([filled_cache(neurocache), filled_cache(neurocache, seed=3)]):
+            with_cache = model(ids).logits
+    torch.testing.assert_close(without_cache, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(with_cache, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_open_gate_uses_the_cache_and_detached_model_stays_base(arch):
+    model, neurocache, reference = adapted(arch)
+    open_gates(neurocache)
+    with torch.no_grad():
+        for lora in neurocache.lora.values():
+            lora.lora_b.weight.zero_()  # isolate the cache branch
+    ids = torch.randint(0, VOCAB, (1, 16))
+    with torch.no_grad():
+        with neurocache.attached([filled_cache(neurocache)]):
+            with_cache = model(ids).logits
+        with neurocache.attached([neurocache.new_cache()]):  # attached but empty: nothing to attend
+            empty = model(ids).logits
+        expected = reference(ids).logits
+    assert (with_cache - expected).abs().max() > 1e-3
+    torch.testing.assert_close(empty, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("position", [0, 1, 7, 15])
+def test_changing_a_token_never_moves_earlier_outputs(arch, position):
+    model, neurocache, _ = adapted(arch)
+    open_gates(neurocache)
+    ids = torch.randint(0, VOCAB, (1, 16))
+    changed = ids.clone()
+    changed[0, position] = (ids[0, position] + 1) % VOCAB
+    cache = filled_cache(neurocache)
+    with torch.no_grad():
+        with neurocache.attached([cache]):
+            a = model(ids).logits
+        with neurocache.attached([cache]):
+            b = model(changed).logits
+    torch.testing.assert_close(a[:, :position], b[:, :position], rtol=0, atol=0)
+    if position < 15:
+        assert (a[:, position:] - b[:, position:]).abs().max() > 0
+
+
+def test_one_retrieval_per_token_shared_by_every_augmented_layer():
+    model, neurocache, _ = adapted("llama")
+    cache = filled_cache(neurocache)
+    calls = []
+    original = cache.search
+
+    def counting(queries, k, window=1):
+        calls.append(queries.shape[0])
+        return original(queries, k, window)
+
+    cache.search = counting
+    with torch.no_grad(), neurocache.attached([cache]):
+        model(torch.randint(0, VOCAB, (1, 12)))
+    assert calls == [12]  # one search call for the whole segment, one query per token
+    assert len(neurocache.cache_attention) == 1  # 4 layers, r = 2: layer 3 is augmented
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_kv_cached_decoding_equals_full_recomputation(arch):
+    model, neurocache, _ = adapted(arch)
+    open_gates(neurocache)
+    cache = filled_cache(neurocache)
+    prompt = torch.randint(0, VOCAB, (1, 10))
+    with torch.no_grad():
+        full = prompt.clone()
+        for _ in range(6):
+            with neurocache.attached([cache]):
+                full = torch.cat([full, model(full).logits[:, -1:].argmax(-1)], dim=1)
+        with neurocache.attached([cache]):
+            out = model(prompt, use_cache=True)
+            cached = prompt.clone()
+            for _ in range(6):
+                token = out.logits[:, -1:].argmax(-1)
+                cached = torch.cat([cached, token], dim=1)
+                out = model(token, past_key_values=out.past_key_values, use_cache=True)
+    assert torch.equal(full, cached)
+
+
+def test_adapter_state_round_trip_and_strict_loading():
+    _, neurocache, _ = adapted("llama")
+    open_gates(neurocache)
+    state = neurocache.adapter_state_dict()
+    _, other, _ = adapted("llama")
+    other.load_adapter_state_dict(state)
+    for name, tensor in other.adapter_state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+    with pytest.raises(ValueError, match="missing"):
+        other.load_adapter_state_dict({k: v for k, v in state.items() if "gate" not in k})
+    with pytest.raises(ValueError, match="unexpected"):
+        other.load_adapter_state_dict({**state, "extra": torch.zeros(1)})
+    bad = dict(state)
+    bad["projection.proj.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="shape"):
+        other.load_adapter_state_dict(bad)
+
+
+def test_only_adapter_parameters_train():
+    model, neurocache, _ = adapted("llama")
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    assert trainable == {id(p) for p in neurocache.adapter_parameters()}
+    assert trainable
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="retrieval_layer"):
+        Neurocache(tiny("llama"), NeurocacheConfig(retrieval_layer=3))
+    with pytest.raises(ValueError, match="compression"):
+        Neurocache(tiny("llama"), NeurocacheConfig(compression=5))
+    with pytest.raises(ValueError, match="top_k"):
+        NeurocacheConfig(top_k=0)
