@@ -175,3 +175,40 @@ def test_bad_settings_are_refused():
         Neurocache(tiny("llama"), NeurocacheConfig(compression=5))
     with pytest.raises(ValueError, match="top_k"):
         NeurocacheConfig(top_k=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_merged_lora_gives_the_same_logits(arch):
+    model, neurocache, _ = adapted(arch)
+    open_gates(neurocache)
+    ids = torch.randint(0, VOCAB, (1, 12))
+    cache = filled_cache(neurocache)
+    with torch.no_grad(), neurocache.attached([cache]):
+        before = model(ids).logits
+    neurocache.merge_lora()
+    with torch.no_grad(), neurocache.attached([cache]):
+        after = model(ids).logits
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
+    assert all(float(l.lora_b.weight.abs().max()) == 0 for l in neurocache.lora.values())
+
+
+def test_interleaved_requests_keep_their_own_context():
+    from engine.models.neurocache import CacheBinding
+
+    model, neurocache, _ = adapted("llama")
+    open_gates(neurocache)
+    a_ids, b_ids = torch.randint(0, VOCAB, (1, 8)), torch.randint(0, VOCAB, (1, 8))
+    cache_a, cache_b = filled_cache(neurocache, seed=5), filled_cache(neurocache, seed=6)
+
+    def run(binding, ids, past=None):
+        with torch.no_grad(), neurocache.active(binding):
+            return model(ids, past_key_values=past, use_cache=True)
+
+    solo = CacheBinding([cache_a])
+    out = run(solo, a_ids)
+    expected = run(solo, a_ids[:, :1], out.past_key_values).logits
+    binding_a, binding_b = CacheBinding([cache_a]), CacheBinding([cache_b])
+    out_a = run(binding_a, a_ids)
+    run(binding_b, b_ids)  # another request's step in between
+    got = run(binding_a, a_ids[:, :1], out_a.past_key_values).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

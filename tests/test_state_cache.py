@@ -145,3 +145,21 @@ def test_cuda_cache_matches_cpu():
     a, b = cpu.search(queries, k=8, window=2), gpu.search(queries.cuda(), k=8, window=2)
     torch.testing.assert_close(b.states.cpu(), a.states)
     assert torch.equal(b.mask.cpu(), a.mask)
+
+
+def test_rollback_restores_everything_even_after_wrap_around():
+    torch.manual_seed(4)
+    cache = StateCache(capacity=16, dim=4)
+    cache.add(torch.randn(12, 4), document=0)
+    before = (cache.states.clone(), cache.slot_counter.clone(), cache.slot_document.clone(), cache.written)
+    cache.begin()
+    cache.add(torch.randn(10, 4), document=1)  # wraps and overwrites 6 old states
+    cache.add(torch.randn(30, 4), document=1)  # more than the capacity in one add
+    cache.rollback()
+    assert torch.equal(cache.states, before[0]) and torch.equal(cache.slot_counter, before[1])
+    assert torch.equal(cache.slot_document, before[2]) and cache.written == before[3]
+    cache.begin()
+    cache.add(torch.randn(3, 4), document=2)
+    cache.commit()
+    cache.rollback()  # nothing to undo after a commit
+    assert cache.written == 15

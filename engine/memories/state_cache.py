@@ -47,6 +47,8 @@ class StateCache:
         self.slot_counter = torch.full((capacity,), -1, dtype=torch.long, device=self.device)  # -1: never written
         self.slot_document = torch.full((capacity,), -1, dtype=torch.long, device=self.device)
         self.written = 0  # states written since the last reset
+        self._undo: list[tuple[torch.Tensor, ...]] | None = None  # overwritten slots since `begin`
+        self._undo_written = 0
 
     @property
     def size(self) -> int:
@@ -68,10 +70,27 @@ class StateCache:
         if n > self.capacity:  # only the newest `capacity` survive
             states, counters = states[-self.capacity :], counters[-self.capacity :]
         slots = counters % self.capacity
+        if self._undo is not None:
+            self._undo.append((slots, self.states[slots].clone(), self.slot_counter[slots].clone(), self.slot_document[slots].clone()))
         self.states[slots] = states.to(self.device, self.dtype)
         self.slot_counter[slots] = counters
         self.slot_document[slots] = document
         self.written += n
+
+    def begin(self) -> None:
+        """Start a transaction: `rollback` undoes every `add` after this, `commit` keeps them.
+        Only the slots an `add` overwrites are copied, so a transaction costs what it writes."""
+        self._undo, self._undo_written = [], self.written
+
+    def commit(self) -> None:
+        self._undo = None
+
+    def rollback(self) -> None:
+        if self._undo is None:
+            return
+        for slots, states, counters, documents in reversed(self._undo):
+            self.states[slots], self.slot_counter[slots], self.slot_document[slots] = states, counters, documents
+        self.written, self._undo = self._undo_written, None
 
     def search(self, queries: torch.Tensor, k: int, window: int = 1) -> Retrieved:
         """Top-k nearest states by L2 for each query [q, d], each with the `window - 1` states
@@ -106,6 +125,7 @@ class StateCache:
         self.slot_counter.fill_(-1)
         self.slot_document.fill_(-1)
         self.written = 0
+        self._undo = None
 
     def save(self, folder: Path) -> None:
         """Save to `folder` as safetensors + JSON; `load` restores it bit for bit."""

@@ -17,6 +17,7 @@ serves cache-less sessions unchanged.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
 from collections.abc import Callable, Iterator
@@ -128,6 +129,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 }
 for _alias in ("mistral", "qwen2", "qwen3"):  # same decoder-layer layout as Llama
     ARCHITECTURES[_alias] = ARCHITECTURES["llama"]
+
+
+def shapes_digest(model: nn.Module) -> str:
+    """A digest of every parameter's name and shape: the base model's structure, not its values."""
+    text = ";".join(f"{name}:{tuple(p.shape)}" for name, p in model.named_parameters())
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def arch_of(model: nn.Module) -> ArchSpec:
@@ -304,6 +311,15 @@ def retrieve_with_context(
     return torch.cat(shifted_states, dim=2), torch.cat(shifted_mask, dim=2)  # B, T, c*k*w, (d)
 
 
+@dataclass
+class CacheBinding:
+    """One request's view of Neurocache: its caches and its carried retrieval context."""
+
+    caches: list[StateCache]
+    carry: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    compressed: torch.Tensor | None = None  # B, T, d of the last forward
+
+
 # ---- the adapted model ----------------------------------------------------------------------
 
 
@@ -319,6 +335,7 @@ class Neurocache(nn.Module):
         if not 0 <= retrieval_layer < depth - 1:
             raise ValueError(f"retrieval_layer must be in [0, {depth - 2}] for a {depth}-layer model")
         self.config = NeurocacheConfig.from_dict({**config.to_dict(), "retrieval_layer": retrieval_layer})
+        self.base_shapes = shapes_digest(model)  # before any layer is wrapped
         self.model = [model]  # a list keeps the base model out of this module's parameters
         self.shared = RetrievalState()
         hidden = model.config.hidden_size
@@ -383,14 +400,32 @@ class Neurocache(nn.Module):
                 lora.lora_b.weight.copy_(state[f"lora.{name}.b"])
 
     @contextmanager
-    def attached(self, caches: list[StateCache] | None) -> Iterator[RetrievalState]:
-        """Forward passes inside use these caches (one per batch row); outside, the base model."""
+    def active(self, binding: CacheBinding) -> Iterator[RetrievalState]:
+        """Forward passes inside use the binding's caches (one per batch row) and carry its
+        retrieval context on; outside, the model is the base model. Requests sharing the model
+        each keep their own binding, so their steps may interleave."""
         shared = self.shared
-        shared.caches, shared.carry = caches, []
+        shared.caches, shared.carry = binding.caches, binding.carry
         try:
             yield shared
         finally:
+            binding.carry, binding.compressed = shared.carry, shared.compressed
             shared.caches, shared.states, shared.mask, shared.compressed, shared.carry = None, None, None, None, []
+
+    @contextmanager
+    def attached(self, caches: list[StateCache]) -> Iterator[RetrievalState]:
+        """`active` with a fresh binding: one sequence's forward passes."""
+        with self.active(CacheBinding(caches)) as shared:
+            yield shared
+
+    def merge_lora(self) -> None:
+        """Fold each LoRA update into its base weight for serving; the adapter can no longer train."""
+        with torch.no_grad():
+            for lora in self.lora.values():
+                delta = lora.scale * (lora.lora_b.weight @ lora.lora_a.weight)  # out, in
+                weight = lora.base.weight
+                weight += delta.T if type(lora.base).__name__ == "Conv1D" else delta
+                lora.lora_b.weight.zero_()
 
     def new_cache(self, *, device: torch.device | str | None = None) -> StateCache:
         device = device or next(self.projection.parameters()).device
