@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+SHIPPED_ADAPTERS = Path(__file__).resolve().parent / "adapters"
 
 
 def _require(condition: bool, message: str) -> None:
@@ -21,6 +22,7 @@ class ModelSpec:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
     cache_dir: Path = Path("~/.cache/longdoc").expanduser()
+    adapter_dirs: tuple[Path, ...] = (SHIPPED_ADAPTERS,)  # searched for <model name>/adapter.json
 
     def __post_init__(self) -> None:
         _require(len(self.sources) > 0, "at least one model is needed")
@@ -72,4 +74,4 @@ class EngineConfig:
     sessions: SessionLimits = field(default_factory=SessionLimits)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     generation: GenerationLimits = field(default_factory=GenerationLimits)
-    default_memory: str = "text"
+    default_memory: str = "auto"  # "auto": neurocache where the model has an adapter, else text

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
@@ -27,7 +29,10 @@ from engine.interface import (
     SessionInfo,
 )
 from engine.memories import MEMORIES, ContextPiece, MemoryContext, build_memory
+from engine.memories.neurocache import NeurocacheMemory
 from engine.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from engine.models.neurocache import Neurocache
+from engine.models.neurocache_io import load_adapter
 from engine.prompts import Messages, overhead_tokens, render, with_context
 from engine.sessions import Session, SessionStore
 from engine.worker import EventStream, SerialWorker
@@ -42,6 +47,11 @@ class ModelRuntime:
     loaded: LoadedModel
     worker: SerialWorker
     stop_tokens: StopTokens
+    neurocache: Neurocache | None = None
+
+    @property
+    def memories(self) -> tuple[str, ...]:
+        return tuple(kind for kind in MEMORIES if kind != "neurocache" or self.neurocache is not None)
 
     def info(self) -> ModelInfo:
         return ModelInfo(
@@ -51,7 +61,7 @@ class ModelRuntime:
             context_len=self.loaded.context_len,
             device=str(self.loaded.device),
             dtype=str(self.loaded.dtype).removeprefix("torch."),
-            memories=tuple(MEMORIES),
+            memories=self.memories,
         )
 
 
@@ -85,9 +95,21 @@ class Engine:
             if loaded.name in self._models:
                 raise ValueError(f"two models are named {loaded.name!r}; serve each folder once")
             worker = SerialWorker(f"model:{loaded.name}", self.config.generation.max_queue)
-            self._models[loaded.name] = ModelRuntime(loaded, worker, StopTokens.of(loaded.model, loaded.tokenizer))
+            neurocache = self._find_adapter(loaded)
+            stop = StopTokens.of(loaded.model, loaded.tokenizer)
+            self._models[loaded.name] = ModelRuntime(loaded, worker, stop, neurocache)
             log.info("loaded model %s (%s, %s on %s)", loaded.name, loaded.architecture, loaded.dtype, loaded.device)
         self._embedder = self._embedder_factory()
+
+    def _find_adapter(self, loaded: LoadedModel) -> Neurocache | None:
+        """The first Neurocache adapter named after the model in the adapter folders, if any."""
+        for folder in self.config.models.adapter_dirs:
+            candidate = Path(folder).expanduser() / loaded.name
+            if (candidate / "adapter.json").is_file():
+                neurocache = load_adapter(loaded.model, loaded.tokenizer, candidate)
+                log.info("model %s: Neurocache adapter from %s", loaded.name, candidate)
+                return neurocache
+        return None
 
     async def start(self) -> None:
         """Load models off the event loop, then start evicting idle sessions."""
@@ -130,9 +152,18 @@ class Engine:
 
     def create_session(self, model: str | None, memory: str | None, options: dict[str, Any]) -> SessionInfo:
         runtime = self._runtime(model)
-        context = MemoryContext(tokenizer=runtime.loaded.tokenizer, embedder=self._embedder)
-        memory_obj = build_memory(memory or self.config.default_memory, context, options)
+        context = MemoryContext(tokenizer=runtime.loaded.tokenizer, embedder=self._embedder, neurocache=runtime.neurocache)
+        memory_obj = build_memory(memory or self._default_memory(runtime), context, options)
         return self.sessions.create(runtime.loaded.name, memory_obj, dict(options)).info()
+
+    def _default_memory(self, runtime: ModelRuntime) -> str:
+        if self.config.default_memory != "auto":
+            return self.config.default_memory
+        return "neurocache" if runtime.neurocache is not None else "text"
+
+    def _memory_worker(self, session: Session) -> SerialWorker:
+        """Memories that run the language model share its worker; the others use the embedder's."""
+        return self._models[session.model].worker if session.memory.runs_on_model else self._embed_worker
 
     def list_sessions(self) -> list[SessionInfo]:
         return [session.info() for session in self.sessions.list()]
@@ -151,7 +182,7 @@ class Engine:
         session = self.sessions.get(session_id)
         if session.ingest_lock.locked():
             raise InvalidRequestError(f"session {session_id} is ingesting a document; clear it afterwards")
-        await self._embed_worker.run(session.memory.reset)
+        await self._memory_worker(session).run(session.memory.reset)
         session.documents.clear()
         return session.memory.stats()
 
@@ -180,7 +211,7 @@ class Engine:
         if len(document.token_ids) > limit:
             raise TooLargeError(f"the document has {len(document.token_ids)} tokens; the limit is {limit}")
         self.sessions.check_budget(session, session.memory.estimate_bytes(len(text), len(document.token_ids)))
-        slot = self._embed_worker.admit()
+        slot = self._memory_worker(session).admit()
         return EventStream(self._ingest_events(session, document), [slot])
 
     async def _ingest_events(self, session: Session, document: Any) -> AsyncIterator[IngestEvent]:
@@ -194,7 +225,7 @@ class Engine:
                     budget_bytes=self.sessions.budget_left(session),
                     on_commit=session.documents.append,
                 )
-                async for event in self._embed_worker.iterate(steps):
+                async for event in self._memory_worker(session).iterate(steps):
                     yield event
             finally:
                 session.busy -= 1
@@ -252,21 +283,30 @@ class Engine:
         try:
             question = messages[-1]["content"]
             started = time.perf_counter()
-            pieces: list[ContextPiece] = await self._embed_worker.run(session.memory.retrieve, question, budget)
-            yield Retrieval(session.memory.kind, tuple(p.item for p in pieces), time.perf_counter() - started)
+            memory = session.memory
+            pieces: list[ContextPiece] = await self._memory_worker(session).run(memory.retrieve, question, budget)
+            yield Retrieval(memory.kind, tuple(p.item for p in pieces), time.perf_counter() - started)
             turn = {"role": "user", "content": with_context(question, pieces)}
             prompt_ids = await asyncio.to_thread(render, runtime.loaded.tokenizer, [*messages[:-1], turn])
-            async for event in self._generate(runtime, prompt_ids, params):
+            step_context = None
+            if isinstance(memory, NeurocacheMemory):
+                binding = memory.binding()
+                step_context = functools.partial(runtime.neurocache.active, binding)  # type: ignore[union-attr]
+            async for event in self._generate(runtime, prompt_ids, params, step_context):
                 yield event
         finally:
             session.busy -= 1
             session.last_used_at = time.time()
 
     async def _generate(
-        self, runtime: ModelRuntime, prompt_ids: list[int], params: GenerationParams
+        self,
+        runtime: ModelRuntime,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        step_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     ) -> AsyncIterator[GenerationEvent]:
         loaded = runtime.loaded
-        steps = generate_steps(loaded.model, loaded.tokenizer, prompt_ids, params, runtime.stop_tokens)
+        steps = generate_steps(loaded.model, loaded.tokenizer, prompt_ids, params, runtime.stop_tokens, step_context)
         async for event in runtime.worker.iterate(steps):
             yield event
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -97,10 +98,12 @@ def generate_steps(
     prompt_ids: list[int],
     params: GenerationParams,
     stop_tokens: StopTokens,
+    step_context: Callable[[], AbstractContextManager[object]] | None = None,
 ) -> Iterator[TokenDelta | GenerationDone]:
     """A blocking generator: prefill, then one decode step per `next()`, yielding text deltas.
 
     The model's own KV cache carries state between steps, so each step costs one token.
+    `step_context` wraps every forward pass (a Neurocache session attaches its cache with it).
     """
     started = time.perf_counter()
     device = model.device
@@ -112,7 +115,8 @@ def generate_steps(
     finish_reason = "length"
     produced = 0
     for produced in range(1, params.max_tokens + 1):
-        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        with step_context() if step_context is not None else nullcontext():
+            out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         token = sample_next(out.logits[0, -1].float().cpu(), params, generator)
         if produced == 1:
             ttft = time.perf_counter() - started

@@ -15,6 +15,7 @@ from engine.config import (
     IngestConfig,
     ModelSpec,
     SessionLimits,
+    SHIPPED_ADAPTERS,
 )
 
 
@@ -41,10 +42,14 @@ class Settings(BaseSettings):
     max_queue: int = Field(16, gt=0, description="requests admitted per model worker before 429")
     max_new_tokens: int = Field(1024, gt=0)
     default_max_tokens: int = Field(256, gt=0)
-    default_memory: str = "text"
+    default_memory: str = Field("auto", description="'auto' (neurocache where the model has an adapter, else text), 'text', 'truncate' or 'neurocache'")
+    adapter_dir: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list,
+        description="extra folders searched for <model name>/adapter.json (Neurocache adapters), before the shipped ones",
+    )
     log_level: str = "info"
 
-    @field_validator("model", mode="before")
+    @field_validator("model", "adapter_dir", mode="before")
     @classmethod
     def _split_models(cls, value: object) -> object:
         if isinstance(value, str):
@@ -62,7 +67,11 @@ class Settings(BaseSettings):
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             models=ModelSpec(
-                sources=tuple(self.model), device=self.device, dtype=self.dtype, cache_dir=self.cache_dir.expanduser()
+                sources=tuple(self.model),
+                device=self.device,
+                dtype=self.dtype,
+                cache_dir=self.cache_dir.expanduser(),
+                adapter_dirs=(*self.adapter_dir, SHIPPED_ADAPTERS),
             ),
             sessions=SessionLimits(
                 max_sessions=self.max_sessions,

@@ -212,3 +212,15 @@ def test_interleaved_requests_keep_their_own_context():
     run(binding_b, b_ids)  # another request's step in between
     got = run(binding_a, a_ids[:, :1], out_a.past_key_values).logits
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_compress_equals_the_states_of_a_full_forward(arch):
+    model, neurocache, _ = adapted(arch)
+    open_gates(neurocache)
+    ids = torch.randint(0, VOCAB, (1, 12))
+    with torch.no_grad(), neurocache.attached([filled_cache(neurocache)]) as shared:
+        model(ids)
+        full = shared.compressed
+    assert torch.equal(neurocache.compress(ids), full)
+    assert neurocache.shared.caches is None  # the model is the base model again

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.knn import FaissCpuKnn, TorchKnn
-from engine.memories.state_cache import StateCache
+from engine.state_cache import StateCache
 
 BACKENDS = [FaissCpuKnn(), TorchKnn()]
 

@@ -6,16 +6,20 @@ from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment
+from engine.memories.neurocache import NeurocacheMemory
 from engine.memories.text import TextMemory
 from engine.memories.truncate import TruncateMemory
 
-MEMORIES: dict[str, type[Memory]] = {cls.kind: cls for cls in (TruncateMemory, TextMemory)}
+MEMORIES: dict[str, type[Memory]] = {cls.kind: cls for cls in (TruncateMemory, TextMemory, NeurocacheMemory)}
 
 
 def build_memory(kind: str, context: MemoryContext, options: dict[str, Any]) -> Memory:
     if kind not in MEMORIES:
         raise InvalidRequestError(f"unknown memory {kind!r}; choose one of {sorted(MEMORIES)}")
-    return MEMORIES[kind](context, options)  # type: ignore[call-arg]
+    try:
+        return MEMORIES[kind](context, options)  # type: ignore[call-arg]
+    except ValueError as exc:  # e.g. a model without a Neurocache adapter
+        raise InvalidRequestError(str(exc)) from exc
 
 
 __all__ = ["MEMORIES", "ContextPiece", "Memory", "MemoryContext", "Segment", "build_memory"]

@@ -42,6 +42,7 @@ class MemoryContext:
 
     tokenizer: PreTrainedTokenizerBase
     embedder: Embedder | None = None
+    neurocache: Any = None  # engine.models.neurocache.Neurocache when the model has an adapter
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ def parse_options(options_type: type, options: dict[str, Any]) -> Any:
 
 class Memory(ABC):
     kind: ClassVar[str]
+    runs_on_model: ClassVar[bool] = False  # ingestion needs the language model's worker
 
     @abstractmethod
     def begin_document(self, document_id: str, text: str) -> None:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.memories.state_cache import StateCache
+from engine.state_cache import StateCache
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,15 @@ class RetrievalState:
     mask: torch.Tensor | None = None  # B, T, c*k*w
     compressed: torch.Tensor | None = None  # B, T, d of the last forward, to append after it
     carry: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # last c-1 tokens' retrievals
+    compress_only: bool = False  # stop the forward pass once C is known
+
+
+class CompressedStates(Exception):
+    """Ends a compress-only forward pass at the retrieval layer, carrying C [B, T, d]."""
+
+    def __init__(self, compressed: torch.Tensor) -> None:
+        super().__init__("compressed states ready")
+        self.compressed = compressed
 
 
 # ---- modules -------------------------------------------------------------------------------
@@ -255,6 +264,8 @@ class RetrievalLayer(nn.Module):
             return out
         compressed = self.projection(out)  # B, T, d
         shared.compressed = compressed.detach()
+        if shared.compress_only:  # ingestion needs C alone: nothing above this layer reads it
+            raise CompressedStates(compressed.detach())
         shared.states, shared.mask = retrieve_with_context(shared, compressed.detach(), self._config)
         return out
 
@@ -417,6 +428,19 @@ class Neurocache(nn.Module):
         """`active` with a fresh binding: one sequence's forward passes."""
         with self.active(CacheBinding(caches)) as shared:
             yield shared
+
+    @torch.inference_mode()
+    def compress(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """C [B, T, d] for a segment: the base model up to layer r and W_p, nothing above."""
+        shared = self.shared
+        shared.caches, shared.compress_only = [], True
+        try:
+            self.model[0](input_ids=input_ids)
+        except CompressedStates as done:
+            return done.compressed
+        finally:
+            shared.caches, shared.compress_only, shared.compressed = None, False, None
+        raise RuntimeError("the retrieval layer was never reached")
 
     def merge_lora(self) -> None:
         """Fold each LoRA update into its base weight for serving; the adapter can no longer train."""

@@ -1,0 +1,110 @@
+"""Neurocache memory: the session's documents as compressed hidden states in a FIFO state cache.
+
+Ingestion runs each segment through the base model up to the retrieval layer and appends C
+(positions restart at 0 in every segment; a segment never sees its own states). Answering attaches
+the cache to the adapted model: every token, prompt and generated, retrieves once; the cache is
+read-only while answering.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.interface import CacheInfo
+from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment, parse_options
+from engine.state_cache import StateCache
+from engine.models.neurocache import CacheBinding
+
+
+@dataclass(frozen=True)
+class NeurocacheOptions:
+    capacity: int | None = None  # m; None: the adapter's setting
+
+    def __post_init__(self) -> None:
+        if self.capacity is not None and not 1 <= self.capacity <= 4_000_000:
+            raise ValueError("capacity must be between 1 and 4000000")
+
+
+class NeurocacheMemory(Memory):
+    kind = "neurocache"
+    runs_on_model = True
+
+    def __init__(self, context: MemoryContext, options: dict[str, Any]) -> None:
+        self.options: NeurocacheOptions = parse_options(NeurocacheOptions, options)
+        if context.neurocache is None:
+            raise ValueError("this model has no Neurocache adapter")
+        self.neurocache = context.neurocache
+        capacity = self.options.capacity or self.neurocache.config.capacity
+        weight = next(self.neurocache.projection.parameters())
+        self.cache = StateCache(capacity=capacity, dim=self.neurocache.compressed_dim, device=weight.device)
+        self._documents: list[str] = []
+        self._staged: tuple[str, int] | None = None  # (document id, states written)
+
+    def begin_document(self, document_id: str, text: str) -> None:
+        self.cache.begin()
+        self._staged = (document_id, 0)
+
+    def add_segment(self, segment: Segment) -> None:
+        assert self._staged is not None, "begin_document first"
+        device = next(self.neurocache.projection.parameters()).device
+        ids = torch.tensor([segment.token_ids], device=device)
+        compressed = self.neurocache.compress(ids)[0]  # T, d
+        self.cache.add(compressed, document=len(self._documents))
+        self._staged = (self._staged[0], self._staged[1] + len(segment.token_ids))
+
+    def staged_bytes(self) -> int:
+        return 0  # the cache is allocated whole when the session is made
+
+    def commit_document(self) -> None:
+        assert self._staged is not None, "begin_document first"
+        self.cache.commit()
+        self._documents.append(self._staged[0])
+        self._staged = None
+
+    def abort_document(self) -> None:
+        self.cache.rollback()
+        self._staged = None
+
+    def estimate_bytes(self, chars: int, tokens: int) -> int:
+        return 0
+
+    def retrieve(self, query: str, max_tokens: int) -> list[ContextPiece]:
+        return []  # retrieval happens inside the model, once per token
+
+    def binding(self) -> CacheBinding:
+        return CacheBinding([self.cache])
+
+    def stats(self) -> CacheInfo:
+        return CacheInfo(
+            memory=self.kind,
+            entries=self.cache.size,
+            bytes=self.cache.nbytes,
+            capacity=self.cache.capacity,
+            documents=len(self._documents),
+        )
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self._documents, self._staged = [], None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "documents": list(self._documents),
+            "states": self.cache.states.clone(),
+            "slot_counter": self.cache.slot_counter.clone(),
+            "slot_document": self.cache.slot_document.clone(),
+            "written": self.cache.written,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["states"].shape != self.cache.states.shape:
+            raise ValueError("saved cache has another capacity or dimension")
+        self.reset()
+        self._documents = list(state["documents"])
+        self.cache.states.copy_(state["states"])
+        self.cache.slot_counter.copy_(state["slot_counter"])
+        self.cache.slot_document.copy_(state["slot_document"])
+        self.cache.written = int(state["written"])

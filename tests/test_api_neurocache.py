@@ -1,0 +1,86 @@
+"""Neurocache sessions through the API, on a tiny model with an adapter whose gates are open."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine.models.neurocache import Neurocache, NeurocacheConfig
+from engine.models.neurocache_io import save_adapter
+from tests.conftest import FIXTURES
+
+TEXT = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")[:6000]
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory, tiny_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    neurocache = Neurocache(model, NeurocacheConfig(top_k=4, capacity=4096, lora_rank=4))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for attention in neurocache.cache_attention.values():
+            attention.gate.fill_(3.0)
+            attention.o.weight.mul_(200.0)  # a loud cache branch, so its effect shows in sampled text
+    folder = tmp_path_factory.mktemp("adapters")
+    save_adapter(neurocache, AutoTokenizer.from_pretrained(tiny_dir), folder / tiny_dir.name, note="test adapter")
+    return folder
+
+
+def test_neurocache_is_the_default_where_an_adapter_exists(make_client, adapter_dir, tiny_dir):
+    client = make_client(adapter_dir=[str(adapter_dir)])
+    assert "neurocache" in client.get("/v1/models").json()["data"][0]["memories"]
+    session = client.post("/v1/sessions", json={}).json()
+    assert session["memory"] == "neurocache"
+    assert session["cache"]["capacity"] == 4096 and session["cache"]["entries"] == 0
+
+
+def test_without_adapter_neurocache_is_refused(client):
+    assert "neurocache" not in client.get("/v1/models").json()["data"][0]["memories"]
+    response = client.post("/v1/sessions", json={"memory": "neurocache"})
+    assert response.status_code == 400 and "adapter" in response.json()["error"]["message"]
+
+
+def test_ingest_fills_the_cache_and_answers_use_it(make_client, adapter_dir):
+    client = make_client(adapter_dir=[str(adapter_dir)])
+    full = client.post("/v1/sessions", json={"memory": "neurocache"}).json()["id"]
+    empty = client.post("/v1/sessions", json={"memory": "neurocache", "options": {"capacity": 512}}).json()["id"]
+    doc = client.post(f"/v1/sessions/{full}/documents", json={"text": TEXT}).json()
+    cache = client.get(f"/v1/sessions/{full}/cache").json()
+    assert cache["entries"] == doc["tokens"] and cache["documents"] == 1
+    assert client.get(f"/v1/sessions/{empty}/cache").json()["capacity"] == 512
+    body = {"question": "Where did the rabbit go?", "max_tokens": 16, "temperature": 1.0, "seed": 0}
+    with_doc = client.post(f"/v1/sessions/{full}/ask", json=body).json()
+    without = client.post(f"/v1/sessions/{empty}/ask", json=body).json()
+    assert with_doc["retrieval"]["memory"] == "neurocache"
+    assert with_doc["usage"]["prompt_tokens"] == without["usage"]["prompt_tokens"]  # the question alone
+    assert with_doc["answer"] != without["answer"]  # the cache changed what the model says
+    again = client.post(f"/v1/sessions/{full}/ask", json=body).json()
+    assert again["answer"] == with_doc["answer"]  # answering left the cache as it was
+    assert client.get(f"/v1/sessions/{full}/cache").json() == cache
+    streamed = client.post(f"/v1/sessions/{full}/ask", json={**body, "stream": True}).text
+    assert "event: delta" in streamed and "event: done" in streamed
+
+
+def test_failed_ingestion_rolls_the_cache_back(make_client, adapter_dir):
+    client = make_client(adapter_dir=[str(adapter_dir)], max_document_tokens=3000)
+    session = client.post("/v1/sessions", json={"memory": "neurocache"}).json()["id"]
+    client.post(f"/v1/sessions/{session}/documents", json={"text": TEXT[:2000]})
+    before = client.get(f"/v1/sessions/{session}/cache").json()
+    engine = client.app.state.engine
+    memory = engine.sessions.get(session).memory
+    states = memory.cache.states.clone()
+    original = memory.add_segment
+    calls = []
+
+    def failing(segment):
+        calls.append(segment.index)
+        if len(calls) == 3:
+            raise RuntimeError("disk on fire")
+        original(segment)
+
+    memory.add_segment = failing
+    response = client.post(f"/v1/sessions/{session}/documents?stream=true", json={"text": TEXT})
+    assert "event: error" in response.text and "internal_error" in response.text
+    assert client.get(f"/v1/sessions/{session}/cache").json() == before
+    assert torch.equal(memory.cache.states, states)
