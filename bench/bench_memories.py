@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clients.client import LongdocClient  # noqa: E402
-from scripts.fetch_corpus import fetch  # noqa: E402
+from engine.training.corpus import fetch  # noqa: E402
 
 # Questions about passages 36-43% of the way into Paradise Lost, with the word a correct answer names.
 MIDDLE_QUESTIONS = (
@@ -155,7 +155,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     args = parser.parse_args()
-    document = args.document or fetch(ROOT / "data" / "corpus")[3]
+    document = args.document or fetch(ROOT / "data" / "corpus") / "plrabn12.txt"
     text = document.read_text(encoding="utf-8")
     port = free_port()
     server = start_server(port)

@@ -26,6 +26,7 @@ class Retrieved:
 
     states: torch.Tensor  # q, k * w, d
     mask: torch.Tensor  # q, k * w (bool)
+    values: torch.Tensor | None = None  # q, k * w, value_dim when the cache keeps values
 
 
 class StateCache:
@@ -37,13 +38,17 @@ class StateCache:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         backend: KnnBackend | None = None,
+        value_dim: int = 0,
     ) -> None:
+        """`value_dim` > 0 keeps a value vector beside each state (training keeps the uncompressed
+        hidden states there, so retrieved entries can be re-projected with gradients)."""
         if capacity < 1 or dim < 1:
             raise ValueError("capacity and dim must be positive")
         self.capacity, self.dim = capacity, dim
         self.device, self.dtype = torch.device(device), dtype
         self.backend = backend or backend_for(self.device)
         self.states = torch.zeros(capacity, dim, device=self.device, dtype=dtype)
+        self.values = torch.zeros(capacity, value_dim, device=self.device, dtype=dtype) if value_dim else None
         self.slot_counter = torch.full((capacity,), -1, dtype=torch.long, device=self.device)  # -1: never written
         self.slot_document = torch.full((capacity,), -1, dtype=torch.long, device=self.device)
         self.written = 0  # states written since the last reset
@@ -59,20 +64,25 @@ class StateCache:
     def nbytes(self) -> int:
         return self.states.numel() * self.states.element_size() + 2 * self.capacity * 8
 
-    def add(self, states: torch.Tensor, document: int) -> None:
+    def add(self, states: torch.Tensor, document: int, values: torch.Tensor | None = None) -> None:
         """Append states [n, d] of one document in order, overwriting the oldest when full."""
         n = states.shape[0]
         if n == 0:
             return
         if states.shape[1] != self.dim:
             raise ValueError(f"states have dim {states.shape[1]}, the cache {self.dim}")
+        if (values is None) != (self.values is None):
+            raise ValueError("values must be given exactly when the cache keeps them")
         counters = torch.arange(self.written, self.written + n, device=self.device)
         if n > self.capacity:  # only the newest `capacity` survive
             states, counters = states[-self.capacity :], counters[-self.capacity :]
+            values = values[-self.capacity :] if values is not None else None
         slots = counters % self.capacity
         if self._undo is not None:
             self._undo.append((slots, self.states[slots].clone(), self.slot_counter[slots].clone(), self.slot_document[slots].clone()))
         self.states[slots] = states.to(self.device, self.dtype)
+        if values is not None and self.values is not None:
+            self.values[slots] = values.to(self.device, self.dtype)
         self.slot_counter[slots] = counters
         self.slot_document[slots] = document
         self.written += n
@@ -99,7 +109,8 @@ class StateCache:
         states = torch.zeros(q, k * window, self.dim, device=self.device, dtype=self.dtype)
         mask = torch.zeros(q, k * window, dtype=torch.bool, device=self.device)
         if self.size == 0 or q == 0:
-            return Retrieved(states, mask)
+            empty = None if self.values is None else states.new_zeros(q, k * window, self.values.shape[1])
+            return Retrieved(states, mask, empty)
         live = self._live_slots()
         found = min(k, live.numel())
         _, rows = self.backend.search(self.states[live], queries.to(self.device), found)  # q, found
@@ -115,7 +126,12 @@ class StateCache:
         states[:, : found * window] = self.states[slots].reshape(q, found * window, self.dim)
         mask[:, : found * window] = ok.reshape(q, found * window)
         states[~mask] = 0
-        return Retrieved(states, mask)
+        values = None
+        if self.values is not None:
+            values = torch.zeros(q, k * window, self.values.shape[1], device=self.device, dtype=self.dtype)
+            values[:, : found * window] = self.values[slots].reshape(q, found * window, -1)
+            values[~mask] = 0
+        return Retrieved(states, mask, values)
 
     def _live_slots(self) -> torch.Tensor:
         return torch.nonzero(self.slot_counter >= 0).squeeze(-1)

@@ -224,3 +224,27 @@ def test_compress_equals_the_states_of_a_full_forward(arch):
         full = shared.compressed
     assert torch.equal(neurocache.compress(ids), full)
     assert neurocache.shared.caches is None  # the model is the base model again
+
+
+def test_training_reencodes_retrieved_states_so_the_projection_learns():
+    model, neurocache, _ = adapted("llama")
+    open_gates(neurocache)
+    cache = neurocache.new_training_cache(256)
+    first, second = torch.randint(0, VOCAB, (1, 16)), torch.randint(0, VOCAB, (1, 16))
+    with neurocache.training_caches([cache]) as shared:
+        model(first)
+        cache.add(shared.compressed[0], document=0, values=shared.hidden[0])
+    with neurocache.training_caches([cache]) as shared:
+        loss = model(second).logits.square().mean()
+        reencoded = shared.states.detach().clone()
+    with torch.no_grad(), neurocache.attached([cache]) as shared:
+        model(second)
+        stored = shared.states
+    # re-projecting the kept hidden states gives the stored compressed states (same W_p)
+    assert stored.abs().sum() > 0
+    torch.testing.assert_close(reencoded, stored, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    assert neurocache.projection.proj.weight.grad is not None
+    assert neurocache.projection.proj.weight.grad.abs().sum() > 0
+    gates = [a.gate.grad for a in neurocache.cache_attention.values()]
+    assert all(g is not None and g.abs().sum() > 0 for g in gates)

@@ -157,6 +157,8 @@ class RetrievalState:
     compressed: torch.Tensor | None = None  # B, T, d of the last forward, to append after it
     carry: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # last c-1 tokens' retrievals
     compress_only: bool = False  # stop the forward pass once C is known
+    reencode: bool = False  # training: caches keep H; retrieved H goes through W_p with gradients
+    hidden: torch.Tensor | None = None  # B, T, h of the last forward, when re-encoding
 
 
 class CompressedStates(Exception):
@@ -266,7 +268,9 @@ class RetrievalLayer(nn.Module):
         shared.compressed = compressed.detach()
         if shared.compress_only:  # ingestion needs C alone: nothing above this layer reads it
             raise CompressedStates(compressed.detach())
-        shared.states, shared.mask = retrieve_with_context(shared, compressed.detach(), self._config)
+        reencode = self.projection if shared.reencode else None
+        shared.states, shared.mask = retrieve_with_context(shared, compressed.detach(), self._config, reencode)
+        shared.hidden = out.detach() if shared.reencode else None
         return out
 
 
@@ -287,17 +291,27 @@ class Projection(nn.Module):
 
 
 def retrieve_with_context(
-    shared: RetrievalState, compressed: torch.Tensor, config: NeurocacheConfig
+    shared: RetrievalState,
+    compressed: torch.Tensor,
+    config: NeurocacheConfig,
+    reencode: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Retrieve k*w states per token from each row's cache, then give token i the retrievals of
-    tokens i-c+1 ... i (carried over from the previous forward where they came before it)."""
-    B, T, d = compressed.shape
-    per_token = config.top_k * config.window
-    states = compressed.new_zeros(B, T, per_token, d, dtype=torch.float32)
-    mask = torch.zeros(B, T, per_token, dtype=torch.bool, device=compressed.device)
+    tokens i-c+1 ... i (carried over from the previous forward where they came before it).
+    With `reencode`, the retrieved entries are the caches' kept hidden states passed through it."""
+    rows_states, rows_mask = [], []
     for row, cache in enumerate(shared.caches or []):
         found = cache.search(compressed[row].float(), config.top_k, config.window)
-        states[row], mask[row] = found.states.to(states.device, torch.float32), found.mask.to(mask.device)
+        mask_row = found.mask.to(compressed.device)
+        if reencode is not None:
+            assert found.values is not None, "re-encoding needs caches that keep values"
+            row_states = reencode(found.values.to(compressed.device, compressed.dtype)).float() * mask_row[..., None]
+        else:
+            row_states = found.states.to(compressed.device, torch.float32)
+        rows_states.append(row_states)
+        rows_mask.append(mask_row)
+    states, mask = torch.stack(rows_states), torch.stack(rows_mask)  # B, T, k*w, d
+    T = compressed.shape[1]
     history = config.context - 1
     if shared.carry and history:
         prev_states = torch.cat([s for s, _ in shared.carry], dim=1)  # B, P, kw, d
@@ -428,6 +442,22 @@ class Neurocache(nn.Module):
         """`active` with a fresh binding: one sequence's forward passes."""
         with self.active(CacheBinding(caches)) as shared:
             yield shared
+
+    @contextmanager
+    def training_caches(self, caches: list[StateCache]) -> Iterator[RetrievalState]:
+        """`attached` for training: caches keep H, and retrieved H is re-projected with gradients so
+        that W_p learns through the cache attention."""
+        with self.attached(caches) as shared:
+            shared.reencode = True
+            try:
+                yield shared
+            finally:
+                shared.reencode, shared.hidden = False, None
+
+    def new_training_cache(self, capacity: int) -> StateCache:
+        weight = next(self.projection.parameters())
+        hidden = self.model[0].config.hidden_size
+        return StateCache(capacity=capacity, dim=self.compressed_dim, device=weight.device, value_dim=hidden)
 
     @torch.inference_mode()
     def compress(self, input_ids: torch.Tensor) -> torch.Tensor:

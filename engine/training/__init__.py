@@ -1,0 +1,1 @@
+"""Training and evaluation: the offline corpus, Neurocache adaptation."""
