@@ -95,6 +95,50 @@ def ask(
     typer.echo()
 
 
+train_app = typer.Typer(help="Train adapters and models.", no_args_is_help=True)
+app.add_typer(train_app, name="train")
+
+
+@train_app.command("neurocache")
+def train_neurocache(
+    out: Annotated[Path, typer.Option(help="run folder: adapter/, trainer.pt, log.jsonl")] = Path("runs/neurocache"),
+    model: Annotated[str, typer.Option(help="base model: the default or a local HF folder")] = "smollm2-135m-instruct",
+    steps: Annotated[int, typer.Option(help="optimizer steps")] = 200,
+    batch_size: Annotated[int, typer.Option(help="documents per batch")] = 2,
+    segment_len: Annotated[int, typer.Option(help="tokens per segment (n)")] = 256,
+    n_segments: Annotated[int, typer.Option(help="segments per training document")] = 6,
+    accumulation: Annotated[int, typer.Option(help="segments per optimizer step")] = 2,
+    lr: Annotated[float, typer.Option(help="peak learning rate")] = 1e-4,
+    warmup: Annotated[int, typer.Option(help="warm-up steps")] = 20,
+    passkey_ratio: Annotated[float, typer.Option(help="share of pass-key episodes")] = 0.5,
+    top_k: Annotated[int, typer.Option(help="k")] = 16,
+    window: Annotated[int, typer.Option(help="w")] = 2,
+    context: Annotated[int, typer.Option(help="c")] = 2,
+    compression: Annotated[int, typer.Option(help="h / d")] = 4,
+    lora_rank: Annotated[int, typer.Option(help="LoRA rank")] = 8,
+    capacity: Annotated[int, typer.Option(help="cache entries (m) stored with the adapter")] = 16_384,
+    seed: Annotated[int, typer.Option(help="random seed")] = 0,
+    checkpoint_every: Annotated[int, typer.Option(help="steps between checkpoints")] = 50,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
+    resume: Annotated[bool, typer.Option(help="continue from out/trainer.pt")] = False,
+) -> None:
+    """Adapt a frozen model with Neurocache (W_p, cache attention, gates, FFN LoRA)."""
+    from engine.models.neurocache import NeurocacheConfig
+    from engine.training.neurocache_train import TrainConfig, train
+
+    config = TrainConfig(
+        model=model, out=out, device=device, steps=steps, batch_size=batch_size, segment_len=segment_len,
+        n_segments=n_segments, accumulation=accumulation, lr=lr, warmup=warmup, passkey_ratio=passkey_ratio,
+        seed=seed, checkpoint_every=checkpoint_every, resume=resume,
+        neurocache=NeurocacheConfig(top_k=top_k, window=window, context=context, compression=compression,
+                                    lora_rank=lora_rank, capacity=capacity),
+    )
+    records = train(config, command="longdoc train neurocache " + " ".join(sys.argv[3:]))
+    if records:
+        last = records[-1]
+        typer.echo(f"step {last['step']}: lm loss {last['lm_loss']:.4f}, answer loss {last['answer_loss']}")
+
+
 @app.command()
 def sessions(url: UrlOption = DEFAULT_URL, api_key: KeyOption = None) -> None:
     """List sessions."""

@@ -1,0 +1,97 @@
+"""Training episodes for Neurocache: a batch row is one document, cut into equal segments.
+
+Two kinds of episode:
+- language modelling: a window of a long training text;
+- retrieval tasks in the chat format: a fact (a pass key) stated once in filler text, outside the
+  last segment, and in the last segment a question about it with the answer. The answer tokens
+  are scored on their own, so the instruct model learns to answer from the cache.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class Episode:
+    token_ids: list[int]  # n_segments * segment_len
+    answer_mask: list[bool]  # targets scored as the retrieval answer (label positions)
+    kind: str
+
+    def segment(self, index: int, segment_len: int) -> tuple[list[int], list[bool]]:
+        start = index * segment_len
+        return self.token_ids[start : start + segment_len], self.answer_mask[start : start + segment_len]
+
+
+def tokenize_files(tokenizer: PreTrainedTokenizerBase, files: Sequence[Path]) -> list[int]:
+    ids: list[int] = []
+    for path in files:
+        ids.extend(tokenizer(path.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"])
+    return ids
+
+
+def passkey_prompt(tokenizer: PreTrainedTokenizerBase, key: str) -> tuple[list[int], list[int]]:
+    """(question turn in the chat template, answer tokens ending with the end-of-turn marker)."""
+    question = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the pass key? Answer with the number."}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    q_ids = tokenizer(question, add_special_tokens=False)["input_ids"]
+    end = tokenizer.eos_token or ""
+    a_ids = tokenizer(f"The pass key is {key}.{end}", add_special_tokens=False)["input_ids"]
+    return q_ids, a_ids
+
+
+def needle(tokenizer: PreTrainedTokenizerBase, key: str) -> list[int]:
+    return tokenizer(f" The pass key is {key}. Remember it. {key} is the pass key. ", add_special_tokens=False)["input_ids"]
+
+
+class EpisodeSampler:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        corpus: list[int],
+        *,
+        segment_len: int,
+        n_segments: int,
+        passkey_ratio: float,
+        seed: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.corpus = corpus
+        self.segment_len, self.n_segments = segment_len, n_segments
+        self.length = segment_len * n_segments
+        if len(corpus) <= self.length:
+            raise ValueError("the training corpus is shorter than one episode")
+        self.passkey_ratio = passkey_ratio
+        self.rng = random.Random(seed)
+
+    def _window(self, n: int) -> list[int]:
+        start = self.rng.randrange(0, len(self.corpus) - n)
+        return self.corpus[start : start + n]
+
+    def language_episode(self) -> Episode:
+        return Episode(self._window(self.length), [False] * self.length, "lm")
+
+    def passkey_episode(self) -> Episode:
+        key = str(self.rng.randrange(10_000, 100_000))
+        q_ids, a_ids = passkey_prompt(self.tokenizer, key)
+        fact = needle(self.tokenizer, key)
+        filler = self._window(self.length - len(q_ids) - len(a_ids) - len(fact))
+        # the fact lies wholly before the last segment, where the question is
+        last_start = self.length - self.segment_len
+        at = self.rng.randrange(0, max(1, last_start - len(fact)))
+        body = filler[:at] + fact + filler[at:]
+        ids = body + q_ids + a_ids
+        answer = [False] * (len(body) + len(q_ids)) + [True] * len(a_ids)
+        assert len(ids) == self.length, (len(ids), self.length)
+        return Episode(ids, answer, "passkey")
+
+    def sample(self) -> Episode:
+        return self.passkey_episode() if self.rng.random() < self.passkey_ratio else self.language_episode()

@@ -1,0 +1,224 @@
+"""`longdoc train neurocache`: adapt a frozen causal LM with Neurocache.
+
+Trains W_p (+ norm), the cache attention with its gates, and LoRA on the FFNs of the augmented
+layers. Each batch row streams one document segment by segment; its cache is reset when a new
+document starts. AdamW, linear warm-up then cosine decay, gradient clipping, gradient
+accumulation over segments, checkpoints and resume.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from engine.config import DEFAULT_MODEL
+from engine.models.loader import load_model
+from engine.models.neurocache import Neurocache, NeurocacheConfig
+from engine.models.neurocache_io import load_adapter, save_adapter
+from engine.state_cache import StateCache
+from engine.training.corpus import DEFAULT_DIR, fetch, split
+from engine.training.neurocache_data import Episode, EpisodeSampler, tokenize_files
+
+
+@dataclass
+class TrainConfig:
+    model: str = DEFAULT_MODEL
+    out: Path = Path("runs/neurocache")
+    corpus_dir: Path = DEFAULT_DIR
+    cache_dir: Path = Path("~/.cache/longdoc").expanduser()
+    device: str = "auto"
+    steps: int = 200  # optimizer steps
+    batch_size: int = 2
+    segment_len: int = 256
+    n_segments: int = 6
+    accumulation: int = 2
+    lr: float = 1e-4
+    warmup: int = 20
+    min_lr_ratio: float = 0.1
+    clip: float = 1.0
+    passkey_ratio: float = 0.5
+    lm_stride: int = 4  # score every 4th position for the LM loss (answers always)
+    seed: int = 0
+    checkpoint_every: int = 50
+    resume: bool = False
+    neurocache: NeurocacheConfig = field(default_factory=lambda: NeurocacheConfig(capacity=16_384))
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class Row:
+    """One batch row: the document it streams, where it is, and its cache."""
+
+    cache: StateCache
+    episode: Episode | None = None
+    next_segment: int = 0
+    document: int = 0
+
+
+def scored_positions(answer: torch.Tensor, stride: int) -> torch.Tensor:
+    """[B, L-1] bool: which next-token predictions are scored. Every `stride`-th position samples
+    the language-modelling loss (the LM head over a 49k vocabulary costs as much as a third of the
+    model), and every position whose target is an answer token is always scored."""
+    B, L = answer.shape
+    sampled = torch.zeros(B, L - 1, dtype=torch.bool, device=answer.device)
+    sampled[:, stride - 1 :: stride] = True
+    return sampled | answer[:, 1:]
+
+
+def segment_loss(
+    model: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor, answer: torch.Tensor, stride: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Mean next-token loss over the scored positions, and over the answer tokens alone (None if none)."""
+    scored = scored_positions(answer, stride)  # B, L-1
+    logits = model.get_output_embeddings()(hidden[:, :-1][scored])  # N, V
+    per_token = F.cross_entropy(logits.float(), ids[:, 1:][scored], reduction="none")
+    is_answer = answer[:, 1:][scored]
+    answer_loss = per_token[is_answer].mean() if is_answer.any() else None
+    return per_token[~is_answer].mean(), answer_loss
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        random.seed(config.seed)
+        loaded = load_model(config.model, cache_dir=config.cache_dir, device=config.device, dtype="float32")
+        self.model, self.tokenizer, self.device = loaded.model, loaded.tokenizer, loaded.device
+        self.model.eval()  # the base is frozen: no dropout
+        adapter = config.out / "adapter"
+        resuming = config.resume and (config.out / "trainer.pt").is_file()
+        if resuming:
+            self.neurocache = load_adapter(self.model, self.tokenizer, adapter)
+        else:
+            self.neurocache = Neurocache(self.model, config.neurocache)
+        self.parameters = list(self.neurocache.adapter_parameters())
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, config.warmup, config.steps, config.min_lr_ratio)
+        )
+        train_files, _ = split(fetch(config.corpus_dir))
+        corpus = tokenize_files(self.tokenizer, train_files)
+        self.sampler = EpisodeSampler(
+            self.tokenizer, corpus, segment_len=config.segment_len, n_segments=config.n_segments,
+            passkey_ratio=config.passkey_ratio, seed=config.seed,
+        )
+        capacity = max(config.neurocache.capacity, config.segment_len * config.n_segments)
+        self.rows = [Row(self.neurocache.new_training_cache(capacity)) for _ in range(config.batch_size)]
+        self.step = 0
+        self.train_tokens = len(corpus)
+        if resuming:
+            self._restore(torch.load(config.out / "trainer.pt", weights_only=False))
+
+    # ---- one optimizer step --------------------------------------------------------------
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, answers = [], []
+        for row in self.rows:
+            if row.episode is None or row.next_segment == self.config.n_segments:
+                row.episode, row.next_segment = self.sampler.sample(), 0
+                row.document += 1
+                row.cache.reset()  # a new document: its cache starts empty
+            segment_ids, answer = row.episode.segment(row.next_segment, self.config.segment_len)
+            ids.append(segment_ids)
+            answers.append(answer)
+        return torch.tensor(ids, device=self.device), torch.tensor(answers, device=self.device)
+
+    def _micro_step(self) -> tuple[float, float | None]:
+        ids, answers = self._next_batch()
+        with self.neurocache.training_caches([row.cache for row in self.rows]) as shared:
+            final = self.model.base_model(input_ids=ids).last_hidden_state  # B, L, h (no LM head yet)
+            compressed, hidden = shared.compressed, shared.hidden
+        lm_loss, answer_loss = segment_loss(self.model, final, ids, answers, self.config.lm_stride)
+        loss = lm_loss + (answer_loss if answer_loss is not None else 0.0)
+        (loss / self.config.accumulation).backward()
+        for index, row in enumerate(self.rows):  # retrieve, attend, then append
+            row.cache.add(compressed[index], document=row.document, values=hidden[index])
+            row.next_segment += 1
+        return float(lm_loss.detach()), None if answer_loss is None else float(answer_loss.detach())
+
+    def train_step(self) -> dict[str, Any]:
+        lm, answer = [], []
+        for _ in range(self.config.accumulation):
+            lm_loss, answer_loss = self._micro_step()
+            lm.append(lm_loss)
+            if answer_loss is not None:
+                answer.append(answer_loss)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, self.config.clip))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        gates = torch.cat([torch.tanh(a.gate.detach()) for a in self.neurocache.cache_attention.values()])
+        return {
+            "step": self.step,
+            "lm_loss": sum(lm) / len(lm),
+            "answer_loss": sum(answer) / len(answer) if answer else None,
+            "grad_norm": grad_norm,
+            "lr": self.scheduler.get_last_lr()[0],
+            "gate_abs_mean": float(gates.abs().mean()),
+        }
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def save(self, **manifest: Any) -> None:
+        out = self.config.out
+        save_adapter(self.neurocache, self.tokenizer, out / "adapter", **manifest)
+        state = {
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "sampler_rng": self.sampler.rng.getstate(),
+            "torch_rng": torch.get_rng_state(),
+        }
+        torch.save(state, out / "trainer.pt")
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.rng.setstate(state["sampler_rng"])
+        torch.set_rng_state(state["torch_rng"])
+
+
+def train(config: TrainConfig, command: str = "") -> list[dict[str, Any]]:
+    """Run training to `config.steps`, logging to out/log.jsonl; returns the step records."""
+    config.out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(config)
+    records: list[dict[str, Any]] = []
+    started = time.time()
+    tokens_per_step = config.batch_size * config.segment_len * config.accumulation
+    manifest = {
+        "command": command,
+        "base_model": config.model,
+        "data": f"{config.corpus_dir} training split ({trainer.train_tokens} tokens) + pass-key tasks",
+        "seed": config.seed,
+        "train_config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items() if k != "neurocache"},
+    }
+    with (config.out / "log.jsonl").open("a") as log, tqdm(total=config.steps, initial=trainer.step, desc="train") as bar:
+        while trainer.step < config.steps:
+            record = trainer.train_step()
+            record["tokens_per_second"] = tokens_per_step * (len(records) + 1) / (time.time() - started)
+            records.append(record)
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            answer = record["answer_loss"]
+            bar.set_postfix(lm=f"{record['lm_loss']:.3f}", ans="-" if answer is None else f"{answer:.3f}")
+            bar.update(1)
+            if trainer.step % config.checkpoint_every == 0 or trainer.step == config.steps:
+                trainer.save(**manifest, steps=trainer.step)
+    return records
