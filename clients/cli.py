@@ -139,6 +139,62 @@ def train_neurocache(
         typer.echo(f"step {last['step']}: lm loss {last['lm_loss']:.4f}, answer loss {last['answer_loss']}")
 
 
+eval_app = typer.Typer(help="Evaluate memories on held-out text; tables are printed as Markdown.", no_args_is_help=True)
+app.add_typer(eval_app, name="eval")
+AdapterOption = Annotated[Path | None, typer.Option(help="adapter folder (default: the shipped one)")]
+
+
+def _setup(model: str, adapter: Path | None, device: str):
+    from engine.training.evaluate import EvalSetup
+
+    return EvalSetup(model=model, adapter=adapter, device=device)
+
+
+@eval_app.command("ppl")
+def eval_ppl(
+    model: str = "smollm2-135m-instruct",
+    adapter: AdapterOption = None,
+    segment_len: Annotated[int, typer.Option(help="n")] = 1024,
+    capacity: Annotated[list[int], typer.Option(help="cache sizes m")] = [16_384, 131_072],
+    max_tokens: Annotated[int, typer.Option(help="tokens per held-out document")] = 32_768,
+    device: str = "auto",
+) -> None:
+    """Held-out perplexity: local window only, full attention reference, and Neurocache."""
+    from engine.training.evaluate import markdown, perplexity
+
+    rows = perplexity(_setup(model, adapter, device), segment_len=segment_len, capacities=tuple(capacity), max_tokens=max_tokens)
+    typer.echo(markdown(rows))
+
+
+@eval_app.command("passkey")
+def eval_passkey(
+    model: str = "smollm2-135m-instruct",
+    adapter: AdapterOption = None,
+    memory: Annotated[list[str], typer.Option(help="memories to compare")] = ["truncate", "text", "neurocache"],
+    length: Annotated[list[int], typer.Option(help="document lengths in tokens")] = [4096, 16_384],
+    depth: Annotated[list[float], typer.Option(help="where the key is, 0..1")] = [0.1, 0.3, 0.5, 0.7, 0.9],
+    device: str = "auto",
+) -> None:
+    """Pass-key retrieval accuracy by memory and document length."""
+    from engine.training.evaluate import markdown, passkey
+
+    rows = passkey(_setup(model, adapter, device), memories=tuple(memory), lengths=tuple(length), depths=tuple(depth))
+    typer.echo(markdown(rows))
+
+
+@eval_app.command("qa")
+def eval_qa(
+    model: str = "smollm2-135m-instruct",
+    adapter: AdapterOption = None,
+    memory: Annotated[list[str], typer.Option(help="memories to compare")] = ["truncate", "text", "neurocache"],
+    device: str = "auto",
+) -> None:
+    """Single-fact questions about held-out books, contains-match, memories side by side."""
+    from engine.training.evaluate import markdown, qa
+
+    typer.echo(markdown(qa(_setup(model, adapter, device), memories=tuple(memory))))
+
+
 @app.command()
 def sessions(url: UrlOption = DEFAULT_URL, api_key: KeyOption = None) -> None:
     """List sessions."""

@@ -1,0 +1,211 @@
+"""`longdoc eval ppl|passkey|qa`: Neurocache against the baselines, on held-out text only.
+
+- ppl: held-out documents streamed in segments of n tokens; the base model with its local window
+  only (each segment alone, positions restarting) against the same segments with the Neurocache
+  cache of everything before them, at two cache sizes.
+- passkey and qa go through the real engine (ingestion, retrieval, generation) per memory mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import DEFAULT_MODEL, EngineConfig, ModelSpec, SHIPPED_ADAPTERS
+from engine.engine import Engine
+from engine.interface import GenerationParams, TokenDelta
+from engine.models.loader import load_model
+from engine.models.neurocache_io import load_adapter
+from engine.state_cache import StateCache
+from engine.training.corpus import DEFAULT_DIR, fetch, split
+
+PASSKEY_QUESTION = "What is the pass key? Answer with the number."
+
+# Questions about single facts in the held-out books, with a word the answer must contain.
+QA_SET: dict[str, tuple[tuple[str, str], ...]] = {
+    "alice29.txt": (
+        ("What were the names of the three little sisters in the Dormouse's story?", "Elsie"),
+        ("What did the three little sisters in the Dormouse's story live on?", "treacle"),
+        ("What was written on the little bottle Alice found?", "DRINK ME"),
+        ("What did the Caterpillar sit on?", "mushroom"),
+    ),
+    "plrabn12.txt": (
+        ("Which angel did Heaven's King send to converse with Adam and warn him?", "Raphael"),
+        ("Which seraph stayed faithful to God among the rebel angels?", "Abdiel"),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class EvalSetup:
+    model: str = DEFAULT_MODEL
+    adapter: Path | None = None  # folder with adapter.json; None: the shipped adapter if any
+    corpus_dir: Path = DEFAULT_DIR
+    cache_dir: Path = Path("~/.cache/longdoc").expanduser()
+    device: str = "auto"
+
+
+def _adapter_dirs(setup: EvalSetup) -> tuple[Path, ...]:
+    """Engine adapter folders: the one given (its parent holds <model name>/) or the shipped ones."""
+    if setup.adapter is None:
+        return (SHIPPED_ADAPTERS,)
+    return (setup.adapter.parent,) if setup.adapter.name == Path(setup.model).name else (setup.adapter,)
+
+
+# ---- perplexity ---------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def segment_nll(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, int]:
+    """Summed next-token loss inside one segment [1, n] and the number of predictions."""
+    logits = model(input_ids=ids).logits[0, :-1].float()
+    return float(F.cross_entropy(logits, ids[0, 1:], reduction="sum")), ids.shape[1] - 1
+
+
+def perplexity(setup: EvalSetup, *, segment_len: int, capacities: tuple[int, ...], max_tokens: int) -> list[dict[str, Any]]:
+    """Rows: window-only baseline, Neurocache at each capacity, full attention up to the native limit."""
+    loaded = load_model(setup.model, cache_dir=setup.cache_dir, device=setup.device, dtype="float32")
+    model, tokenizer = loaded.model, loaded.tokenizer
+    _, held_out = split(fetch(setup.corpus_dir))
+    documents = [tokenizer(p.read_text(), add_special_tokens=False)["input_ids"][:max_tokens] for p in held_out]
+    adapter = setup.adapter or SHIPPED_ADAPTERS / loaded.name
+    native = min(loaded.context_len, 8192)
+    rows = [_ppl_row("base, local window only", documents, model, segment_len, None)]
+    rows.append(_ppl_row(f"base, full attention in {native}-token windows (reference)", documents, model, native, None))
+    neurocache = load_adapter(model, tokenizer, adapter)
+    for capacity in capacities:
+        rows.append(_ppl_row(f"base + Neurocache, m = {capacity}", documents, model, segment_len, (neurocache, capacity)))
+    return rows
+
+
+def _ppl_row(name: str, documents: list[list[int]], model: torch.nn.Module, segment_len: int, cached: Any) -> dict[str, Any]:
+    total, count = 0.0, 0
+    for tokens in documents:
+        cache = None
+        if cached is not None:
+            neurocache, capacity = cached
+            cache = StateCache(capacity=capacity, dim=neurocache.compressed_dim, device=model.device)
+        for start in range(0, len(tokens) - 1, segment_len):
+            ids = torch.tensor([tokens[start : start + segment_len]], device=model.device)
+            if ids.shape[1] < 2:
+                continue
+            if cache is None:
+                nll, n = segment_nll(model, ids)
+            else:
+                with neurocache.attached([cache]) as shared:
+                    nll, n = segment_nll(model, ids)
+                    compressed = shared.compressed
+                cache.add(compressed[0], document=0)  # retrieve, attend, then append
+            total, count = total + nll, count + n
+    return {"setting": name, "segment_len": segment_len, "tokens": count, "perplexity": math.exp(total / count)}
+
+
+# ---- pass key and QA through the engine ----------------------------------------------------
+
+
+def passkey_document(filler: str, length_tokens: int, depth: float, key: str, tokenizer: Any) -> str:
+    ids = tokenizer(filler, add_special_tokens=False)["input_ids"]
+    while len(ids) < length_tokens:
+        ids = ids + ids
+    ids = ids[:length_tokens]
+    at = int(depth * len(ids))
+    head, tail = tokenizer.decode(ids[:at]), tokenizer.decode(ids[at:])
+    return f"{head} The pass key is {key}. Remember it. {key} is the pass key. {tail}"
+
+
+async def _answers(engine: Engine, memory: str, document: str, questions: list[str]) -> list[str]:
+    """Ingest `document` into a fresh session once, then answer each question greedily."""
+    session = engine.create_session(None, memory, {})
+    try:
+        async for _ in await engine.ingest(session.id, document, "eval"):
+            pass
+        answers = []
+        for question in questions:
+            parts = []
+            async for event in await engine.ask(session.id, question, GenerationParams(max_tokens=24)):
+                if isinstance(event, TokenDelta):
+                    parts.append(event.text)
+            answers.append("".join(parts))
+        return answers
+    finally:
+        engine.delete_session(session.id)
+
+
+def _engine(setup: EvalSetup, max_tokens: int) -> Engine:
+    spec = ModelSpec(sources=(setup.model,), device=setup.device, cache_dir=setup.cache_dir, adapter_dirs=_adapter_dirs(setup))
+    config = EngineConfig(models=spec)
+    config = replace(config, ingest=replace(config.ingest, max_document_tokens=max_tokens * 2))
+    return Engine(config)
+
+
+def run_with_engine(setup: EvalSetup, max_tokens: int, body: Callable[[Engine], Any]) -> Any:
+    async def main() -> Any:
+        engine = _engine(setup, max_tokens)
+        await engine.start()
+        try:
+            return await body(engine)
+        finally:
+            await engine.stop()
+
+    return asyncio.run(main())
+
+
+def passkey(
+    setup: EvalSetup, *, memories: tuple[str, ...], lengths: tuple[int, ...], depths: tuple[float, ...], seed: int = 0
+) -> list[dict[str, Any]]:
+    """Accuracy per memory and document length, over the depths; the filler is held-out text."""
+    _, held_out = split(fetch(setup.corpus_dir))
+    filler = next(p for p in held_out if p.name.startswith("kjv-")).read_text()
+    rng = random.Random(seed)
+
+    async def body(engine: Engine) -> list[dict[str, Any]]:
+        tokenizer = engine._runtime(None).loaded.tokenizer
+        rows = []
+        for memory in memories:
+            for length in lengths:
+                hits = 0
+                for depth in depths:
+                    key = str(rng.randrange(10_000, 100_000))
+                    document = passkey_document(filler, length, depth, key, tokenizer)
+                    hits += key in (await _answers(engine, memory, document, [PASSKEY_QUESTION]))[0]
+                rows.append({"memory": memory, "length": length, "correct": hits, "trials": len(depths)})
+        return rows
+
+    return run_with_engine(setup, max(lengths), body)
+
+
+def qa(setup: EvalSetup, *, memories: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Contains-match accuracy on the QA set's held-out books, per memory."""
+    folder = fetch(setup.corpus_dir)
+
+    async def body(engine: Engine) -> list[dict[str, Any]]:
+        rows = []
+        for memory in memories:
+            hits, total = 0, 0
+            for book, questions in QA_SET.items():
+                answers = await _answers(engine, memory, (folder / book).read_text(), [q for q, _ in questions])
+                for (_, expected), answer in zip(questions, answers, strict=True):
+                    hits += expected.lower() in answer.lower()
+                    total += 1
+            rows.append({"memory": memory, "correct": hits, "questions": total})
+        return rows
+
+    return run_with_engine(setup, 200_000, body)
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "(no rows)"
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for row in rows:
+        lines.append("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,36 @@
+"""Evaluation helpers on a tiny model: a closed-gate adapter leaves perplexity exactly unchanged."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine.models.neurocache import Neurocache, NeurocacheConfig
+from engine.models.neurocache_io import save_adapter
+from engine.training.corpus import CANTERBURY
+from engine.training.evaluate import EvalSetup, markdown, passkey_document, perplexity
+from tests.test_memories import filler
+
+
+def test_passkey_document_puts_the_key_at_the_depth(tiny_tokenizer):
+    text = passkey_document(filler(300), 1000, 0.25, "54321", tiny_tokenizer)
+    at = text.index("The pass key is 54321")
+    assert 0.15 < at / len(text) < 0.35
+    assert 950 < len(tiny_tokenizer(text)["input_ids"]) < 1100
+
+
+def test_closed_gate_perplexity_equals_the_window_baseline(tiny_dir, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in (*CANTERBURY, "kjv-Genesis.txt", "kjv-John.txt", "kjv-Acts.txt"):
+        (corpus / name).write_text(filler(200))
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    neurocache = Neurocache(model, NeurocacheConfig(top_k=4, capacity=512, lora_rank=2))
+    save_adapter(neurocache, AutoTokenizer.from_pretrained(tiny_dir), tmp_path / "adapter")
+    setup = EvalSetup(model=str(tiny_dir), adapter=tmp_path / "adapter", corpus_dir=corpus, device="cpu")
+    rows = perplexity(setup, segment_len=64, capacities=(128, 1024), max_tokens=400)
+    assert [r["setting"].split(",")[0] for r in rows] == ["base", "base", "base + Neurocache", "base + Neurocache"]
+    window, _, small, large = rows
+    assert small["tokens"] == window["tokens"] > 1000
+    assert small["perplexity"] == window["perplexity"] == large["perplexity"]
+    assert "| setting |" in markdown(rows)
