@@ -111,10 +111,11 @@ class StateCache:
         if self.size == 0 or q == 0:
             empty = None if self.values is None else states.new_zeros(q, k * window, self.values.shape[1])
             return Retrieved(states, mask, empty)
-        live = self._live_slots()
-        found = min(k, live.numel())
-        _, rows = self.backend.search(self.states[live], queries.to(self.device), found)  # q, found
-        match_counter = self.slot_counter[live[rows.to(self.device)]]  # q, found
+        # slots fill in order from 0 and are only ever reused after a wrap, so the valid entries
+        # are always the first `size` rows: search them in place, without a copy
+        found = min(k, self.size)
+        _, rows = self.backend.search(self.states[: self.size], queries.to(self.device), found)  # q, found
+        match_counter = self.slot_counter[rows.to(self.device)]  # q, found
         offsets = torch.arange(window, device=self.device)
         counters = match_counter.unsqueeze(-1) + offsets  # q, found, w
         slots = counters % self.capacity
@@ -132,9 +133,6 @@ class StateCache:
             values[:, : found * window] = self.values[slots].reshape(q, found * window, -1)
             values[~mask] = 0
         return Retrieved(states, mask, values)
-
-    def _live_slots(self) -> torch.Tensor:
-        return torch.nonzero(self.slot_counter >= 0).squeeze(-1)
 
     def reset(self) -> None:
         self.states.zero_()

@@ -1,0 +1,148 @@
+"""Neurocache benchmark on the default model, every figure a ratio measured in the same run.
+
+1. Ingestion tokens/s: the base model's forward pass over each segment (what ingesting costs
+   without Neurocache) against Neurocache's ingestion (base up to layer r + W_p + append), and
+   against the paper's full per-segment pass (retrieve, attend, append).
+2. Decode tokens/s: greedy decoding with the model's KV cache, without and with a filled
+   Neurocache cache attached (every new token retrieves once).
+3. Retrieval latency against cache size (16K, 128K, 1M entries): one decode token and one
+   1024-token segment, exact search.
+4. Bytes per cached token against the model's own KV cache.
+
+    .venv/bin/python bench/bench_neurocache.py [--adapter runs/nc-smollm2/adapter]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.config import DEFAULT_MODEL  # noqa: E402
+from engine.generation import StopTokens, generate_steps  # noqa: E402
+from engine.interface import GenerationParams  # noqa: E402
+from engine.models.loader import load_model  # noqa: E402
+from engine.models.neurocache import CacheBinding, Neurocache, NeurocacheConfig  # noqa: E402
+from engine.models.neurocache_io import load_adapter  # noqa: E402
+from engine.state_cache import StateCache  # noqa: E402
+from engine.training.corpus import fetch, split  # noqa: E402
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def ingestion(model, neurocache, tokens: list[int], segment_len: int, repeats: int) -> dict[str, float]:
+    segments = [torch.tensor([tokens[i : i + segment_len]]) for i in range(0, len(tokens), segment_len)]
+
+    @torch.inference_mode()
+    def base() -> None:
+        for ids in segments:
+            model(input_ids=ids, logits_to_keep=1)
+
+    def compress_only() -> None:
+        cache = neurocache.new_cache()
+        for ids in segments:
+            cache.add(neurocache.compress(ids)[0], document=0)
+
+    @torch.inference_mode()
+    def full_pass() -> None:
+        cache = neurocache.new_cache()
+        for ids in segments:
+            with neurocache.attached([cache]) as shared:
+                model(input_ids=ids, logits_to_keep=1)
+                compressed = shared.compressed
+            cache.add(compressed[0], document=0)
+
+    n = sum(s.shape[1] for s in segments)
+    return {name: n / median_time(fn, repeats) for name, fn in
+            (("base forward", base), ("neurocache ingest", compress_only), ("neurocache full pass", full_pass))}
+
+
+def decode(model, tokenizer, neurocache, filled: StateCache, new_tokens: int, repeats: int) -> dict[str, float]:
+    prompt = tokenizer("Tell me what happened in the story, in detail.", add_special_tokens=False)["input_ids"]
+    params = GenerationParams(max_tokens=new_tokens)
+    nothing = StopTokens(frozenset())
+
+    def run(step_context) -> None:
+        for _ in generate_steps(model, tokenizer, prompt, params, nothing, step_context):
+            pass
+
+    base = median_time(lambda: run(None), repeats)
+    with_cache = median_time(lambda: run(lambda: neurocache.active(CacheBinding([filled]))), repeats)
+    return {"base": new_tokens / base, "neurocache": new_tokens / with_cache}
+
+
+def retrieval(dim: int, sizes: tuple[int, ...], top_k: int, window: int, repeats: int) -> list[tuple[int, float, float]]:
+    rows = []
+    for size in sizes:
+        cache = StateCache(capacity=size, dim=dim)
+        cache.add(torch.nn.functional.layer_norm(torch.randn(size, dim), (dim,)), document=0)
+        one, segment = torch.randn(1, dim), torch.randn(1024, dim)
+        rows.append((size, median_time(lambda: cache.search(one, top_k, window), repeats),
+                     median_time(lambda: cache.search(segment, top_k, window), max(1, repeats // 2))))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--adapter", type=Path, default=None, help="default: a fresh adapter (gates closed)")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--segment-len", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[16_384, 131_072, 1_048_576])
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    loaded = load_model(DEFAULT_MODEL, cache_dir=Path("~/.cache/longdoc").expanduser())
+    model, tokenizer = loaded.model, loaded.tokenizer
+    if args.adapter:
+        neurocache = load_adapter(model, tokenizer, args.adapter)
+    else:
+        neurocache = Neurocache(model, NeurocacheConfig())
+    _, held_out = split(fetch(ROOT / "data" / "corpus"))
+    text = "\n".join(p.read_text() for p in held_out)
+    tokens = tokenizer(text, add_special_tokens=False)["input_ids"][: args.tokens]
+    config = neurocache.config
+
+    ingest = ingestion(model, neurocache, tokens, args.segment_len, args.repeats)
+    filled = neurocache.new_cache()
+    for i in range(0, len(tokens), args.segment_len):
+        filled.add(neurocache.compress(torch.tensor([tokens[i : i + args.segment_len]]))[0], document=0)
+    dec = decode(model, tokenizer, neurocache, filled, args.new_tokens, args.repeats)
+    lookups = retrieval(neurocache.compressed_dim, tuple(args.sizes), config.top_k, config.window, args.repeats)
+
+    mc = model.config
+    kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * (mc.hidden_size // mc.num_attention_heads) * loaded.dtype.itemsize
+    cache_bytes = filled.nbytes / filled.capacity
+
+    print(f"model {DEFAULT_MODEL}, {loaded.dtype}, {torch.get_num_threads()} threads; adapter: {args.adapter or 'fresh'}")
+    print(f"k={config.top_k} w={config.window} c={config.context} r={config.retrieval_layer} d={neurocache.compressed_dim}\n")
+    print(f"| ingestion ({len(tokens)} tokens, n={args.segment_len}) | tokens/s | vs base |\n|---|---|---|")
+    for name, tps in ingest.items():
+        print(f"| {name} | {tps:,.0f} | {tps / ingest['base forward']:.2f}x |")
+    print(f"\n| decode ({args.new_tokens} new tokens, cache {filled.size} entries) | tokens/s | vs base |\n|---|---|---|")
+    for name, tps in dec.items():
+        print(f"| {name} | {tps:.1f} | {tps / dec['base']:.2f}x |")
+    print("\n| cache entries | one-token lookup (ms) | 1024-token segment lookup (ms) |\n|---|---|---|")
+    for size, one, segment in lookups:
+        print(f"| {size:,} | {one * 1000:.2f} | {segment * 1000:.1f} |")
+    print(f"\n| per cached token | bytes |\n|---|---|\n| model KV cache ({loaded.dtype}) | {kv_bytes:,} |")
+    print(f"| Neurocache state (float32 + counters) | {cache_bytes:,.0f} |\n| ratio | {kv_bytes / cache_bytes:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
