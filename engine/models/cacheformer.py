@@ -1,0 +1,62 @@
+"""CacheFormer (Singh & Mahmood): Long-Short attention plus, each switchable on its own,
+
+- overlapping segments: a second compression over segments shifted by l/2, attended separately
+  and summed with the long-short output;
+- cache attention: each past segment is scored by the magnitude of its r compressed attention
+  scores, averaged over a group of p queries; the top-k segments and their neighbours (u in all
+  per pick) are fetched uncompressed and join the group's joint softmax.
+
+Causality: a group's selection uses only the rows of the group before it (or the row itself when
+p = 1), and only segments that end before the group starts can be picked; duplicates after adding
+neighbours are dropped; missing picks are masked, never filled with a later segment.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.models.lm_common import LMConfig, LanguageModel
+from engine.models.long_short import LongShortAttention
+from engine.models.segments import ends_before_rows, gather_segments, group_scores, select_segments
+
+
+class CacheFormerAttention(LongShortAttention):
+    def __init__(self, config: LMConfig) -> None:
+        super().__init__(config)
+        hd = config.head_dim
+        if config.overlap:
+            self.overlap_proj = nn.Parameter(torch.randn(hd, config.compressed_per_segment) * hd**-0.5)
+
+    def cached_keys(self, q, k_win, v_win, k_bar, ends):  # noqa: ANN001, ANN201
+        cfg = self.config
+        if cfg.cache_top_k == 0:
+            return []
+        B, H, Tp, hd = q.shape
+        p, G, l = cfg.group_size, Tp // cfg.group_size, cfg.segment_len
+        row_scores = (q.unsqueeze(2) @ k_bar.transpose(-1, -2)).abs().mean(-1) * hd**-0.5  # B, H, S, Tp
+        row_scores = row_scores.transpose(-1, -2)  # B, H, Tp, S
+        visible = ends.view(1, -1) < torch.arange(Tp, device=q.device).view(-1, 1)  # Tp, S
+        scores = group_scores(row_scores * visible, p)  # B, H, G, S
+        indices, valid = select_segments(scores, ends, p, cfg.cache_top_k, cfg.cache_neighbours)
+        keys = gather_segments(k_win, indices, l)  # B, H, G, K'*l, hd
+        values = gather_segments(v_win, indices, l)
+        mask = valid.repeat_interleave(l, dim=-1).unsqueeze(3).expand(B, H, G, p, -1)
+        return [(keys, values, mask)]
+
+    def extra_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | float:
+        cfg = self.config
+        if not cfg.overlap:
+            return 0.0
+        B, H, Tp, hd = q.shape
+        k_ov, v_ov, ends = self.compressed(k, v, self.overlap_proj, cfg.segment_len // 2)  # B, H, S', r, hd
+        r = cfg.compressed_per_segment
+        k_ov, v_ov = k_ov.flatten(2, 3), v_ov.flatten(2, 3)  # B, H, S'*r, hd
+        visible = ends_before_rows(ends.repeat_interleave(r), 1, Tp)[0]  # Tp, S'*r
+        scores = (q @ k_ov.transpose(-1, -2)) * hd**-0.5  # B, H, Tp, S'*r
+        weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+        return weights @ v_ov  # rows with nothing visible add zero
+
+
+def build_cacheformer(config: LMConfig) -> LanguageModel:
+    return LanguageModel(config, CacheFormerAttention, "cacheformer")

@@ -1,0 +1,101 @@
+"""Transformer-LS causal attention (the Long-Short baseline of CacheFormer).
+
+Short: each query sees a sliding window of w keys (t-w+1 ... t). Long: keys and values are cut into
+segments of l tokens and each segment is compressed to r vectors by a dynamic projection; a query
+sees the compressed segments that end before it. Window and compressed scores share one softmax.
+DualLN: separate LayerNorms on window and compressed keys/values, rotary applied after them;
+compressed keys are rotated at their segment's last position, so query-segment scores depend on
+relative distance.
+
+Queries are processed in groups of p rows (the unit CacheFormer's cache attention selects for), as
+batched tensors: no Python loop over batch, heads, segments or groups.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.lm_common import LMConfig, LanguageModel, apply_rope, merge_heads, qkv_heads, rope_angles
+from engine.models.segments import compress, ends_before_rows, segment_ends, window_mask, window_span
+
+
+def padded_length(T: int, config: LMConfig) -> int:
+    unit = math.lcm(config.segment_len, config.group_size)
+    return -(-T // unit) * unit
+
+
+class LongShortAttention(nn.Module):
+    def __init__(self, config: LMConfig) -> None:
+        super().__init__()
+        self.config = config
+        hd = config.head_dim
+        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=False)
+        self.out = nn.Linear(config.dim, config.dim, bias=False)
+        self.compress_proj = nn.Parameter(torch.randn(hd, config.compressed_per_segment) * hd**-0.5)
+        self.window_norm_k, self.window_norm_v = nn.LayerNorm(hd), nn.LayerNorm(hd)
+        self.long_norm_k, self.long_norm_v = nn.LayerNorm(hd), nn.LayerNorm(hd)
+
+    def _rope(self, x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope_angles(at, self.config.head_dim, self.config.rope_base)
+        return apply_rope(x, cos, sin)
+
+    def compressed(self, k: torch.Tensor, v: torch.Tensor, proj: torch.Tensor, offset: int) -> tuple[torch.Tensor, ...]:
+        """Normed compressed keys (rotated at segment ends) and values [B, H, S, r, hd], and ends [S]."""
+        l = self.config.segment_len
+        k_bar, v_bar = compress(k[:, :, offset:], v[:, :, offset:], proj, l)
+        ends = segment_ends(k_bar.shape[2], l, offset, k.device)
+        k_bar = self._rope(self.long_norm_k(k_bar), ends.view(-1, 1))  # each segment at its last position
+        return k_bar, self.long_norm_v(v_bar), ends
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        B, T, C = x.shape
+        Tp = padded_length(T, cfg)
+        x = F.pad(x, (0, 0, 0, Tp - T))  # padding sits after every real token: no real query sees it
+        q, k, v = qkv_heads(x, self.qkv, cfg.n_heads)  # B, H, Tp, hd
+        pos = torch.arange(Tp, device=x.device)
+        q = self._rope(q, pos)
+        k_win = self._rope(self.window_norm_k(k), pos)
+        v_win = self.window_norm_v(v)
+        k_bar, v_bar, ends = self.compressed(k, v, self.compress_proj, 0)
+        out = self.joint_attention(q, k_win, v_win, k_bar, v_bar, ends)  # B, H, Tp, hd
+        out = out + self.extra_attention(q, k, v)
+        return self.out(merge_heads(out)[:, :T])
+
+    def joint_attention(
+        self, q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, k_bar: torch.Tensor, v_bar: torch.Tensor,
+        ends: torch.Tensor,
+    ) -> torch.Tensor:
+        """One softmax per query over its window, the compressed segments ending before it, and
+        whatever `cached_keys` adds."""
+        cfg = self.config
+        B, H, Tp, hd = q.shape
+        p, G, r = cfg.group_size, Tp // cfg.group_size, cfg.compressed_per_segment
+        queries = q.view(B, H, G, p, hd)
+        keys = [window_span(k_win, cfg.window, p)]  # B, H, G, p+w-1, hd
+        values = [window_span(v_win, cfg.window, p)]
+        masks = [window_mask(G, p, cfg.window, q.device).expand(B, H, G, p, -1)]
+        S = k_bar.shape[2]
+        keys.append(k_bar.reshape(B, H, 1, S * r, hd).expand(B, H, G, S * r, hd))
+        values.append(v_bar.reshape(B, H, 1, S * r, hd).expand(B, H, G, S * r, hd))
+        masks.append(ends_before_rows(ends.repeat_interleave(r), G, p).expand(B, H, G, p, S * r))
+        for key, value, mask in self.cached_keys(q, k_win, v_win, k_bar, ends):
+            keys.append(key), values.append(value), masks.append(mask)
+        out = F.scaled_dot_product_attention(
+            queries, torch.cat(keys, dim=3), torch.cat(values, dim=3), attn_mask=torch.cat(masks, dim=4)
+        )  # B, H, G, p, hd
+        return out.reshape(B, H, Tp, hd)
+
+    def cached_keys(self, q, k_win, v_win, k_bar, ends):  # noqa: ANN001, ANN201 - CacheFormer's hook
+        return []
+
+    def extra_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | float:
+        return 0.0
+
+
+def build_long_short(config: LMConfig) -> LanguageModel:
+    return LanguageModel(config, LongShortAttention, "long-short")
