@@ -139,6 +139,42 @@ def train_neurocache(
         typer.echo(f"step {last['step']}: lm loss {last['lm_loss']:.4f}, answer loss {last['answer_loss']}")
 
 
+@train_app.command("lm")
+def train_lm_command(
+    arch: Annotated[str, typer.Option(help="transformer, long-short or cacheformer")] = "cacheformer",
+    out: Annotated[Path, typer.Option(help="run folder")] = Path("runs/lm"),
+    steps: int = 1000,
+    batch_size: int = 8,
+    seq_len: Annotated[int, typer.Option(help="training sequence length (bytes)")] = 512,
+    lr: float = 1e-3,
+    warmup: int = 50,
+    seed: int = 0,
+    dim: int = 128,
+    layers: int = 4,
+    heads: int = 4,
+    window: Annotated[int, typer.Option(help="w")] = 64,
+    segment_len: Annotated[int, typer.Option(help="l")] = 16,
+    compressed: Annotated[int, typer.Option(help="r per segment")] = 4,
+    overlap: Annotated[bool, typer.Option(help="overlapping segments")] = False,
+    cache_top_k: Annotated[int, typer.Option(help="k (0: no cache attention)")] = 0,
+    cache_neighbours: Annotated[int, typer.Option(help="u")] = 1,
+    group_size: Annotated[int, typer.Option(help="p")] = 32,
+    device: str = "auto",
+    resume: bool = False,
+) -> None:
+    """Train a byte-level model from scratch on the offline corpus; prints the held-out summary."""
+    import json
+
+    from engine.training.lm_train import LMTrainConfig, default_model_config, train_lm
+
+    model = default_model_config(dim=dim, n_layers=layers, n_heads=heads, window=window, segment_len=segment_len,
+                                 compressed_per_segment=compressed, overlap=overlap, cache_top_k=cache_top_k,
+                                 cache_neighbours=cache_neighbours, group_size=group_size, max_seq_len=seq_len)
+    config = LMTrainConfig(arch=arch, model=model, out=out, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
+                           warmup=warmup, seed=seed, device=device, resume=resume)
+    typer.echo(json.dumps(train_lm(config, command="longdoc train lm " + " ".join(sys.argv[3:])), indent=2))
+
+
 eval_app = typer.Typer(help="Evaluate memories on held-out text; tables are printed as Markdown.", no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
 AdapterOption = Annotated[Path | None, typer.Option(help="adapter folder (default: the shipped one)")]
@@ -193,6 +229,21 @@ def eval_qa(
     from engine.training.evaluate import markdown, qa
 
     typer.echo(markdown(qa(_setup(model, adapter, device), memories=tuple(memory))))
+
+
+@eval_app.command("lm")
+def eval_lm(
+    checkpoint: Annotated[Path, typer.Argument(help="a checkpoint folder (config.json + model.safetensors)")],
+    max_bytes: Annotated[int, typer.Option(help="held-out bytes to score")] = 262_144,
+    device: str = "cpu",
+) -> None:
+    """Held-out bits per byte of a from-scratch checkpoint."""
+    from engine.training.lm_train import bits_per_byte, corpus_bytes, load_checkpoint
+
+    model = load_checkpoint(checkpoint, device)
+    _, held_out = corpus_bytes(Path("data/corpus"))
+    bpb = bits_per_byte(model, held_out, model.config.max_seq_len, max_bytes)
+    typer.echo(f"{checkpoint}: {model.arch}, {model.num_parameters()} parameters, held-out {bpb:.4f} bits/byte")
 
 
 @app.command()

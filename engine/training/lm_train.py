@@ -1,0 +1,166 @@
+"""`longdoc train lm` / `longdoc eval lm`: from-scratch byte-level language models on the offline corpus.
+
+Bytes, not the default model's tokenizer: a 49k-token embedding would be most of a <= 10 MB model,
+and bits per byte compare architectures directly (the paper's enwik8 figures are bits per byte too).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from engine.models import build
+from engine.models.lm_common import LanguageModel, LMConfig
+from engine.training.corpus import DEFAULT_DIR, fetch, split
+
+CHECKPOINT_FORMAT = "longdoc-lm-v1"
+
+
+@dataclass
+class LMTrainConfig:
+    arch: str = "cacheformer"
+    model: dict[str, Any] = field(default_factory=dict)  # LMConfig fields
+    out: Path = Path("runs/lm")
+    corpus_dir: Path = DEFAULT_DIR
+    steps: int = 1000
+    batch_size: int = 8
+    seq_len: int = 512
+    accumulation: int = 1
+    lr: float = 1e-3
+    warmup: int = 50
+    min_lr_ratio: float = 0.1
+    clip: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 200
+    eval_bytes: int = 65_536
+    device: str = "auto"
+    resume: bool = False
+
+
+def corpus_bytes(corpus_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    train_files, held_out = split(fetch(corpus_dir))
+    as_bytes = lambda files: np.frombuffer(b"\n".join(f.read_bytes() for f in files), dtype=np.uint8)  # noqa: E731
+    return as_bytes(train_files), as_bytes(held_out)
+
+
+def save_checkpoint(model: LanguageModel, folder: Path, **manifest: Any) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous().cpu() for k, v in model.state_dict().items()}, folder / "model.safetensors")
+    meta = {"format": CHECKPOINT_FORMAT, "arch": model.arch, "config": model.config.to_dict(), "manifest": manifest}
+    (folder / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def load_checkpoint(folder: Path, device: str | torch.device = "cpu") -> LanguageModel:
+    """Strict: the architecture is rebuilt from the JSON and every tensor must match it exactly."""
+    meta = json.loads((folder / "config.json").read_text())
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{folder} is not a {CHECKPOINT_FORMAT} checkpoint")
+    model = build(meta["arch"], **meta["config"])
+    state = load_file(folder / "model.safetensors")
+    missing, unexpected = set(model.state_dict()) - set(state), set(state) - set(model.state_dict())
+    if missing or unexpected:
+        raise ValueError(f"checkpoint mismatch: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    model.load_state_dict(state, strict=True)
+    return model.to(device).eval()
+
+
+@torch.inference_mode()
+def bits_per_byte(model: LanguageModel, data: np.ndarray, seq_len: int, limit: int) -> float:
+    """Held-out bits per byte over consecutive windows of `seq_len` (+1 target) bytes."""
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    usable = min(limit, len(data) - 1)
+    for start in range(0, usable - 1, seq_len):
+        window = torch.from_numpy(data[start : min(start + seq_len + 1, usable + 1)].astype(np.int64)).to(device)
+        if len(window) < 2:
+            break
+        logits = model(window[None, :-1])[0]
+        total += float(F.cross_entropy(logits.float(), window[1:], reduction="sum"))
+        count += len(window) - 1
+    return total / count / math.log(2)
+
+
+def _lr_factor(step: int, config: LMTrainConfig) -> float:
+    if step < config.warmup:
+        return (step + 1) / config.warmup
+    progress = min(1.0, (step - config.warmup) / max(1, config.steps - config.warmup))
+    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _device(name: str) -> torch.device:
+    return torch.device("cuda" if name == "auto" and torch.cuda.is_available() else "cpu" if name == "auto" else name)
+
+
+def train_lm(config: LMTrainConfig, command: str = "") -> dict[str, Any]:
+    """Train to `config.steps`; returns the final summary (also written to out/summary.json)."""
+    torch.manual_seed(config.seed)
+    device = _device(config.device)
+    train_data, held_out = corpus_bytes(config.corpus_dir)
+    model = build(config.arch, **{"max_seq_len": config.seq_len, **config.model}).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config))
+    rng = np.random.default_rng(config.seed)
+    step, out = 0, config.out
+    out.mkdir(parents=True, exist_ok=True)
+    if config.resume and (out / "trainer.pt").is_file():
+        state = torch.load(out / "trainer.pt", weights_only=False)
+        model.load_state_dict(load_checkpoint(out / "checkpoint").state_dict())
+        optimizer.load_state_dict(state["optimizer"]), scheduler.load_state_dict(state["scheduler"])
+        rng.bit_generator.state, step = state["rng"], state["step"]
+    manifest = {"command": command, "data": f"{config.corpus_dir} training split, {len(train_data)} bytes",
+                "seed": config.seed, "train_config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}}
+    started, tokens, losses = time.time(), 0, []
+    with tqdm(total=config.steps, initial=step, desc=f"train {config.arch}") as bar:
+        while step < config.steps:
+            model.train()
+            for _ in range(config.accumulation):
+                starts = rng.integers(0, len(train_data) - config.seq_len - 1, config.batch_size)
+                batch = torch.from_numpy(np.stack([train_data[s : s + config.seq_len + 1] for s in starts]).astype(np.int64)).to(device)
+                logits = model(batch[:, :-1])
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+                (loss / config.accumulation).backward()
+                tokens += batch[:, :-1].numel()
+                losses.append(float(loss.detach()))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+            optimizer.step(), scheduler.step(), optimizer.zero_grad(set_to_none=True)
+            step += 1
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            bar.update(1)
+            if step % config.checkpoint_every == 0 or step == config.steps:
+                save_checkpoint(model, out / "checkpoint", **manifest, steps=step)
+                torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                            "rng": rng.bit_generator.state, "step": step}, out / "trainer.pt")
+    elapsed = time.time() - started
+    model.eval()
+    summary = {
+        "arch": config.arch,
+        "seed": config.seed,
+        "parameters": model.num_parameters(),
+        "steps": step,
+        "train_loss_last_50": float(np.mean(losses[-50:])) if losses else None,
+        "heldout_bits_per_byte": bits_per_byte(model, held_out, config.seq_len, config.eval_bytes),
+        "train_tokens_per_second": tokens / elapsed if elapsed > 0 else None,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
+    }
+    save_checkpoint(model, out / "checkpoint", **manifest, steps=step, eval=summary)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def default_model_config(**overrides: Any) -> dict[str, Any]:
+    """The small ablation model: ~1.2M parameters, byte vocabulary."""
+    base = LMConfig(vocab_size=256, dim=128, n_layers=4, n_heads=4, window=64, segment_len=16,
+                    compressed_per_segment=4, group_size=32, max_seq_len=512)
+    return {**asdict(base), **overrides}
