@@ -34,8 +34,9 @@ class CacheFormerAttention(LongShortAttention):
             return []
         B, H, Tp, hd = q.shape
         p, G, l = cfg.group_size, Tp // cfg.group_size, cfg.segment_len
-        row_scores = (q.unsqueeze(2) @ k_bar.transpose(-1, -2)).abs().mean(-1) * hd**-0.5  # B, H, S, Tp
-        row_scores = row_scores.transpose(-1, -2)  # B, H, Tp, S
+        S, r = k_bar.shape[2], k_bar.shape[3]
+        flat = (q @ k_bar.reshape(B, H, S * r, hd).transpose(-1, -2)).abs() * hd**-0.5  # B, H, Tp, S*r
+        row_scores = flat.view(B, H, Tp, S, r).mean(-1)  # B, H, Tp, S: magnitude of each segment's r scores
         visible = ends.view(1, -1) < torch.arange(Tp, device=q.device).view(-1, 1)  # Tp, S
         scores = group_scores(row_scores * visible, p)  # B, H, G, S
         indices, valid = select_segments(scores, ends, p, cfg.cache_top_k, cfg.cache_neighbours)

@@ -71,23 +71,28 @@ class LongShortAttention(nn.Module):
         ends: torch.Tensor,
     ) -> torch.Tensor:
         """One softmax per query over its window, the compressed segments ending before it, and
-        whatever `cached_keys` adds."""
+        whatever `cached_keys` adds. Scores are joined, not keys: the compressed keys are shared
+        by every group and never copied per group."""
         cfg = self.config
         B, H, Tp, hd = q.shape
         p, G, r = cfg.group_size, Tp // cfg.group_size, cfg.compressed_per_segment
+        scale = hd**-0.5
         queries = q.view(B, H, G, p, hd)
-        keys = [window_span(k_win, cfg.window, p)]  # B, H, G, p+w-1, hd
-        values = [window_span(v_win, cfg.window, p)]
-        masks = [window_mask(G, p, cfg.window, q.device).expand(B, H, G, p, -1)]
+        k_span, v_span = window_span(k_win, cfg.window, p), window_span(v_win, cfg.window, p)  # B, H, G, p+w-1, hd
+        s_window = (queries @ k_span.transpose(-1, -2)) * scale  # B, H, G, p, p+w-1
+        s_window = s_window.masked_fill(~window_mask(G, p, cfg.window, q.device), float("-inf"))
         S = k_bar.shape[2]
-        keys.append(k_bar.reshape(B, H, 1, S * r, hd).expand(B, H, G, S * r, hd))
-        values.append(v_bar.reshape(B, H, 1, S * r, hd).expand(B, H, G, S * r, hd))
-        masks.append(ends_before_rows(ends.repeat_interleave(r), G, p).expand(B, H, G, p, S * r))
-        for key, value, mask in self.cached_keys(q, k_win, v_win, k_bar, ends):
-            keys.append(key), values.append(value), masks.append(mask)
-        out = F.scaled_dot_product_attention(
-            queries, torch.cat(keys, dim=3), torch.cat(values, dim=3), attn_mask=torch.cat(masks, dim=4)
-        )  # B, H, G, p, hd
+        k_flat, v_flat = k_bar.reshape(B, H, S * r, hd), v_bar.reshape(B, H, S * r, hd)
+        s_long = ((q @ k_flat.transpose(-1, -2)) * scale).view(B, H, G, p, S * r)  # B, H, G, p, S*r
+        s_long = s_long.masked_fill(~ends_before_rows(ends.repeat_interleave(r), G, p), float("-inf"))
+        extra = self.cached_keys(q, k_win, v_win, k_bar, ends)  # [(keys, values, mask) per group]
+        s_extra = [((queries @ k.transpose(-1, -2)) * scale).masked_fill(~m, float("-inf")) for k, _, m in extra]
+        sizes = [s_window.shape[-1], S * r, *(s.shape[-1] for s in s_extra)]
+        weights = torch.softmax(torch.cat([s_window, s_long, *s_extra], dim=-1), dim=-1).split(sizes, dim=-1)
+        out = weights[0] @ v_span  # B, H, G, p, hd
+        out = out + (weights[1].reshape(B, H, Tp, S * r) @ v_flat).view(B, H, G, p, hd)
+        for w_extra, (_, values, _) in zip(weights[2:], extra, strict=True):
+            out = out + w_extra @ values
         return out.reshape(B, H, Tp, hd)
 
     def cached_keys(self, q, k_win, v_win, k_bar, ends):  # noqa: ANN001, ANN201 - CacheFormer's hook

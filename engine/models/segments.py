@@ -99,8 +99,7 @@ def gather_segments(x: torch.Tensor, indices: torch.Tensor, segment_len: int) ->
     """x [B, H, S*l, hd], indices [B, H, G, K'] -> the uncompressed segments [B, H, G, K'*l, hd]."""
     B, H, T, hd = x.shape
     S = T // segment_len
-    segs = x[:, :, : S * segment_len].reshape(B, H, 1, S, segment_len, hd)
     G, K = indices.shape[2], indices.shape[3]
-    index = indices.view(B, H, G, K, 1, 1).expand(B, H, G, K, segment_len, hd)
-    picked = segs.expand(B, H, G, S, segment_len, hd).gather(3, index)  # B, H, G, K', l, hd
-    return picked.reshape(B, H, G, K * segment_len, hd)
+    segs = x[:, :, : S * segment_len].reshape(B, H, S, segment_len * hd)  # one row per segment
+    picked = segs.gather(2, indices.reshape(B, H, G * K, 1).expand(B, H, G * K, segment_len * hd))
+    return picked.view(B, H, G, K * segment_len, hd)

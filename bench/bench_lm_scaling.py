@@ -1,0 +1,83 @@
+"""How cost grows with sequence length: transformer vs long-short vs cacheformer, forward pass.
+
+Each (arch, length) runs in a fresh process so its peak memory is its own: tokens/s (median of
+warm runs) and the peak resident memory added by the forward pass. Ratios are against the
+transformer at the same length, measured in the same run.
+
+    .venv/bin/python bench/bench_lm_scaling.py [--lengths 1024 2048 4096 8192 16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+VARIANTS = {
+    "transformer": ("transformer", {}),
+    "long-short": ("long-short", {}),
+    "cacheformer (overlap, k=7, u=1)": ("cacheformer", {"overlap": True, "cache_top_k": 7, "cache_neighbours": 1}),
+}
+
+
+def measure_one(name: str, length: int, repeats: int) -> dict[str, float]:
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from engine.models import build
+    from engine.training.lm_train import default_model_config
+
+    arch, flags = VARIANTS[name]
+    torch.manual_seed(0)
+    model = build(arch, **default_model_config(max_seq_len=length, **flags)).eval()
+    ids = torch.randint(0, 256, (1, length))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    times = []
+    with torch.inference_mode():
+        model(ids)  # warm-up
+        for _ in range(repeats):
+            started = time.perf_counter()
+            model(ids)
+            times.append(time.perf_counter() - started)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"tokens_per_second": length / statistics.median(times), "added_peak_mib": (peak - before) / 1024}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--one", nargs=2, metavar=("VARIANT", "LENGTH"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure_one(args.one[0], int(args.one[1]), args.repeats)))
+        return
+    results: dict[tuple[str, int], dict[str, float]] = {}
+    for length in args.lengths:
+        for name in VARIANTS:
+            cmd = [sys.executable, __file__, "--one", name, str(length), "--repeats", str(args.repeats)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                results[(name, length)] = {"tokens_per_second": float("nan"), "added_peak_mib": float("nan")}
+                print(f"{name} at {length}: failed: {done.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+                continue
+            results[(name, length)] = json.loads(done.stdout.strip().splitlines()[-1])
+    print("| model | length | tokens/s | vs transformer | added peak memory (MiB) | vs transformer |")
+    print("|---|---|---|---|---|---|")
+    for length in args.lengths:
+        base = results[("transformer", length)]
+        for name in VARIANTS:
+            r = results[(name, length)]
+            print(f"| {name} | {length} | {r['tokens_per_second']:,.0f} | {r['tokens_per_second'] / base['tokens_per_second']:.2f}x | "
+                  f"{r['added_peak_mib']:,.0f} | {r['added_peak_mib'] / max(base['added_peak_mib'], 1e-9):.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
