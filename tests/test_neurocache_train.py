@@ -57,7 +57,7 @@ def test_train_checkpoint_and_resume(tiny_dir, corpus_dir, tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(math.isfinite(r["lm_loss"]) and r["grad_norm"] > 0 for r in records)
     assert records[-1]["gate_abs_mean"] > 0  # the gates opened
-    meta = read_meta(tmp_path / "run" / "adapter")
+    meta = read_meta(tmp_path / "run" / tiny_dir.name)  # named after the model, as serving looks for it
     assert meta["manifest"]["steps"] == 4 and meta["manifest"]["command"] == "test"
     config.steps, config.resume = 6, True
     more = train(config)

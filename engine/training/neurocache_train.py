@@ -100,7 +100,7 @@ class Trainer:
         loaded = load_model(config.model, cache_dir=config.cache_dir, device=config.device, dtype="float32")
         self.model, self.tokenizer, self.device = loaded.model, loaded.tokenizer, loaded.device
         self.model.eval()  # the base is frozen: no dropout
-        adapter = config.out / "adapter"
+        adapter = self.adapter_dir = config.out / loaded.name  # so `longdoc serve --adapter-dir OUT` finds it
         resuming = config.resume and (config.out / "trainer.pt").is_file()
         if resuming:
             self.neurocache = load_adapter(self.model, self.tokenizer, adapter)
@@ -177,7 +177,7 @@ class Trainer:
 
     def save(self, **manifest: Any) -> None:
         out = self.config.out
-        save_adapter(self.neurocache, self.tokenizer, out / "adapter", **manifest)
+        save_adapter(self.neurocache, self.tokenizer, self.adapter_dir, **manifest)
         state = {
             "step": self.step,
             "optimizer": self.optimizer.state_dict(),
