@@ -81,6 +81,8 @@ def perplexity(setup: EvalSetup, *, segment_len: int, capacities: tuple[int, ...
     rows = [_ppl_row("base, local window only", documents, model, segment_len, None)]
     rows.append(_ppl_row(f"base, full attention in {native}-token windows (reference)", documents, model, native, None))
     neurocache = load_adapter(model, tokenizer, adapter)
+    # the adapter's LoRA alone, its cache never filled: separates what the cache adds from fine-tuning
+    rows.append(_ppl_row("base + adapter, cache kept empty", documents, model, segment_len, (neurocache, 0)))
     for capacity in capacities:
         rows.append(_ppl_row(f"base + Neurocache, m = {capacity}", documents, model, segment_len, (neurocache, capacity)))
     return rows
@@ -92,7 +94,7 @@ def _ppl_row(name: str, documents: list[list[int]], model: torch.nn.Module, segm
         cache = None
         if cached is not None:
             neurocache, capacity = cached
-            cache = StateCache(capacity=capacity, dim=neurocache.compressed_dim, device=model.device)
+            cache = StateCache(capacity=max(capacity, 1), dim=neurocache.compressed_dim, device=model.device)
         for start in range(0, len(tokens) - 1, segment_len):
             ids = torch.tensor([tokens[start : start + segment_len]], device=model.device)
             if ids.shape[1] < 2:
@@ -103,7 +105,8 @@ def _ppl_row(name: str, documents: list[list[int]], model: torch.nn.Module, segm
                 with neurocache.attached([cache]) as shared:
                     nll, n = segment_nll(model, ids)
                     compressed = shared.compressed
-                cache.add(compressed[0], document=0)  # retrieve, attend, then append
+                if capacity:
+                    cache.add(compressed[0], document=0)  # retrieve, attend, then append
             total, count = total + nll, count + n
     return {"setting": name, "segment_len": segment_len, "tokens": count, "perplexity": math.exp(total / count)}
 
