@@ -11,7 +11,8 @@ from engine.models.neurocache import NeurocacheConfig
 from engine.models.neurocache_io import read_meta
 from engine.training.corpus import CANTERBURY
 from engine.training.neurocache_data import EpisodeSampler, tokenize_files
-from engine.training.neurocache_train import TrainConfig, lr_factor, train
+from engine.training.neurocache_train import TrainConfig, train
+from engine.training.schedule import lr_factor
 from tests.test_memories import filler
 
 

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from engine.models import build
 from engine.models.lm_common import LanguageModel, LMConfig
 from engine.training.corpus import DEFAULT_DIR, fetch, split
+from engine.training.schedule import lr_factor
 
 CHECKPOINT_FORMAT = "longdoc-lm-v1"
 
@@ -91,13 +92,6 @@ def bits_per_byte(model: LanguageModel, data: np.ndarray, seq_len: int, limit: i
     return total / count / math.log(2)
 
 
-def _lr_factor(step: int, config: LMTrainConfig) -> float:
-    if step < config.warmup:
-        return (step + 1) / config.warmup
-    progress = min(1.0, (step - config.warmup) / max(1, config.steps - config.warmup))
-    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 def _device(name: str) -> torch.device:
     return torch.device("cuda" if name == "auto" and torch.cuda.is_available() else "cpu" if name == "auto" else name)
 
@@ -109,7 +103,7 @@ def train_lm(config: LMTrainConfig, command: str = "") -> dict[str, Any]:
     train_data, held_out = corpus_bytes(config.corpus_dir)
     model = build(config.arch, **{"max_seq_len": config.seq_len, **config.model}).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config.warmup, config.steps, config.min_lr_ratio))
     rng = np.random.default_rng(config.seed)
     step, out = 0, config.out
     out.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,6 @@ accumulation over segments, checkpoints and resume.
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,6 +26,7 @@ from engine.models.neurocache_io import load_adapter, save_adapter
 from engine.state_cache import StateCache
 from engine.training.corpus import DEFAULT_DIR, fetch, split
 from engine.training.neurocache_data import Episode, EpisodeSampler, tokenize_files
+from engine.training.schedule import lr_factor
 
 
 @dataclass
@@ -51,13 +51,6 @@ class TrainConfig:
     checkpoint_every: int = 50
     resume: bool = False
     neurocache: NeurocacheConfig = field(default_factory=lambda: NeurocacheConfig(capacity=16_384))
-
-
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 @dataclass
