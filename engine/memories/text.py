@@ -39,19 +39,25 @@ class _Chunks:
     spans: list[tuple[int, int]]
     texts: list[str]
     tokens: list[int]
+    text_bytes: int = 0  # UTF-8 bytes of `texts`, kept as chunks are added: stats run on every scrape
 
     @classmethod
     def empty(cls) -> _Chunks:
         return cls([], [], [], [])
+
+    def append(self, document_id: str, span: tuple[int, int], text: str, tokens: int) -> None:
+        self.document_ids.append(document_id)
+        self.spans.append(span)
+        self.texts.append(text)
+        self.tokens.append(tokens)
+        self.text_bytes += len(text.encode())
 
     def extend(self, other: _Chunks) -> None:
         self.document_ids += other.document_ids
         self.spans += other.spans
         self.texts += other.texts
         self.tokens += other.tokens
-
-    def text_bytes(self) -> int:
-        return sum(len(t.encode()) for t in self.texts)
+        self.text_bytes += other.text_bytes
 
 
 class TextMemory(Memory):
@@ -79,17 +85,14 @@ class TextMemory(Memory):
         for start in range(0, len(segment.token_ids), step):
             spans = segment.token_spans[start : start + step]
             char_start, char_end = spans[0][0], spans[-1][1]
-            new.document_ids.append(segment.document_id)
-            new.spans.append((char_start, char_end))
-            new.texts.append(text[char_start:char_end])
-            new.tokens.append(len(spans))
+            new.append(segment.document_id, (char_start, char_end), text[char_start:char_end], len(spans))
         if len(self._chunks.texts) + len(chunks.texts) + len(new.texts) > self.options.max_chunks:
             raise BudgetExceededError(f"text memory holds at most {self.options.max_chunks} chunks")
         vectors.append(self._embedder.encode(new.texts))
         chunks.extend(new)
 
     def _bytes(self, chunks: _Chunks) -> int:
-        return len(chunks.texts) * (4 * self._embedder.dim + _CHUNK_OVERHEAD) + chunks.text_bytes()
+        return len(chunks.texts) * (4 * self._embedder.dim + _CHUNK_OVERHEAD) + chunks.text_bytes
 
     def staged_bytes(self) -> int:
         return 0 if self._staged is None else self._bytes(self._staged[2])
@@ -167,5 +170,6 @@ class TextMemory(Memory):
             spans=[(int(a), int(b)) for a, b in np.asarray(state["chunk_spans"]).reshape(-1, 2)],
             texts=list(state["chunk_texts"]),
             tokens=[int(t) for t in state["chunk_tokens"]],
+            text_bytes=sum(len(t.encode()) for t in state["chunk_texts"]),
         )
         self._index.add(self._vectors)
