@@ -9,7 +9,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +146,10 @@ class Engine:
         return self._models[name]
 
     # ---- models and sessions ---------------------------------------------------------------
+
+    def tokenizer(self, model: str | None = None) -> Any:
+        """The tokenizer of a loaded model (the first by default)."""
+        return self._runtime(model).loaded.tokenizer
 
     def list_models(self) -> list[ModelInfo]:
         return [runtime.info() for runtime in self._models.values()]
@@ -310,7 +314,3 @@ class Engine:
         async for event in runtime.worker.iterate(steps):
             yield event
 
-
-def default_params(config: EngineConfig, **overrides: Any) -> GenerationParams:
-    base = GenerationParams(max_tokens=config.generation.default_max_tokens)
-    return replace(base, **{k: v for k, v in overrides.items() if v is not None})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,7 +103,3 @@ def make_client(tiny_dir: Path):
 def client(make_client) -> Iterator[TestClient]:
     yield make_client()
 
-
-def copy_model(source: Path, target: Path) -> Path:
-    shutil.copytree(source, target)
-    return target

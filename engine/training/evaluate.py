@@ -170,7 +170,7 @@ def passkey(
     rng = random.Random(seed)
 
     async def body(engine: Engine) -> list[dict[str, Any]]:
-        tokenizer = engine._runtime(None).loaded.tokenizer
+        tokenizer = engine.tokenizer()
         rows = []
         for memory in memories:
             for length in lengths:
