@@ -78,7 +78,7 @@ def test_selection_never_picks_a_segment_ending_inside_or_after_the_group():
     scores = torch.rand(1, 1, 8, S) + 1.0  # even if later segments score highest
     scores[..., -3:] = 100.0
     for u in (1, 2, 3):
-        indices, valid = select_segments(scores, ends, p, top_k=3, neighbours=u)
+        indices, valid = select_segments(scores, ends, torch.arange(8) * p, top_k=3, neighbours=u)
         for g in range(8):
             picked = indices[0, 0, g][valid[0, 0, g]].tolist()
             assert all(int(ends[s]) < g * p for s in picked), (g, picked)

@@ -39,7 +39,8 @@ class CacheFormerAttention(LongShortAttention):
         row_scores = flat.view(B, H, Tp, S, r).mean(-1)  # B, H, Tp, S: magnitude of each segment's r scores
         visible = ends.view(1, -1) < torch.arange(Tp, device=q.device).view(-1, 1)  # Tp, S
         scores = group_scores(row_scores * visible, p)  # B, H, G, S
-        indices, valid = select_segments(scores, ends, p, cfg.cache_top_k, cfg.cache_neighbours)
+        starts = torch.arange(G, device=q.device) * p
+        indices, valid = select_segments(scores, ends, starts, cfg.cache_top_k, cfg.cache_neighbours)
         keys = gather_segments(k_win, indices, l)  # B, H, G, K'*l, hd
         values = gather_segments(v_win, indices, l)
         mask = valid.repeat_interleave(l, dim=-1).unsqueeze(3).expand(B, H, G, p, -1)

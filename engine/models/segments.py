@@ -70,15 +70,15 @@ def group_scores(row_scores: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def select_segments(
-    scores: torch.Tensor, ends: torch.Tensor, group_size: int, top_k: int, neighbours: int
+    scores: torch.Tensor, ends: torch.Tensor, starts: torch.Tensor, top_k: int, neighbours: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k segments per group plus neighbours, only among segments ending before the group starts.
 
-    scores [B, H, G, S] (>= 0), ends [S] -> indices and validity [B, H, G, k*u]; duplicates and
-    segments that do not end before the group are marked invalid (never a future one).
+    scores [B, H, G, S] (>= 0), ends [S], starts [G] (each group's first position) -> indices and
+    validity [B, H, G, k*u]; duplicates and segments that do not end before the group are marked
+    invalid (never a future one).
     """
     B, H, G, S = scores.shape
-    starts = torch.arange(G, device=scores.device) * group_size  # G
     allowed = ends.view(1, -1) < starts.view(-1, 1)  # G, S
     masked = scores.masked_fill(~allowed, float("-inf"))
     k = min(top_k, S)

@@ -1,0 +1,79 @@
+"""Streaming the Long-Short and CacheFormer LMs chunk by chunk equals one forward pass; rollback
+forgets exactly what was fed after the mark."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models import build
+from engine.models.lm_stream import StreamState, feed
+
+SMALL = dict(vocab_size=50, dim=16, n_layers=2, n_heads=2, max_seq_len=128, window=6, segment_len=4,
+             compressed_per_segment=2)
+VARIANTS = {
+    "long-short": ("long-short", {}),
+    "cf-overlap": ("cacheformer", {"overlap": True}),
+    "cf-cache-p4": ("cacheformer", {"cache_top_k": 2, "group_size": 4}),
+    "cf-cache-p1-u3": ("cacheformer", {"cache_top_k": 2, "group_size": 1, "cache_neighbours": 3}),
+    "cf-both-p8": ("cacheformer", {"overlap": True, "cache_top_k": 3, "group_size": 8, "cache_neighbours": 3}),
+}
+CHUNKINGS = {"one-by-one": [1] * 70, "ragged": [3, 1, 7, 16, 2, 9, 5, 27], "whole": [70]}
+
+
+def model_for(name: str, seed: int = 0):
+    arch, flags = VARIANTS[name]
+    torch.manual_seed(seed)
+    return build(arch, **{**SMALL, **flags}).eval()
+
+
+def streamed(model, ids: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    state, out, at = StreamState(model), [], 0
+    for size in sizes:
+        out.append(feed(model, state, ids[at : at + size]))
+        at += size
+    assert at == len(ids) and state.length == len(ids)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("chunking", list(CHUNKINGS))
+def test_streaming_in_chunks_equals_one_pass(name, chunking):
+    model = model_for(name)
+    ids = torch.randint(0, 50, (70,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids[None])[0]
+    torch.testing.assert_close(streamed(model, ids, CHUNKINGS[chunking]), full, rtol=1e-4, atol=1e-4)
+
+
+def test_stream_goes_past_the_training_length():
+    model = model_for("cf-both-p8")
+    ids = torch.randint(0, 50, (300,), generator=torch.Generator().manual_seed(2))  # max_seq_len is 128
+    with pytest.raises(ValueError, match="at most 128"):
+        model(ids[None])
+    logits = streamed(model, ids, [100, 100, 100])
+    assert logits.shape == (300, 50) and torch.isfinite(logits).all()
+    torch.testing.assert_close(logits[:128], model(ids[None, :128])[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["long-short", "cf-both-p8"])
+def test_rollback_forgets_what_was_fed_after_the_mark(name):
+    model = model_for(name)
+    gen = torch.Generator().manual_seed(3)
+    prefix, detour, suffix = (torch.randint(0, 50, (n,), generator=gen) for n in (37, 23, 11))
+    state = StreamState(model)
+    feed(model, state, prefix)
+    mark, size = state.mark(), state.nbytes
+    feed(model, state, detour)
+    assert state.nbytes > size
+    state.rollback(mark)
+    assert state.length == 37 and state.nbytes == size
+    after = feed(model, state, suffix)
+    expected = model(torch.cat([prefix, suffix])[None])[0, 37:]
+    torch.testing.assert_close(after, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_plain_transformer_is_refused():
+    model = build("transformer", **SMALL)
+    with pytest.raises(ValueError, match="only long-short and cacheformer"):
+        feed(model, StreamState.__new__(StreamState), [1, 2])
