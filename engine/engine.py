@@ -28,7 +28,7 @@ from engine.interface import (
     Retrieval,
     SessionInfo,
 )
-from engine.memories import MEMORIES, ContextPiece, MemoryContext, build_memory
+from engine.memories import MEMORIES, ContextPiece, MemoryContext, StreamMemory, build_memory
 from engine.memories.neurocache import NeurocacheMemory
 from engine.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.models.neurocache import Neurocache
@@ -51,7 +51,8 @@ class ModelRuntime:
 
     @property
     def memories(self) -> tuple[str, ...]:
-        return tuple(kind for kind in MEMORIES if kind != "neurocache" or self.neurocache is not None)
+        usable = {"neurocache": self.neurocache is not None, "stream": self.loaded.streaming}
+        return tuple(kind for kind in MEMORIES if usable.get(kind, True))
 
     def info(self) -> ModelInfo:
         return ModelInfo(
@@ -95,7 +96,7 @@ class Engine:
             if loaded.name in self._models:
                 raise ValueError(f"two models are named {loaded.name!r}; serve each folder once")
             worker = SerialWorker(f"model:{loaded.name}", self.config.generation.max_queue)
-            neurocache = self._find_adapter(loaded)
+            neurocache = None if loaded.streaming else self._find_adapter(loaded)
             stop = StopTokens.of(loaded.model, loaded.tokenizer)
             self._models[loaded.name] = ModelRuntime(loaded, worker, stop, neurocache)
             log.info("loaded model %s (%s, %s on %s)", loaded.name, loaded.architecture, loaded.dtype, loaded.device)
@@ -156,13 +157,21 @@ class Engine:
 
     def create_session(self, model: str | None, memory: str | None, options: dict[str, Any]) -> SessionInfo:
         runtime = self._runtime(model)
-        context = MemoryContext(tokenizer=runtime.loaded.tokenizer, embedder=self._embedder, neurocache=runtime.neurocache)
+        loaded = runtime.loaded
+        context = MemoryContext(
+            tokenizer=loaded.tokenizer,
+            embedder=self._embedder,
+            neurocache=runtime.neurocache,
+            stream_model=loaded.model if loaded.streaming else None,
+        )
         memory_obj = build_memory(memory or self._default_memory(runtime), context, options)
         return self.sessions.create(runtime.loaded.name, memory_obj, dict(options)).info()
 
     def _default_memory(self, runtime: ModelRuntime) -> str:
         if self.config.default_memory != "auto":
             return self.config.default_memory
+        if runtime.loaded.streaming:
+            return "stream"
         return "neurocache" if runtime.neurocache is not None else "text"
 
     def _memory_worker(self, session: Session) -> SerialWorker:
@@ -185,7 +194,7 @@ class Engine:
         """Forget every document of the session; runs on the worker that reads the memory."""
         session = self.sessions.get(session_id)
         if session.ingest_lock.locked():
-            raise InvalidRequestError(f"session {session_id} is ingesting a document; clear it afterwards")
+            raise InvalidRequestError(f"session {session_id} is ingesting a document or answering; clear it afterwards")
         await self._memory_worker(session).run(session.memory.reset)
         session.documents.clear()
         return session.memory.stats()
@@ -264,6 +273,8 @@ class Engine:
             prompt_ids = await asyncio.to_thread(render, tokenizer, messages)
             self._check_context(runtime, len(prompt_ids), params)
             events = self._generate(runtime, prompt_ids, params)
+        elif isinstance(session.memory, StreamMemory):
+            events = self._stream_events(runtime, session, session.memory, messages, params)
         else:
             overhead = await asyncio.to_thread(overhead_tokens, tokenizer, messages[:-1], messages[-1]["content"])
             self._check_context(runtime, overhead, params)
@@ -298,6 +309,23 @@ class Engine:
                 step_context = functools.partial(runtime.neurocache.active, binding)  # type: ignore[union-attr]
             async for event in self._generate(runtime, prompt_ids, params, step_context):
                 yield event
+        finally:
+            session.busy -= 1
+            session.last_used_at = time.time()
+
+    async def _stream_events(
+        self, runtime: ModelRuntime, session: Session, memory: StreamMemory, messages: Messages, params: GenerationParams
+    ) -> AsyncIterator[GenerationEvent]:
+        """Generate after the session's documents, in the model's own state. Answering feeds that
+        state (and rolls it back), so it waits for ingestion and other answers of the session."""
+        session.busy += 1
+        try:
+            async with session.ingest_lock:
+                yield Retrieval(memory.kind, (), 0.0)
+                prompt_ids = await asyncio.to_thread(render, runtime.loaded.tokenizer, messages)
+                steps = memory.answer_steps(runtime.loaded.tokenizer, prompt_ids, params, runtime.stop_tokens)
+                async for event in runtime.worker.iterate(steps):
+                    yield event
         finally:
             session.busy -= 1
             session.last_used_at = time.time()

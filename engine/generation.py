@@ -100,24 +100,42 @@ def generate_steps(
     stop_tokens: StopTokens,
     step_context: Callable[[], AbstractContextManager[object]] | None = None,
 ) -> Iterator[TokenDelta | GenerationDone]:
+    """`decode_steps` on a Hugging Face model: its own KV cache carries state between steps, so
+    each step costs one token. `step_context` wraps every forward pass (a Neurocache session
+    attaches its cache with it)."""
+    cache = DynamicCache()
+    device = model.device
+
+    def forward(ids: list[int]) -> torch.Tensor:
+        with step_context() if step_context is not None else nullcontext():
+            out = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1]
+
+    yield from decode_steps(forward, tokenizer, prompt_ids, params, stop_tokens)
+
+
+@torch.inference_mode()
+def decode_steps(
+    forward: Callable[[list[int]], torch.Tensor],
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids: list[int],
+    params: GenerationParams,
+    stop_tokens: StopTokens,
+) -> Iterator[TokenDelta | GenerationDone]:
     """A blocking generator: prefill, then one decode step per `next()`, yielding text deltas.
 
-    The model's own KV cache carries state between steps, so each step costs one token.
-    `step_context` wraps every forward pass (a Neurocache session attaches its cache with it).
+    `forward(ids)` runs `ids` after everything it was given before and returns the last position's
+    logits [V]; it owns whatever state carries between calls.
     """
     started = time.perf_counter()
-    device = model.device
     generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     assembler = TextAssembler(tokenizer, params.stop)
-    cache = DynamicCache()
-    input_ids = torch.tensor([prompt_ids], device=device)
+    ids = list(prompt_ids)
     ttft = 0.0
     finish_reason = "length"
     produced = 0
     for produced in range(1, params.max_tokens + 1):
-        with step_context() if step_context is not None else nullcontext():
-            out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        token = sample_next(out.logits[0, -1].float().cpu(), params, generator)
+        token = sample_next(forward(ids).float().cpu(), params, generator)
         if produced == 1:
             ttft = time.perf_counter() - started
         if token in stop_tokens.ids:
@@ -129,7 +147,7 @@ def generate_steps(
         if assembler.stopped:
             finish_reason = "stop"
             break
-        input_ids = torch.tensor([[token]], device=device)
+        ids = [token]
     tail = assembler.flush()
     if tail:
         yield TokenDelta(tail)

@@ -11,7 +11,7 @@ class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(None, description="a name from GET /v1/models; defaults to the first")
-    memory: str | None = Field(None, description="'truncate' or 'text'; defaults to the server's default")
+    memory: str | None = Field(None, description="'truncate', 'text', 'neurocache' (models with an adapter) or 'stream' (CacheFormer/Long-Short checkpoints); defaults to the server's default")
     options: dict[str, Any] = Field(default_factory=dict, description="memory options, e.g. {'top_k': 4}")
 
 

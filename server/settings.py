@@ -26,7 +26,8 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     model: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: [DEFAULT_MODEL],
-        description=f"{DEFAULT_MODEL!r} or a local Hugging Face model folder; repeat to serve several "
+        description=f"{DEFAULT_MODEL!r}, a local Hugging Face model folder or a `longdoc train lm` checkpoint folder; "
+        "repeat to serve several "
         "(env: comma-separated); the first is the default",
     )
     device: str = "auto"
@@ -42,7 +43,7 @@ class Settings(BaseSettings):
     max_queue: int = Field(16, gt=0, description="requests admitted per model worker before 429")
     max_new_tokens: int = Field(1024, gt=0)
     default_max_tokens: int = Field(256, gt=0)
-    default_memory: str = Field("auto", description="'auto' (neurocache where the model has an adapter, else text), 'text', 'truncate' or 'neurocache'")
+    default_memory: str = Field("auto", description="'auto' (stream for a CacheFormer/Long-Short checkpoint, neurocache where the model has an adapter, else text), 'text', 'truncate', 'neurocache' or 'stream'")
     adapter_dir: Annotated[list[Path], NoDecode] = Field(
         default_factory=list,
         description="extra folders searched for <model name>/adapter.json (Neurocache adapters), before the shipped ones",

@@ -77,3 +77,15 @@ def test_a_plain_transformer_is_refused():
     model = build("transformer", **SMALL)
     with pytest.raises(ValueError, match="only long-short and cacheformer"):
         feed(model, StreamState.__new__(StreamState), [1, 2])
+
+
+def test_saved_state_restores_to_the_same_continuation():
+    model = model_for("cf-both-p8")
+    gen = torch.Generator().manual_seed(4)
+    prefix, suffix = torch.randint(0, 50, (45,), generator=gen), torch.randint(0, 50, (9,), generator=gen)
+    state = StreamState(model)
+    feed(model, state, prefix)
+    restored = StreamState(model)
+    restored.load_state_dict(state.state_dict())
+    assert restored.length == 45 and restored.nbytes == state.nbytes
+    torch.testing.assert_close(feed(model, restored, suffix), feed(model, state, suffix), rtol=0, atol=0)

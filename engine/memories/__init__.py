@@ -7,10 +7,11 @@ from typing import Any
 from engine.errors import InvalidRequestError
 from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment
 from engine.memories.neurocache import NeurocacheMemory
+from engine.memories.stream import StreamMemory
 from engine.memories.text import TextMemory
 from engine.memories.truncate import TruncateMemory
 
-MEMORIES: dict[str, type[Memory]] = {cls.kind: cls for cls in (TruncateMemory, TextMemory, NeurocacheMemory)}
+MEMORIES: dict[str, type[Memory]] = {cls.kind: cls for cls in (TruncateMemory, TextMemory, NeurocacheMemory, StreamMemory)}
 
 
 def build_memory(kind: str, context: MemoryContext, options: dict[str, Any]) -> Memory:
@@ -22,4 +23,4 @@ def build_memory(kind: str, context: MemoryContext, options: dict[str, Any]) -> 
         raise InvalidRequestError(str(exc)) from exc
 
 
-__all__ = ["MEMORIES", "ContextPiece", "Memory", "MemoryContext", "Segment", "build_memory"]
+__all__ = ["MEMORIES", "ContextPiece", "Memory", "MemoryContext", "Segment", "StreamMemory", "build_memory"]

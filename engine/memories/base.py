@@ -43,6 +43,7 @@ class MemoryContext:
     tokenizer: PreTrainedTokenizerBase
     embedder: Embedder | None = None
     neurocache: Any = None  # engine.models.neurocache.Neurocache when the model has an adapter
+    stream_model: Any = None  # engine.models.lm_common.LanguageModel when the model streams (Long-Short, CacheFormer)
 
 
 @dataclass(frozen=True)

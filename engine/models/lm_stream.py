@@ -45,6 +45,9 @@ class Growable:
         self.data[:, self.n : self.n + m] = x
         self.n += m
 
+    def replace(self, x: torch.Tensor) -> None:
+        self.data, self.n = x.clone(), x.shape[1]
+
     def view(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         return self.data[:, start : self.n if stop is None else stop]
 
@@ -69,6 +72,21 @@ class LayerState:
 
     def growables(self) -> tuple[Growable, ...]:
         return self.window_k, self.window_v, self.long_k, self.long_v, self.overlap_k, self.overlap_v
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        named = {name: g.view().clone() for name, g in zip(GROWABLE_NAMES, self.growables(), strict=True)}
+        return {**named, "raw_k": self.raw_k.clone(), "raw_v": self.raw_v.clone(), "previous_sum": self.previous_sum.clone(),
+                "current_sum": self.current_sum.clone(), "raw_start": torch.tensor(self.raw_start)}
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, g in zip(GROWABLE_NAMES, self.growables(), strict=True):
+            g.replace(tensors[name])
+        self.raw_k, self.raw_v = tensors["raw_k"].clone(), tensors["raw_v"].clone()
+        self.previous_sum, self.current_sum = tensors["previous_sum"].clone(), tensors["current_sum"].clone()
+        self.raw_start = int(tensors["raw_start"])
+
+
+GROWABLE_NAMES = ("window_k", "window_v", "long_k", "long_v", "overlap_k", "overlap_v")
 
 
 @dataclass(frozen=True)
@@ -107,6 +125,17 @@ class StreamState:
             for s in self.layers
         )
         return Mark(self.length, layers)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the state under flat names (safetensors-ready), plus its length."""
+        flat = {f"{i}.{name}": t for i, layer in enumerate(self.layers) for name, t in layer.tensors().items()}
+        return {**flat, "length": torch.tensor(self.length)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for i, layer in enumerate(self.layers):
+            prefix = f"{i}."
+            layer.load({k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)})
+        self.length = int(state["length"])
 
     def rollback(self, mark: Mark) -> None:
         """Forget everything fed since `mark` (tensors are replaced, never written in place, so the

@@ -18,6 +18,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.config import DEFAULT_MODEL
+from engine.models.byte_tokenizer import ByteTokenizer
+from engine.models.lm_io import is_checkpoint, load_checkpoint
+from engine.models.lm_stream import check_streamable
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +37,9 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     device: torch.device
     dtype: torch.dtype
-
-    @property
-    def context_len(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 2048))
-
-    @property
-    def architecture(self) -> str:
-        return str(self.model.config.model_type)
+    architecture: str
+    context_len: int
+    streaming: bool = False  # a from-scratch Long-Short/CacheFormer LM: sessions stream documents through it
 
 
 def wheel_dir(package: str) -> Path:
@@ -110,7 +108,9 @@ def _model_path(source: str, cache_dir: Path) -> tuple[str, Path]:
         return DEFAULT_MODEL, default_model_dir(cache_dir)
     path = Path(source).expanduser()
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{source!r} is neither {DEFAULT_MODEL!r} nor a local Hugging Face model folder")
+        raise FileNotFoundError(
+            f"{source!r} is neither {DEFAULT_MODEL!r}, a local Hugging Face model folder nor a longdoc LM checkpoint"
+        )
     return path.resolve().name, path
 
 
@@ -118,16 +118,32 @@ def load_model(source: str, *, cache_dir: Path, device: str = "auto", dtype: str
     """Load one causal LM and its tokenizer, ready for inference.
 
     Args:
-        source: `DEFAULT_MODEL` or a path to a local Hugging Face model folder.
+        source: `DEFAULT_MODEL`, a path to a local Hugging Face model folder, or a folder holding a
+            longdoc Long-Short/CacheFormer checkpoint (`longdoc train lm`).
         cache_dir: where converted models are kept.
         device: "auto", "cpu", "cuda" or "cuda:N".
         dtype: "auto" (bfloat16 where the hardware is fast at it, else float32) or a torch dtype name.
     """
     name, path = _model_path(source, cache_dir)
     torch_device = resolve_device(device)
+    if is_checkpoint(path):
+        return _load_streaming_lm(name, source, path, torch_device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(torch_device).eval()
     if tokenizer.chat_template is None:
         raise ValueError(f"model {name!r} has no chat template; longdoc needs an instruct/chat model")
-    return LoadedModel(name=name, source=source, model=model, tokenizer=tokenizer, device=torch_device, dtype=torch_dtype)
+    return LoadedModel(
+        name=name, source=source, model=model, tokenizer=tokenizer, device=torch_device, dtype=torch_dtype,
+        architecture=str(model.config.model_type), context_len=int(getattr(model.config, "max_position_embeddings", 2048)),
+    )
+
+
+def _load_streaming_lm(name: str, source: str, path: Path, device: torch.device) -> LoadedModel:
+    """A byte-level Long-Short or CacheFormer checkpoint, kept in float32 (it was trained in it)."""
+    model = load_checkpoint(path, device)
+    check_streamable(model)
+    return LoadedModel(
+        name=name, source=source, model=model, tokenizer=ByteTokenizer(), device=device, dtype=torch.float32,  # type: ignore[arg-type]
+        architecture=model.arch, context_len=model.config.max_seq_len, streaming=True,
+    )

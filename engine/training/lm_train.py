@@ -17,15 +17,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from engine.models import build
 from engine.models.lm_common import LanguageModel, LMConfig
+from engine.models.lm_io import load_checkpoint, save_checkpoint
 from engine.training.corpus import DEFAULT_DIR, fetch, split
 from engine.training.schedule import lr_factor
 
-CHECKPOINT_FORMAT = "longdoc-lm-v1"
 
 
 @dataclass
@@ -53,27 +52,6 @@ def corpus_bytes(corpus_dir: Path) -> tuple[np.ndarray, np.ndarray]:
     train_files, held_out = split(fetch(corpus_dir))
     as_bytes = lambda files: np.frombuffer(b"\n".join(f.read_bytes() for f in files), dtype=np.uint8)  # noqa: E731
     return as_bytes(train_files), as_bytes(held_out)
-
-
-def save_checkpoint(model: LanguageModel, folder: Path, **manifest: Any) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous().cpu() for k, v in model.state_dict().items()}, folder / "model.safetensors")
-    meta = {"format": CHECKPOINT_FORMAT, "arch": model.arch, "config": model.config.to_dict(), "manifest": manifest}
-    (folder / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
-
-
-def load_checkpoint(folder: Path, device: str | torch.device = "cpu") -> LanguageModel:
-    """Strict: the architecture is rebuilt from the JSON and every tensor must match it exactly."""
-    meta = json.loads((folder / "config.json").read_text())
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{folder} is not a {CHECKPOINT_FORMAT} checkpoint")
-    model = build(meta["arch"], **meta["config"])
-    state = load_file(folder / "model.safetensors")
-    missing, unexpected = set(model.state_dict()) - set(state), set(state) - set(model.state_dict())
-    if missing or unexpected:
-        raise ValueError(f"checkpoint mismatch: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    model.load_state_dict(state, strict=True)
-    return model.to(device).eval()
 
 
 @torch.inference_mode()

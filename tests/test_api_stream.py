@@ -1,0 +1,99 @@
+"""A CacheFormer checkpoint served through the API: sessions stream documents through the model's
+own segment cache, and answers continue from it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models import build
+from engine.models.byte_tokenizer import ByteTokenizer
+from engine.models.lm_io import save_checkpoint
+from engine.models.lm_stream import StreamState, feed
+from tests.conftest import FIXTURES
+
+TEXT = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")[:3000]  # longer than max_seq_len
+CONFIG = dict(vocab_size=256, dim=32, n_layers=2, n_heads=2, max_seq_len=256, window=32, segment_len=8,
+              compressed_per_segment=2, group_size=16, overlap=True, cache_top_k=3, cache_neighbours=1)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    model = build("cacheformer", **CONFIG)
+    with torch.no_grad():
+        model.embed.weight.mul_(5.0)  # logits wide enough that sampled answers follow the context
+    folder = tmp_path_factory.mktemp("lm") / "tiny-cacheformer"
+    save_checkpoint(model, folder, note="random weights, for tests")
+    return folder
+
+
+@pytest.fixture
+def lm_client(make_client, checkpoint, tiny_dir):
+    return make_client(model=[str(checkpoint), str(tiny_dir)], segment_len=512)
+
+
+def greedy(model, context: str, question: str, n: int) -> str:
+    """The answer computed directly: documents, a blank line, the question as the template renders it."""
+    tokenizer, state = ByteTokenizer(), StreamState(model)
+    feed(model, state, tokenizer(context)["input_ids"])
+    prompt = tokenizer("\n\n" + tokenizer.apply_chat_template([{"role": "user", "content": question}]))["input_ids"]
+    logits, out = feed(model, state, prompt)[-1], []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = feed(model, state, out[-1:])[-1]
+    return tokenizer.decode(out)
+
+
+def test_checkpoint_is_listed_with_the_stream_memory(lm_client, checkpoint, tiny_dir):
+    models = {m["id"]: m for m in lm_client.get("/v1/models").json()["data"]}
+    lm = models[checkpoint.name]
+    assert lm["architecture"] == "cacheformer" and lm["context_length"] == 256
+    assert "stream" in lm["memories"] and "neurocache" not in lm["memories"]
+    assert "stream" not in models[tiny_dir.name]["memories"]
+    session = lm_client.post("/v1/sessions", json={"model": checkpoint.name}).json()
+    assert session["memory"] == "stream"
+    refused = lm_client.post("/v1/sessions", json={"model": tiny_dir.name, "memory": "stream"})
+    assert refused.status_code == 400 and "CacheFormer" in refused.json()["error"]["message"]
+
+
+def test_ingest_and_ask_continue_from_the_streamed_document(lm_client, checkpoint):
+    session = lm_client.post("/v1/sessions", json={"model": checkpoint.name}).json()["id"]
+    doc = lm_client.post(f"/v1/sessions/{session}/documents", json={"text": TEXT}).json()
+    assert doc["tokens"] == len(TEXT.encode()) and doc["segments"] == 6
+    cache = lm_client.get(f"/v1/sessions/{session}/cache").json()
+    assert cache["entries"] == doc["tokens"] and cache["bytes"] > 0
+    body = {"question": "Who was sitting by her sister?", "max_tokens": 12}
+    answer = lm_client.post(f"/v1/sessions/{session}/ask", json=body).json()
+    model = lm_client.app.state.engine._models[checkpoint.name].loaded.model
+    assert answer["answer"] == greedy(model, TEXT, body["question"], 12)
+    shorter = lm_client.post("/v1/sessions", json={"model": checkpoint.name}).json()["id"]
+    lm_client.post(f"/v1/sessions/{shorter}/documents", json={"text": TEXT[:1500]})
+    sampled = {**body, "temperature": 1.0, "seed": 0, "max_tokens": 32}
+    answers = [lm_client.post(f"/v1/sessions/{s}/ask", json=sampled).json()["answer"] for s in (session, shorter)]
+    assert answers[0] != answers[1]  # the document's second half changes what the model says
+    assert lm_client.get(f"/v1/sessions/{session}/cache").json() == cache  # answering left the state as it was
+    again = lm_client.post(f"/v1/sessions/{session}/ask", json={**body, "stream": True}).text
+    assert "event: retrieval" in again and "event: delta" in again and "event: done" in again
+
+
+def test_failed_ingestion_rolls_the_stream_back(lm_client, checkpoint):
+    session = lm_client.post("/v1/sessions", json={"model": checkpoint.name}).json()["id"]
+    lm_client.post(f"/v1/sessions/{session}/documents", json={"text": TEXT[:700]})
+    before = lm_client.get(f"/v1/sessions/{session}/cache").json()
+    memory = lm_client.app.state.engine.sessions.get(session).memory
+    saved = memory.state.state_dict()
+    original, calls = memory.add_segment, []
+
+    def failing(segment):
+        calls.append(segment.index)
+        if len(calls) == 3:
+            raise RuntimeError("disk on fire")
+        original(segment)
+
+    memory.add_segment = failing
+    response = lm_client.post(f"/v1/sessions/{session}/documents?stream=true", json={"text": TEXT})
+    assert "event: error" in response.text
+    assert lm_client.get(f"/v1/sessions/{session}/cache").json() == before
+    after = memory.state.state_dict()
+    assert after.keys() == saved.keys() and all(torch.equal(after[k], saved[k]) for k in saved)
