@@ -7,6 +7,12 @@ from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent / "adapters"
+SHIPPED_CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"  # from-scratch LMs, served by folder name
+
+
+def shipped_checkpoints() -> list[str]:
+    """Names of the from-scratch LM checkpoints shipped with longdoc (`--model NAME` serves one)."""
+    return sorted(p.name for p in SHIPPED_CHECKPOINTS.glob("*/config.json") for p in [p.parent])
 
 
 def _require(condition: bool, message: str) -> None:

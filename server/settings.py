@@ -16,6 +16,8 @@ from engine.config import (
     ModelSpec,
     SessionLimits,
     SHIPPED_ADAPTERS,
+    SHIPPED_CHECKPOINTS,
+    shipped_checkpoints,
 )
 
 
@@ -61,8 +63,12 @@ class Settings(BaseSettings):
     @classmethod
     def _check_models(cls, value: list[str]) -> list[str]:
         for source in value:
-            if source != DEFAULT_MODEL and not (Path(source).expanduser() / "config.json").is_file():
-                raise ValueError(f"{source!r} is neither {DEFAULT_MODEL!r} nor a folder with a config.json")
+            shipped = "/" not in source and (SHIPPED_CHECKPOINTS / source / "config.json").is_file()
+            if source != DEFAULT_MODEL and not shipped and not (Path(source).expanduser() / "config.json").is_file():
+                raise ValueError(
+                    f"{source!r} is neither {DEFAULT_MODEL!r}, a shipped checkpoint ({', '.join(shipped_checkpoints())}) "
+                    "nor a folder with a config.json"
+                )
         return value
 
     def engine_config(self) -> EngineConfig:

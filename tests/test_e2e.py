@@ -35,7 +35,8 @@ def free_port() -> int:
 def server(default_dir):
     port = free_port()
     env = {**os.environ, "LONGDOC_CACHE_DIR": str(CACHE_DIR), "LONGDOC_API_KEY": "e2e-key", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "clients.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "clients.cli", "serve", "--port", str(port), "--log-level", "warning",
+           "--model", "smollm2-135m-instruct", "--model", "cacheformer-bytes"]
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -151,3 +152,26 @@ async def test_async_client_streams_the_same_answer(server, session):
     assert names[0] == "retrieval" and names[-1] == "done" and names.count("delta") > 3
     assert all(name in plain["answer"] for name in ANSWER_NAMES), plain["answer"]
     assert info["documents"][0]["name"] == "alice"
+
+
+def test_cli_asks_the_shipped_cacheformer_through_the_server(server, tmp_path):
+    """`longdoc ingest` and `longdoc ask` on the shipped CacheFormer checkpoint: the streamed answer
+    is the model's greedy continuation after the whole document, computed here directly."""
+    from engine.config import SHIPPED_CHECKPOINTS
+    from engine.models.lm_io import load_checkpoint
+    from tests.test_api_stream import greedy
+
+    text = BOOK.read_text(encoding="utf-8")[:5000]  # ten times the model's 512-byte training length
+    (tmp_path / "alice.txt").write_text(text, encoding="utf-8")
+    env = {**os.environ, "LONGDOC_URL": server, "LONGDOC_API_KEY": "e2e-key"}
+    cli = [sys.executable, "-m", "clients.cli"]
+    ingested = subprocess.run([*cli, "ingest", str(tmp_path / "alice.txt"), "--model", "cacheformer-bytes"],
+                              env=env, capture_output=True, text=True, timeout=300)
+    assert ingested.returncode == 0, ingested.stderr
+    session_id = ingested.stdout.split()[1].rstrip(":")
+    assert LongdocClient(server, api_key="e2e-key").session(session_id)["memory"] == "stream"
+    asked = subprocess.run([*cli, "ask", "Alice was", "--session", session_id, "--max-tokens", "24"],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert asked.returncode == 0, asked.stderr
+    expected = greedy(load_checkpoint(SHIPPED_CHECKPOINTS / "cacheformer-bytes"), text, "Alice was", 24)
+    assert asked.stdout.rstrip("\n") == expected.rstrip("\n") and expected.strip()

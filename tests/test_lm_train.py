@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +53,16 @@ def test_strict_loading(corpus_dir, tmp_path):
     (folder / "config.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="not a"):
         load_checkpoint(folder)
+
+
+def test_the_shipped_cacheformer_loads_by_name_and_stays_small():
+    from engine.config import SHIPPED_CHECKPOINTS
+    from engine.models.loader import load_model
+
+    folder = SHIPPED_CHECKPOINTS / "cacheformer-bytes"
+    assert sum(f.stat().st_size for f in folder.iterdir()) <= 10 * 2**20
+    loaded = load_model("cacheformer-bytes", cache_dir=Path("/nonexistent"), device="cpu")
+    assert loaded.streaming and loaded.architecture == "cacheformer" and loaded.context_len == 512
+    manifest = json.loads((folder / "config.json").read_text())["manifest"]
+    assert manifest["command"].startswith("longdoc train lm") and manifest["seed"] == 0
+    assert manifest["steps"] == 1200 and manifest["eval"]["heldout_bits_per_byte"] < 3.2

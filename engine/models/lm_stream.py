@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from engine.models.lm_common import LanguageModel, qkv_heads
 from engine.models.long_short import LongShortAttention
-from engine.models.segments import compress, gather_segments, select_segments
+from engine.models.segments import compress, select_segments
 
 CHUNK = 128  # query rows per pass: bounds the [heads, rows, past segments] score tensors
 
@@ -265,11 +265,20 @@ def _cached_segments(
         group_of_row = rows // p - first_group
     ends = (torch.arange(S, device=q.device) + 1) * l - 1
     indices, valid = select_segments(scores[None], ends, starts, cfg.cache_top_k, cfg.cache_neighbours)
-    keys = gather_segments(layer.window_k.view(0, S * l)[None], indices, l)[0][:, group_of_row]  # H, n, K'l, hd
-    values = gather_segments(layer.window_v.view(0, S * l)[None], indices, l)[0][:, group_of_row]
+    keys = _gather_segments(layer.window_k, indices[0], l)[:, group_of_row]  # H, n, K'l, hd
+    values = _gather_segments(layer.window_v, indices[0], l)[:, group_of_row]
     mask = valid[0].repeat_interleave(l, dim=-1)[:, group_of_row]  # H, n, K'l
     s_cache = (keys @ q.unsqueeze(-1)).squeeze(-1) * cfg.head_dim**-0.5
     return s_cache.masked_fill(~mask, float("-inf")), values
+
+
+def _gather_segments(store: Growable, indices: torch.Tensor, segment_len: int) -> torch.Tensor:
+    """Segments `indices` [H, G, K'] of a store, uncompressed: [H, G, K'*l, hd]. Gathers rows in
+    place; never copies the store."""
+    H, G, K = indices.shape
+    rows = (indices.unsqueeze(-1) * segment_len + torch.arange(segment_len, device=indices.device)).view(H, -1, 1)
+    picked = store.data.gather(1, rows.expand(-1, -1, store.data.shape[2]))  # H, G*K*l, hd
+    return picked.view(H, G, K * segment_len, store.data.shape[2])
 
 
 def _overlap(attn: LongShortAttention, layer: LayerState, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

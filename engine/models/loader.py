@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.config import DEFAULT_MODEL
+from engine.config import DEFAULT_MODEL, SHIPPED_CHECKPOINTS
 from engine.models.byte_tokenizer import ByteTokenizer
 from engine.models.lm_io import is_checkpoint, load_checkpoint
 from engine.models.lm_stream import check_streamable
@@ -106,6 +106,9 @@ def default_model_dir(cache_dir: Path) -> Path:
 def _model_path(source: str, cache_dir: Path) -> tuple[str, Path]:
     if source == DEFAULT_MODEL:
         return DEFAULT_MODEL, default_model_dir(cache_dir)
+    shipped = SHIPPED_CHECKPOINTS / source
+    if "/" not in source and is_checkpoint(shipped):
+        return source, shipped
     path = Path(source).expanduser()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
