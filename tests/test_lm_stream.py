@@ -76,7 +76,7 @@ def test_rollback_forgets_what_was_fed_after_the_mark(name):
 def test_a_plain_transformer_is_refused():
     model = build("transformer", **SMALL)
     with pytest.raises(ValueError, match="only long-short and cacheformer"):
-        feed(model, StreamState.__new__(StreamState), [1, 2])
+        feed(model, StreamState(model), [1, 2])
 
 
 def test_saved_state_restores_to_the_same_continuation():
