@@ -69,6 +69,19 @@ def alice() -> str:
     return (FIXTURES / "alice29.txt").read_text(encoding="utf-8")
 
 
+def fail_on_third_segment(memory) -> None:
+    """Make the memory's third `add_segment` call raise, as a crash in the middle of ingestion would."""
+    original, calls = memory.add_segment, []
+
+    def failing(segment):
+        calls.append(segment.index)
+        if len(calls) == 3:
+            raise RuntimeError("disk on fire")
+        original(segment)
+
+    memory.add_segment = failing
+
+
 def tiny_settings(tiny_dir: Path, **overrides) -> Settings:
     values = dict(model=[str(tiny_dir)], cache_dir=CACHE_DIR, dtype="float32", device="cpu", segment_len=64)
     values.update(overrides)

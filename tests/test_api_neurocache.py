@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.models.neurocache import Neurocache, NeurocacheConfig
 from engine.models.neurocache_io import save_adapter
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, fail_on_third_segment
 
 TEXT = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")[:6000]
 
@@ -70,16 +70,7 @@ def test_failed_ingestion_rolls_the_cache_back(make_client, adapter_dir):
     engine = client.app.state.engine
     memory = engine.sessions.get(session).memory
     states = memory.cache.states.clone()
-    original = memory.add_segment
-    calls = []
-
-    def failing(segment):
-        calls.append(segment.index)
-        if len(calls) == 3:
-            raise RuntimeError("disk on fire")
-        original(segment)
-
-    memory.add_segment = failing
+    fail_on_third_segment(memory)
     response = client.post(f"/v1/sessions/{session}/documents?stream=true", json={"text": TEXT})
     assert "event: error" in response.text and "internal_error" in response.text
     assert client.get(f"/v1/sessions/{session}/cache").json() == before

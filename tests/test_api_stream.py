@@ -10,7 +10,7 @@ from engine.models import build
 from engine.models.byte_tokenizer import ByteTokenizer
 from engine.models.lm_io import save_checkpoint
 from engine.models.lm_stream import StreamState, feed
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, fail_on_third_segment
 
 TEXT = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")[:3000]  # longer than max_seq_len
 CONFIG = dict(vocab_size=256, dim=32, n_layers=2, n_heads=2, max_seq_len=256, window=32, segment_len=8,
@@ -83,15 +83,7 @@ def test_failed_ingestion_rolls_the_stream_back(lm_client, checkpoint):
     before = lm_client.get(f"/v1/sessions/{session}/cache").json()
     memory = lm_client.app.state.engine.sessions.get(session).memory
     saved = memory.state.state_dict()
-    original, calls = memory.add_segment, []
-
-    def failing(segment):
-        calls.append(segment.index)
-        if len(calls) == 3:
-            raise RuntimeError("disk on fire")
-        original(segment)
-
-    memory.add_segment = failing
+    fail_on_third_segment(memory)
     response = lm_client.post(f"/v1/sessions/{session}/documents?stream=true", json={"text": TEXT})
     assert "event: error" in response.text
     assert lm_client.get(f"/v1/sessions/{session}/cache").json() == before
