@@ -12,7 +12,7 @@ SHIPPED_CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"  # from-sc
 
 def shipped_checkpoints() -> list[str]:
     """Names of the from-scratch LM checkpoints shipped with longdoc (`--model NAME` serves one)."""
-    return sorted(p.name for p in SHIPPED_CHECKPOINTS.glob("*/config.json") for p in [p.parent])
+    return sorted(p.parent.name for p in SHIPPED_CHECKPOINTS.glob("*/config.json"))
 
 
 def _require(condition: bool, message: str) -> None:
