@@ -109,6 +109,7 @@ def train_neurocache(
     n_segments: Annotated[int, typer.Option(help="segments per training document")] = 6,
     accumulation: Annotated[int, typer.Option(help="segments per optimizer step")] = 2,
     lr: Annotated[float, typer.Option(help="peak learning rate")] = 1e-4,
+    gate_lr: Annotated[float, typer.Option(help="peak learning rate of the cache-attention gates")] = 1e-2,
     warmup: Annotated[int, typer.Option(help="warm-up steps")] = 20,
     passkey_ratio: Annotated[float, typer.Option(help="share of pass-key episodes")] = 0.5,
     top_k: Annotated[int, typer.Option(help="k")] = 16,
@@ -128,7 +129,7 @@ def train_neurocache(
 
     config = TrainConfig(
         model=model, out=out, device=device, steps=steps, batch_size=batch_size, segment_len=segment_len,
-        n_segments=n_segments, accumulation=accumulation, lr=lr, warmup=warmup, passkey_ratio=passkey_ratio,
+        n_segments=n_segments, accumulation=accumulation, lr=lr, gate_lr=gate_lr, warmup=warmup, passkey_ratio=passkey_ratio,
         seed=seed, checkpoint_every=checkpoint_every, resume=resume,
         neurocache=NeurocacheConfig(top_k=top_k, window=window, context=context, compression=compression,
                                     lora_rank=lora_rank, capacity=capacity),

@@ -23,13 +23,34 @@ class KnnBackend(Protocol):
 
 
 class FaissCpuKnn:
+    """FAISS brute force. A float32 database is searched in place; any other dtype (a bfloat16
+    cache) is widened to float32 one block of rows at a time, and the blocks' top-k are merged,
+    so a search never holds a float32 copy of the whole cache."""
+
     name = "faiss-cpu"
 
+    def __init__(self, block_rows: int = 65_536) -> None:
+        self.block_rows = block_rows
+
     def search(self, database: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        xb = np.ascontiguousarray(database.detach().float().cpu().numpy())
         xq = np.ascontiguousarray(queries.detach().float().cpu().numpy())
-        distances, rows = faiss.knn(xq, xb, k)
+        database = database.detach().cpu()
+        if database.dtype == torch.float32 or database.shape[0] <= self.block_rows:
+            distances, rows = faiss.knn(xq, np.ascontiguousarray(database.float().numpy()), k)
+        else:
+            distances, rows = self._blocked(database, xq, k)
         return torch.from_numpy(distances).to(queries.device), torch.from_numpy(rows).to(queries.device)
+
+    def _blocked(self, database: torch.Tensor, xq: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        parts_d, parts_i = [], []
+        for start in range(0, database.shape[0], self.block_rows):
+            block = np.ascontiguousarray(database[start : start + self.block_rows].float().numpy())
+            d, i = faiss.knn(xq, block, min(k, block.shape[0]))
+            parts_d.append(d)
+            parts_i.append(i + start)
+        distances, rows = np.concatenate(parts_d, axis=1), np.concatenate(parts_i, axis=1)
+        order = np.argsort(distances, axis=1, kind="stable")[:, :k]  # ties keep the lower row first
+        return np.take_along_axis(distances, order, 1), np.take_along_axis(rows, order, 1)
 
 
 class FaissGpuKnn:

@@ -62,7 +62,9 @@ class StateCache:
 
     @property
     def nbytes(self) -> int:
-        return self.states.numel() * self.states.element_size() + 2 * self.capacity * 8
+        counters = self.slot_counter.numel() * self.slot_counter.element_size()
+        documents = self.slot_document.numel() * self.slot_document.element_size()
+        return self.states.numel() * self.states.element_size() + counters + documents
 
     def add(self, states: torch.Tensor, document: int, values: torch.Tensor | None = None) -> None:
         """Append states [n, d] of one document in order, overwriting the oldest when full."""

@@ -248,3 +248,16 @@ def test_training_reencodes_retrieved_states_so_the_projection_learns():
     assert neurocache.projection.proj.weight.grad.abs().sum() > 0
     gates = [a.gate.grad for a in neurocache.cache_attention.values()]
     assert all(g is not None and g.abs().sum() > 0 for g in gates)
+
+
+def test_serving_cache_stores_states_in_the_model_dtype():
+    """A bfloat16 model's states are bfloat16 numbers: its cache keeps them at 2 bytes each, losslessly."""
+    model = tiny("llama").to(torch.bfloat16)
+    neurocache = Neurocache(model, CONFIG)
+    cache = neurocache.new_cache(capacity=64)
+    ids = torch.randint(0, VOCAB, (1, 20))
+    compressed = neurocache.compress(ids)[0]
+    cache.add(compressed, document=0)
+    assert cache.dtype == torch.bfloat16 and cache.capacity == 64
+    assert torch.equal(cache.states[:20], compressed)
+    assert cache.nbytes == 64 * neurocache.compressed_dim * 2 + 2 * 64 * 8

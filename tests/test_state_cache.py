@@ -38,6 +38,21 @@ def test_backends_agree_on_indices():
     assert (faiss_rows == torch_rows).float().mean() > 0.99  # ties aside, the same neighbours
 
 
+@pytest.mark.parametrize("block_rows", [7, 1000], ids=["blocks-of-7", "one-block"])
+def test_bfloat16_cache_search_equals_brute_force_over_its_stored_values(block_rows):
+    """A bfloat16 cache is searched exactly over the values it holds, in blocks merged by distance."""
+    torch.manual_seed(3)
+    cache = StateCache(capacity=120, dim=16, dtype=torch.bfloat16, backend=FaissCpuKnn(block_rows=block_rows))
+    cache.add(torch.nn.functional.normalize(torch.randn(100, 16), dim=-1), document=0)
+    stored = cache.states[:100].float()
+    queries = torch.randn(20, 16)
+    got = cache.search(queries, k=9)
+    expected = brute_force(stored.numpy(), queries.numpy(), 9)
+    assert got.states.dtype == torch.bfloat16
+    np.testing.assert_array_equal(got.states.float().numpy(), stored.numpy()[expected])
+    assert cache.nbytes == 120 * 16 * 2 + 2 * 120 * 8
+
+
 def marked(n: int, start: int = 0, dim: int = 4) -> torch.Tensor:
     """States whose first coordinate is their write order, so retrieval is easy to read."""
     states = torch.zeros(n, dim)

@@ -15,7 +15,6 @@ import torch
 
 from engine.interface import CacheInfo
 from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment, parse_options
-from engine.state_cache import StateCache
 from engine.models.neurocache import CacheBinding
 
 
@@ -37,9 +36,7 @@ class NeurocacheMemory(Memory):
         if context.neurocache is None:
             raise ValueError("this model has no Neurocache adapter")
         self.neurocache = context.neurocache
-        capacity = self.options.capacity or self.neurocache.config.capacity
-        weight = next(self.neurocache.projection.parameters())
-        self.cache = StateCache(capacity=capacity, dim=self.neurocache.compressed_dim, device=weight.device)
+        self.cache = self.neurocache.new_cache(capacity=self.options.capacity)
         self._documents: list[str] = []
         self._staged: tuple[str, int] | None = None  # (document id, states written)
 

@@ -481,6 +481,10 @@ class Neurocache(nn.Module):
                 weight += delta.T if type(lora.base).__name__ == "Conv1D" else delta
                 lora.lora_b.weight.zero_()
 
-    def new_cache(self, *, device: torch.device | str | None = None) -> StateCache:
-        device = device or next(self.projection.parameters()).device
-        return StateCache(capacity=self.config.capacity, dim=self.compressed_dim, device=device)
+    def new_cache(self, *, capacity: int | None = None, device: torch.device | str | None = None) -> StateCache:
+        """A serving cache. States are stored in the projection's dtype, the dtype they are
+        computed in, so a bfloat16 model's cache holds them losslessly at 2 bytes a number."""
+        weight = next(self.projection.parameters())
+        return StateCache(
+            capacity=capacity or self.config.capacity, dim=self.compressed_dim, device=device or weight.device, dtype=weight.dtype
+        )

@@ -24,7 +24,6 @@ from engine.engine import Engine
 from engine.interface import GenerationParams, TokenDelta
 from engine.models.loader import load_model
 from engine.models.neurocache_io import load_adapter
-from engine.state_cache import StateCache
 from engine.training.corpus import DEFAULT_DIR, fetch, split
 
 PASSKEY_QUESTION = "What is the pass key? Answer with the number."
@@ -94,7 +93,7 @@ def _ppl_row(name: str, documents: list[list[int]], model: torch.nn.Module, segm
         cache = None
         if cached is not None:
             neurocache, capacity = cached
-            cache = StateCache(capacity=max(capacity, 1), dim=neurocache.compressed_dim, device=model.device)
+            cache = neurocache.new_cache(capacity=max(capacity, 1), device=model.device)
         for start in range(0, len(tokens) - 1, segment_len):
             ids = torch.tensor([tokens[start : start + segment_len]], device=model.device)
             if ids.shape[1] < 2:

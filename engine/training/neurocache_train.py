@@ -42,6 +42,7 @@ class TrainConfig:
     n_segments: int = 6
     accumulation: int = 2
     lr: float = 1e-4
+    gate_lr: float = 1e-2  # the gates start at 0; at `lr` AdamW could move them by only ~lr per step
     warmup: int = 20
     min_lr_ratio: float = 0.1
     clip: float = 1.0
@@ -85,6 +86,13 @@ def segment_loss(
     return per_token[~is_answer].mean(), answer_loss
 
 
+def parameter_groups(neurocache: Neurocache, lr: float, gate_lr: float) -> list[dict[str, Any]]:
+    """The gates at their own learning rate, every other adapter parameter at `lr`."""
+    gates = [a.gate for a in neurocache.cache_attention.values()]
+    rest = [p for p in neurocache.adapter_parameters() if all(p is not g for g in gates)]
+    return [{"params": rest, "lr": lr}, {"params": gates, "lr": gate_lr}]
+
+
 class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
@@ -100,7 +108,9 @@ class Trainer:
         else:
             self.neurocache = Neurocache(self.model, config.neurocache)
         self.parameters = list(self.neurocache.adapter_parameters())
-        self.optimizer = torch.optim.AdamW(self.parameters, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(
+            parameter_groups(self.neurocache, config.lr, config.gate_lr), betas=(0.9, 0.95), weight_decay=0.0
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, config.warmup, config.steps, config.min_lr_ratio)
         )
