@@ -4,7 +4,10 @@ Each (arch, length) runs in a fresh process so its peak memory is its own: token
 warm runs) and the peak resident memory added by the forward pass. Ratios are against the
 transformer at the same length, measured in the same run.
 
-    .venv/bin/python bench/bench_lm_scaling.py [--lengths 1024 2048 4096 8192 16384]
+    .venv/bin/python bench/bench_lm_scaling.py [--lengths 1024 2048 4096 8192 16384] [--variants ...]
+
+The "compiled flex" rows run the fused attention path (engine/models/flex.py) compiled by
+torch.compile for CPU, inference only; the compile happens in the warm-up run.
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-VARIANTS = {
-    "transformer": ("transformer", {}),
-    "long-short": ("long-short", {}),
-    "cacheformer (overlap, k=7, u=1)": ("cacheformer", {"overlap": True, "cache_top_k": 7, "cache_neighbours": 1}),
+CACHEFORMER = {"overlap": True, "cache_top_k": 7, "cache_neighbours": 1}
+VARIANTS = {  # name: (arch, flags, attention kernel)
+    "transformer": ("transformer", {}, "math"),
+    "long-short": ("long-short", {}, "math"),
+    "cacheformer (overlap, k=7, u=1)": ("cacheformer", CACHEFORMER, "math"),
+    "long-short, compiled flex": ("long-short", {}, "flex-compiled"),
+    "cacheformer, compiled flex": ("cacheformer", CACHEFORMER, "flex-compiled"),
 }
 
 
@@ -34,9 +40,14 @@ def measure_one(name: str, length: int, repeats: int) -> dict[str, float]:
     from engine.models import build
     from engine.training.lm_train import default_model_config
 
-    arch, flags = VARIANTS[name]
+    arch, flags, kernel = VARIANTS[name]
     torch.manual_seed(0)
     model = build(arch, **default_model_config(max_seq_len=length, **flags)).eval()
+    if kernel == "flex-compiled":  # the fused path; the warm-up run below compiles it
+        from engine.models import flex
+
+        flex.compile_kernels()
+        model.use_kernel("flex")
     ids = torch.randint(0, 256, (1, length))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times = []
@@ -54,6 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--one", nargs=2, metavar=("VARIANT", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -61,7 +73,7 @@ def main() -> None:
         return
     results: dict[tuple[str, int], dict[str, float]] = {}
     for length in args.lengths:
-        for name in VARIANTS:
+        for name in ["transformer", *(v for v in args.variants if v != "transformer")]:
             cmd = [sys.executable, __file__, "--one", name, str(length), "--repeats", str(args.repeats)]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
@@ -73,7 +85,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for length in args.lengths:
         base = results[("transformer", length)]
-        for name in VARIANTS:
+        for name in ["transformer", *(v for v in args.variants if v != "transformer")]:
             r = results[(name, length)]
             print(f"| {name} | {length} | {r['tokens_per_second']:,.0f} | {r['tokens_per_second'] / base['tokens_per_second']:.2f}x | "
                   f"{r['added_peak_mib']:,.0f} | {r['added_peak_mib'] / max(base['added_peak_mib'], 1e-9):.2f}x |")

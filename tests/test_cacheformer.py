@@ -107,3 +107,37 @@ def test_gradients_flow_through_every_parameter():
     missing = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
     assert not missing, missing
 
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if n != "transformer"])
+@pytest.mark.parametrize("length", [3, T, 64])
+def test_flex_kernel_equals_plain_tensor_path(name, length):
+    """The fused path (blocks merged by log-sum-exp) computes the same softmax; on CPU flex runs
+    unfused, so this checks its arithmetic; CUDA compiles the same code into one kernel."""
+    model = model_for(name)
+    ids = torch.randint(0, 50, (2, length), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        plain = model.use_kernel("math")(ids)
+        fused = model.use_kernel("flex")(ids)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_kernel_is_refused():
+    with pytest.raises(ValueError, match="kernel"):
+        model_for("long-short").use_kernel("triton")
+
+
+def test_compiled_flex_kernel_equals_plain_tensor_path():
+    """The same path compiled by torch.compile into fused CPU kernels (inference only on CPU)."""
+    from engine.models import flex
+
+    model = model_for("cf-both-p8")
+    ids = torch.randint(0, 50, (2, 64), generator=torch.Generator().manual_seed(5))
+    flex.compile_kernels()
+    try:
+        with torch.inference_mode():
+            plain = model.use_kernel("math")(ids)
+            fused = model.use_kernel("flex")(ids)
+    finally:
+        flex.compile_kernels(False)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)

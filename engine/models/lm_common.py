@@ -120,6 +120,17 @@ class LanguageModel(nn.Module):
             x = block(x)
         return self.norm(x) @ self.embed.weight.T  # B, T, V
 
+    def use_kernel(self, kernel: str) -> LanguageModel:
+        """Attention kernel of Long-Short and CacheFormer layers: "auto" (fused flex attention on
+        CUDA, plain tensors on CPU), "math" or "flex". The plain transformer always uses SDPA."""
+        from engine.models.flex import KERNELS
+
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {KERNELS}")
+        for block in self.blocks:
+            block.attn.kernel = kernel
+        return self
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models import flex
 from engine.models.lm_common import LMConfig, LanguageModel, apply_rope, merge_heads, qkv_heads, rope_angles
 from engine.models.segments import compress, ends_before_rows, segment_ends, window_mask, window_span
 
@@ -29,6 +30,8 @@ def padded_length(T: int, config: LMConfig) -> int:
 
 
 class LongShortAttention(nn.Module):
+    kernel = "auto"  # flex.KERNELS: the fused flex path on CUDA, plain tensors on CPU
+
     def __init__(self, config: LMConfig) -> None:
         super().__init__()
         self.config = config
@@ -73,6 +76,8 @@ class LongShortAttention(nn.Module):
         """One softmax per query over its window, the compressed segments ending before it, and
         whatever `cached_keys` adds. Scores are joined, not keys: the compressed keys are shared
         by every group and never copied per group."""
+        if flex.uses_flex(self.kernel, q):
+            return self._joint_flex(q, k_win, v_win, k_bar, v_bar, ends)
         cfg = self.config
         B, H, Tp, hd = q.shape
         p, G, r = cfg.group_size, Tp // cfg.group_size, cfg.compressed_per_segment
@@ -94,6 +99,36 @@ class LongShortAttention(nn.Module):
         for w_extra, (_, values, _) in zip(weights[2:], extra, strict=True):
             out = out + w_extra @ values
         return out.reshape(B, H, Tp, hd)
+
+    def _joint_flex(
+        self, q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, k_bar: torch.Tensor, v_bar: torch.Tensor,
+        ends: torch.Tensor,
+    ) -> torch.Tensor:
+        """The same softmax in one flex call over [compressed keys | every position's window key]."""
+        cfg = self.config
+        B, H, Tp, hd = q.shape
+        n_long = k_bar.shape[2] * cfg.compressed_per_segment
+        keys = torch.cat([k_bar.reshape(B, H, n_long, hd), k_win], dim=2)
+        values = torch.cat([v_bar.reshape(B, H, n_long, hd), v_win], dim=2)
+        long_ends = ends.repeat_interleave(cfg.compressed_per_segment)
+        chosen = self.chosen_segments(q, k_bar, ends)  # B, H, G, S or None
+        w, l, p = cfg.window, cfg.segment_len, cfg.group_size
+
+        def copies(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            j = (kv_idx - n_long).clamp_min(0)  # the position of an uncompressed key
+            own = kv_idx >= n_long
+            count = (own & (j <= q_idx) & (j > q_idx - w)).to(torch.int32)
+            if n_long:
+                count = count + (~own & (long_ends[kv_idx.clamp_max(n_long - 1)] < q_idx)).to(torch.int32)
+            if chosen is not None:
+                count = count + (own & chosen[b, h, q_idx // p, j // l]).to(torch.int32)
+            return count
+
+        return flex.attend(q, keys, values, copies, hd**-0.5)
+
+    def chosen_segments(self, q, k_bar, ends):  # noqa: ANN001, ANN201 - CacheFormer's hook
+        """[B, H, G, S] bool: the segments each group attends uncompressed (None: no cache attention)."""
+        return None
 
     def cached_keys(self, q, k_win, v_win, k_bar, ends):  # noqa: ANN001, ANN201 - CacheFormer's hook
         return []
