@@ -7,13 +7,14 @@ import math
 
 import pytest
 
-from engine.models.neurocache import NeurocacheConfig
+from engine.models.neurocache import Neurocache, NeurocacheConfig
 from engine.models.neurocache_io import read_meta
 from engine.training.corpus import CANTERBURY
 from engine.training.neurocache_data import EpisodeSampler, tokenize_files
-from engine.training.neurocache_train import TrainConfig, train
+from engine.training.neurocache_train import TrainConfig, parameter_groups, train
 from engine.training.schedule import lr_factor
 from tests.test_memories import filler
+from tests.test_neurocache import CONFIG, tiny
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +66,12 @@ def test_train_checkpoint_and_resume(tiny_dir, corpus_dir, tmp_path):
     assert [r["step"] for r in more] == [5, 6]
     lines = (tmp_path / "run" / "log.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
+
+
+def test_gates_train_at_their_own_learning_rate():
+    neurocache = Neurocache(tiny("llama"), CONFIG)
+    rest, gates = parameter_groups(neurocache, lr=1e-4, gate_lr=1e-2)
+    assert rest["lr"] == 1e-4 and gates["lr"] == 1e-2
+    assert {id(p) for p in gates["params"]} == {id(a.gate) for a in neurocache.cache_attention.values()}
+    everything = [id(p) for p in neurocache.adapter_parameters()]
+    assert sorted(everything) == sorted(id(p) for p in rest["params"] + gates["params"])  # each exactly once
