@@ -86,14 +86,17 @@ def decode(model, tokenizer, neurocache, filled: StateCache, new_tokens: int, re
     return {"base": new_tokens / base, "neurocache": new_tokens / with_cache}
 
 
-def retrieval(dim: int, sizes: tuple[int, ...], top_k: int, window: int, repeats: int) -> list[tuple[int, float, float]]:
+def retrieval(
+    dim: int, sizes: tuple[int, ...], top_k: int, window: int, repeats: int, dtypes: tuple[torch.dtype, ...]
+) -> list[tuple[int, str, float, float]]:
     rows = []
     for size in sizes:
-        cache = StateCache(capacity=size, dim=dim)
-        cache.add(torch.nn.functional.layer_norm(torch.randn(size, dim), (dim,)), document=0)
-        one, segment = torch.randn(1, dim), torch.randn(1024, dim)
-        rows.append((size, median_time(lambda: cache.search(one, top_k, window), repeats),
-                     median_time(lambda: cache.search(segment, top_k, window), max(1, repeats // 2))))
+        for dtype in dtypes:
+            cache = StateCache(capacity=size, dim=dim, dtype=dtype)
+            cache.add(torch.nn.functional.layer_norm(torch.randn(size, dim), (dim,)), document=0)
+            one, segment = torch.randn(1, dim), torch.randn(1024, dim)
+            rows.append((size, str(dtype).removeprefix("torch."), median_time(lambda: cache.search(one, top_k, window), repeats),
+                         median_time(lambda: cache.search(segment, top_k, window), max(1, repeats // 2))))
     return rows
 
 
@@ -123,7 +126,8 @@ def main() -> None:
     for i in range(0, len(tokens), args.segment_len):
         filled.add(neurocache.compress(torch.tensor([tokens[i : i + args.segment_len]]))[0], document=0)
     dec = decode(model, tokenizer, neurocache, filled, args.new_tokens, args.repeats)
-    lookups = retrieval(neurocache.compressed_dim, tuple(args.sizes), config.top_k, config.window, args.repeats)
+    dtypes = tuple(dict.fromkeys((filled.dtype, torch.float32)))  # the serving cache's dtype, and float32
+    lookups = retrieval(neurocache.compressed_dim, tuple(args.sizes), config.top_k, config.window, args.repeats, dtypes)
 
     mc = model.config
     kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * (mc.hidden_size // mc.num_attention_heads) * loaded.dtype.itemsize
@@ -137,11 +141,13 @@ def main() -> None:
     print(f"\n| decode ({args.new_tokens} new tokens, cache {filled.size} entries) | tokens/s | vs base |\n|---|---|---|")
     for name, tps in dec.items():
         print(f"| {name} | {tps:.1f} | {tps / dec['base']:.2f}x |")
-    print("\n| cache entries | one-token lookup (ms) | 1024-token segment lookup (ms) |\n|---|---|---|")
-    for size, one, segment in lookups:
-        print(f"| {size:,} | {one * 1000:.2f} | {segment * 1000:.1f} |")
+    print("\n| cache entries | stored as | one-token lookup (ms) | 1024-token segment lookup (ms) |\n|---|---|---|---|")
+    for size, dtype, one, segment in lookups:
+        print(f"| {size:,} | {dtype} | {one * 1000:.2f} | {segment * 1000:.1f} |")
     print(f"\n| per cached token | bytes |\n|---|---|\n| model KV cache ({loaded.dtype}) | {kv_bytes:,} |")
-    print(f"| Neurocache state (float32 + counters) | {cache_bytes:,.0f} |\n| ratio | {kv_bytes / cache_bytes:.1f}x |")
+    state = str(filled.dtype).removeprefix("torch.")
+    print(f"| Neurocache state ({neurocache.compressed_dim} x {state} + two int64 counters) | {cache_bytes:,.0f} |")
+    print(f"| ratio | {kv_bytes / cache_bytes:.1f}x |")
 
 
 if __name__ == "__main__":
