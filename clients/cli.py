@@ -162,8 +162,10 @@ def train_lm_command(
     group_size: Annotated[int, typer.Option(help="p")] = 32,
     device: str = "auto",
     resume: bool = False,
+    init: Annotated[Path | None, typer.Option(help="start from this checkpoint folder; its model settings replace the flags above")] = None,
+    checkpoint_every: Annotated[int, typer.Option(help="steps between checkpoints")] = 200,
 ) -> None:
-    """Train a byte-level model from scratch on the offline corpus; prints the held-out summary."""
+    """Train a byte-level model on the offline corpus (from scratch, or on from --init); prints the held-out summary."""
     import json
 
     from engine.training.lm_train import LMTrainConfig, default_model_config, train_lm
@@ -172,7 +174,8 @@ def train_lm_command(
                                  compressed_per_segment=compressed, overlap=overlap, cache_top_k=cache_top_k,
                                  cache_neighbours=cache_neighbours, group_size=group_size, max_seq_len=seq_len)
     config = LMTrainConfig(arch=arch, model=model, out=out, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
-                           warmup=warmup, seed=seed, device=device, resume=resume)
+                           warmup=warmup, seed=seed, device=device, resume=resume, init=init,
+                           checkpoint_every=checkpoint_every)
     typer.echo(json.dumps(train_lm(config, command="longdoc train lm " + " ".join(sys.argv[3:])), indent=2))
 
 

@@ -7,9 +7,10 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.training.corpus import CANTERBURY
-from engine.training.lm_train import LMTrainConfig, bits_per_byte, corpus_bytes, load_checkpoint, train_lm
+from engine.training.lm_train import LMTrainConfig, bits_per_byte, corpus_bytes, initial_model, load_checkpoint, train_lm
 from tests.test_memories import filler
 
 TINY = dict(dim=16, n_layers=1, n_heads=2, window=8, segment_len=4, compressed_per_segment=2, group_size=4)
@@ -66,3 +67,18 @@ def test_the_shipped_cacheformer_loads_by_name_and_stays_small():
     manifest = json.loads((folder / "config.json").read_text())["manifest"]
     assert manifest["command"].startswith("longdoc train lm") and manifest["seed"] == 0
     assert manifest["steps"] == 1200 and manifest["eval"]["heldout_bits_per_byte"] < 3.2
+
+
+def test_init_starts_from_a_checkpoint_at_a_longer_length(corpus_dir, tmp_path):
+    flags = {**TINY, "overlap": True, "cache_top_k": 2}
+    first = LMTrainConfig(arch="cacheformer", model=flags, out=tmp_path / "a", corpus_dir=corpus_dir, steps=2,
+                          batch_size=2, seq_len=32, warmup=1, eval_bytes=256, device="cpu")
+    train_lm(first)
+    start = load_checkpoint(tmp_path / "a" / "checkpoint")
+    longer = LMTrainConfig(arch="cacheformer", out=tmp_path / "b", corpus_dir=corpus_dir, steps=1, seq_len=64,
+                           init=tmp_path / "a" / "checkpoint", device="cpu")
+    model = initial_model(longer)
+    assert model.config.max_seq_len == 64 and model.config.cache_top_k == 2  # the checkpoint's settings
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), start.state_dict().values(), strict=True))
+    with pytest.raises(ValueError, match="holds a cacheformer model"):
+        initial_model(LMTrainConfig(arch="long-short", init=tmp_path / "a" / "checkpoint"))

@@ -46,6 +46,7 @@ class LMTrainConfig:
     eval_bytes: int = 65_536
     device: str = "auto"
     resume: bool = False
+    init: Path | None = None  # start from this checkpoint's weights (its model config; max_seq_len = seq_len)
 
 
 def corpus_bytes(corpus_dir: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -74,12 +75,25 @@ def _device(name: str) -> torch.device:
     return torch.device("cuda" if name == "auto" and torch.cuda.is_available() else "cpu" if name == "auto" else name)
 
 
+def initial_model(config: LMTrainConfig) -> LanguageModel:
+    """A fresh model from `config.model`, or, with `config.init`, that checkpoint's model and weights
+    with `max_seq_len` set to the training length (a fine-tune on longer sequences)."""
+    if config.init is None:
+        return build(config.arch, **{"max_seq_len": config.seq_len, **config.model})
+    start = load_checkpoint(config.init)
+    if start.arch != config.arch:
+        raise ValueError(f"{config.init} holds a {start.arch} model, not {config.arch}")
+    model = build(config.arch, **{**start.config.to_dict(), "max_seq_len": config.seq_len})
+    model.load_state_dict(start.state_dict())
+    return model
+
+
 def train_lm(config: LMTrainConfig, command: str = "") -> dict[str, Any]:
     """Train to `config.steps`; returns the final summary (also written to out/summary.json)."""
     torch.manual_seed(config.seed)
     device = _device(config.device)
     train_data, held_out = corpus_bytes(config.corpus_dir)
-    model = build(config.arch, **{"max_seq_len": config.seq_len, **config.model}).to(device)
+    model = initial_model(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config.warmup, config.steps, config.min_lr_ratio))
     rng = np.random.default_rng(config.seed)
