@@ -39,6 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", type=Path, default=SHIPPED_CHECKPOINTS / "cacheformer-bytes")
     parser.add_argument("--bytes", type=int, default=32_768, help="bytes of each held-out document")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "lm_stream.md", help="Markdown file to write")
     args = parser.parse_args()
     model = load_checkpoint(args.checkpoint)
     context = model.config.max_seq_len
@@ -75,7 +76,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     command = "python bench/bench_lm_stream.py " + " ".join(sys.argv[1:])
-    (ROOT / "docs" / "lm_stream.md").write_text(
+    args.out.write_text(
         "# CacheFormer past its training length (streamed)\n\nCommand:\n\n```\n" + command.strip() + "\n```\n\n" + table + "\n"
     )
 

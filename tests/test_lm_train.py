@@ -63,10 +63,14 @@ def test_the_shipped_cacheformer_loads_by_name_and_stays_small():
     folder = SHIPPED_CHECKPOINTS / "cacheformer-bytes"
     assert sum(f.stat().st_size for f in folder.iterdir()) <= 10 * 2**20
     loaded = load_model("cacheformer-bytes", cache_dir=Path("/nonexistent"), device="cpu")
-    assert loaded.streaming and loaded.architecture == "cacheformer" and loaded.context_len == 512
-    manifest = json.loads((folder / "config.json").read_text())["manifest"]
-    assert manifest["command"].startswith("longdoc train lm") and manifest["seed"] == 0
-    assert manifest["steps"] == 1200 and manifest["eval"]["heldout_bits_per_byte"] < 3.2
+    assert loaded.streaming and loaded.architecture == "cacheformer" and loaded.context_len == 4096
+    meta = json.loads((folder / "config.json").read_text())
+    manifest = meta["manifest"]
+    assert manifest["command"].startswith("longdoc train lm") and manifest["seed"] == 1
+    assert manifest["train_config"]["init"] == "engine/checkpoints/cacheformer-bytes"  # stage 2 of MANIFEST.md
+    assert manifest["train_config"]["model"] == meta["config"]
+    assert manifest["steps"] == 60 and manifest["eval"]["heldout_bits_per_byte"] < 3.2
+    assert (folder / "MANIFEST.md").is_file()
 
 
 def test_init_starts_from_a_checkpoint_at_a_longer_length(corpus_dir, tmp_path):

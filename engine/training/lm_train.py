@@ -106,6 +106,7 @@ def train_lm(config: LMTrainConfig, command: str = "") -> dict[str, Any]:
         rng.bit_generator.state, step = state["rng"], state["step"]
     manifest = {"command": command, "data": f"{config.corpus_dir} training split, {len(train_data)} bytes",
                 "seed": config.seed, "train_config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}}
+    manifest["train_config"]["model"] = model.config.to_dict()  # what was trained (with --init: the checkpoint's)
     started, tokens, losses = time.time(), 0, []
     with tqdm(total=config.steps, initial=step, desc=f"train {config.arch}") as bar:
         while step < config.steps:
