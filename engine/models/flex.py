@@ -13,7 +13,7 @@ in its softmax; twice the same key is the key once with ln 2 added to its score,
 
 Flex attention has no backward pass on CPU and runs unfused there unless compiled, so the default
 on CPU is the plain tensor path; `kernel="flex"` forces this one (tests check it equals the plain
-path, and bench/bench_lm_kernels.py times both).
+path, and bench/bench_lm_scaling.py times both).
 """
 
 from __future__ import annotations
