@@ -40,8 +40,9 @@ def needle_digit_positions(ids: list[int], fact: list[int], key_ids: list[int]) 
 
 
 @torch.inference_mode()
-def episode_recall(neurocache: Neurocache, episode, segment_len: int, tokenizer) -> tuple[int, int, float]:
-    """(queries, queries retrieving a needle digit, chance of that for a random pick)."""
+def episode_recall(neurocache: Neurocache, episode, segment_len: int, tokenizer) -> tuple[int, int, int, float]:
+    """(queries, queries retrieving a needle digit, queries whose nearest match is followed by
+    that digit, chance of retrieving it with a random pick)."""
     ids, answer = episode.token_ids, episode.answer_mask
     last = len(ids) - segment_len
     cache = neurocache.new_cache(capacity=len(ids))
@@ -57,12 +58,14 @@ def episode_recall(neurocache: Neurocache, episode, segment_len: int, tokenizer)
     matched = cache.slot_counter[rows]  # write counters = positions in the episode
     windows = (matched.unsqueeze(-1) + torch.arange(w)).flatten(1)  # T, k*w: each match and what follows
     answer_digits = [last + pos for pos in range(len(ids) - last) if answer[last + pos] and ids[last + pos] in key_ids]
-    hits, asked = 0, 0
+    hits, first, asked = 0, 0, 0
     for i, target in enumerate(answer_digits[: len(key_ids)]):  # the i-th digit is predicted at target - 1
         asked += 1
-        hits += bool(set(windows[target - 1 - last].tolist()) & needle[i])
+        window = windows[target - 1 - last].tolist()
+        hits += bool(set(window) & needle[i])
+        first += w > 1 and window[1] in needle[i]  # rank 0, offset 1: the state after the nearest match
     chance = 1 - (1 - len(needle[0]) / max(cache.size, 1)) ** (k * w)
-    return asked, hits, float(chance)
+    return asked, hits, first, float(chance)
 
 
 def main() -> None:
@@ -82,16 +85,18 @@ def main() -> None:
     train_files, _ = split(fetch(DEFAULT_DIR))
     sampler = EpisodeSampler(tokenizer, tokenize_files(tokenizer, train_files), segment_len=args.segment_len,
                              n_segments=args.n_segments, passkey_ratio=1.0, seed=123)
-    asked = hits = 0
+    asked = hits = firsts = 0
     chances = []
     for _ in range(args.episodes):
-        a, h, c = episode_recall(neurocache, sampler.sample(), args.segment_len, tokenizer)
-        asked, hits = asked + a, hits + h
+        a, h, f, c = episode_recall(neurocache, sampler.sample(), args.segment_len, tokenizer)
+        asked, hits, firsts = asked + a, hits + h, firsts + f
         chances.append(c)
     print(f"adapter: {args.adapter or 'fresh (untrained W_p)'}; {args.episodes} episodes of "
           f"{args.n_segments} x {args.segment_len} tokens; k={neurocache.config.top_k}, w={neurocache.config.window}")
-    print("| digit queries | retrieving a needle digit | recall | chance |\n|---|---|---|---|")
-    print(f"| {asked} | {hits} | {hits / max(asked, 1):.2f} | {sum(chances) / len(chances):.2f} |")
+    print("| digit queries | retrieving a needle digit | recall | chance | nearest match followed by it |")
+    print("|---|---|---|---|---|")
+    print(f"| {asked} | {hits} | {hits / max(asked, 1):.2f} | {sum(chances) / len(chances):.2f} | "
+          f"{firsts} ({firsts / max(asked, 1):.2f}) |")
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ def train_neurocache(
     n_segments: Annotated[int, typer.Option(help="segments per training document")] = 6,
     accumulation: Annotated[int, typer.Option(help="segments per optimizer step")] = 2,
     lr: Annotated[float, typer.Option(help="peak learning rate")] = 1e-4,
-    gate_lr: Annotated[float, typer.Option(help="peak learning rate of the cache-attention gates")] = 1e-2,
+    gate_lr: Annotated[float, typer.Option(help="peak learning rate of the gates and slot biases")] = 1e-2,
     warmup: Annotated[int, typer.Option(help="warm-up steps")] = 20,
     passkey_ratio: Annotated[float, typer.Option(help="share of pass-key episodes")] = 0.5,
     top_k: Annotated[int, typer.Option(help="k")] = 16,
@@ -118,6 +118,7 @@ def train_neurocache(
     compression: Annotated[int, typer.Option(help="h / d")] = 4,
     lora_rank: Annotated[int, typer.Option(help="LoRA rank")] = 8,
     capacity: Annotated[int, typer.Option(help="cache entries (m) stored with the adapter")] = 16_384,
+    successor_bias: Annotated[float, typer.Option(help="initial score bias on each token's nearest match's successor")] = 8.0,
     seed: Annotated[int, typer.Option(help="random seed")] = 0,
     checkpoint_every: Annotated[int, typer.Option(help="steps between checkpoints")] = 50,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda")] = "auto",
@@ -132,7 +133,7 @@ def train_neurocache(
         n_segments=n_segments, accumulation=accumulation, lr=lr, gate_lr=gate_lr, warmup=warmup, passkey_ratio=passkey_ratio,
         seed=seed, checkpoint_every=checkpoint_every, resume=resume,
         neurocache=NeurocacheConfig(top_k=top_k, window=window, context=context, compression=compression,
-                                    lora_rank=lora_rank, capacity=capacity),
+                                    lora_rank=lora_rank, capacity=capacity, successor_bias=successor_bias),
     )
     records = train(config, command="longdoc train neurocache " + " ".join(sys.argv[3:]))
     if records:

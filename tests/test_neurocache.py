@@ -51,8 +51,34 @@ def open_gates(neurocache: Neurocache, seed: int = 2) -> None:
     with torch.no_grad():
         for attention in neurocache.cache_attention.values():
             attention.gate.normal_(0, 1.0)
+            attention.slot_bias.normal_(0, 1.0)
         for lora in neurocache.lora.values():
             lora.lora_b.weight.normal_(0, 0.1)
+
+
+def test_slot_bias_selects_a_retrieval_slot():
+    """A large bias on one slot puts all of every head's cache attention on that slot's state."""
+    neurocache = Neurocache(tiny("llama"), CONFIG)
+    attention = neurocache.cache_attention["3"]
+    slots = attention.slot_bias.shape[1]
+    assert slots == CONFIG.context * CONFIG.top_k * CONFIG.window
+    initial = torch.zeros_like(attention.slot_bias)
+    initial[:, 1] = CONFIG.successor_bias  # the prior: what followed the nearest match
+    assert torch.equal(attention.slot_bias.detach(), initial)
+    torch.manual_seed(3)
+    x = torch.randn(2, 5, 32)
+    states = torch.randn(2, 5, slots, neurocache.compressed_dim)
+    mask = torch.ones(2, 5, slots, dtype=torch.bool)
+    with torch.no_grad():
+        attention.gate.fill_(1.0)
+        attention.slot_bias.zero_()
+        attention.slot_bias[:, 1] = 100.0  # the nearest match's successor, of the token itself
+        out = attention(x, states, mask)
+        only = attention(x, states[:, :, 1:2].expand_as(states), mask)  # every slot holds slot 1's state
+        attention.slot_bias.zero_()
+        spread = attention(x, states, mask)
+    torch.testing.assert_close(out, only, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out, spread, atol=1e-3)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -72,6 +72,7 @@ def test_gates_train_at_their_own_learning_rate():
     neurocache = Neurocache(tiny("llama"), CONFIG)
     rest, gates = parameter_groups(neurocache, lr=1e-4, gate_lr=1e-2)
     assert rest["lr"] == 1e-4 and gates["lr"] == 1e-2
-    assert {id(p) for p in gates["params"]} == {id(a.gate) for a in neurocache.cache_attention.values()}
+    own_rate = {id(p) for a in neurocache.cache_attention.values() for p in (a.gate, a.slot_bias)}
+    assert {id(p) for p in gates["params"]} == own_rate
     everything = [id(p) for p in neurocache.adapter_parameters()]
     assert sorted(everything) == sorted(id(p) for p in rest["params"] + gates["params"])  # each exactly once

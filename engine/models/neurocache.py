@@ -43,6 +43,7 @@ class NeurocacheConfig:
     lora_rank: int = 8
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] | None = None  # FFN linear names; None: the architecture's defaults
+    successor_bias: float = 8.0  # ours: initial score bias on the state written after a token's nearest match
 
     def __post_init__(self) -> None:
         for name in ("compression", "top_k", "window", "context", "capacity", "lora_rank"):
@@ -192,9 +193,20 @@ class LoRALinear(nn.Module):
 
 
 class CacheAttention(nn.Module):
-    """Attention from a layer's tokens to their retrieved compressed states, gated (closed at init)."""
+    """Attention from a layer's tokens to their retrieved compressed states, gated (closed at init).
 
-    def __init__(self, weights: tuple[torch.Tensor, ...], *, heads: int, kv_heads: int, compressed_dim: int) -> None:
+    Retrieved states arrive in a fixed layout of slots: for each of the c context tokens, its k
+    matches nearest first, each followed by its w-1 successors. A learned score bias per head and
+    slot lets a head prefer a slot, e.g. "the state written right after the nearest match", which
+    content alone cannot single out: the match and its successor are both similar to the query.
+    The bias starts at `successor_bias` on slot 1 (the token's own nearest match's successor) and
+    at 0 elsewhere; the closed gate keeps the model equal to the base model whatever the bias.
+    This bias is our addition to the paper's cache attention (docs/neurocache.md)."""
+
+    def __init__(
+        self, weights: tuple[torch.Tensor, ...], *, heads: int, kv_heads: int, compressed_dim: int, slots: int,
+        successor_bias: float = 0.0,
+    ) -> None:
         super().__init__()
         q_w, k_w, v_w, o_w = (w.detach() for w in weights)
         self.heads, self.kv_heads = heads, kv_heads
@@ -209,6 +221,10 @@ class CacheAttention(nn.Module):
             self.k.weight.copy_(k_w[:, :compressed_dim])  # the matching slice of the input dimensions
             self.v.weight.copy_(v_w[:, :compressed_dim])
         self.gate = nn.Parameter(torch.zeros(heads, dtype=torch.float32, device=q_w.device))
+        self.slot_bias = nn.Parameter(torch.zeros(heads, slots, dtype=torch.float32, device=q_w.device))
+        if slots > 1:  # slot 1: the token's own nearest match's successor (with w >= 2)
+            with torch.no_grad():
+                self.slot_bias[:, 1] = successor_bias
 
     def forward(self, x: torch.Tensor, states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -219,6 +235,7 @@ class CacheAttention(nn.Module):
         k = k.repeat_interleave(self.heads // self.kv_heads, dim=2)  # B, T, H, R, hd
         v = v.repeat_interleave(self.heads // self.kv_heads, dim=2)
         scores = (q.float() @ k.float().transpose(-1, -2)).squeeze(-2) / math.sqrt(self.head_dim)  # B, T, H, R
+        scores = scores + self.slot_bias
         scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
         weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a token with nothing retrieved gets zeros
         out = (weights.unsqueeze(-2) @ v.float()).squeeze(-2)  # B, T, H, hd
@@ -377,7 +394,9 @@ class Neurocache(nn.Module):
         for index in range(retrieval_layer + 1, depth):
             base = layers[index]
             attention = CacheAttention(
-                arch.attention_weights(base), heads=heads, kv_heads=kv_heads, compressed_dim=self.compressed_dim
+                arch.attention_weights(base), heads=heads, kv_heads=kv_heads, compressed_dim=self.compressed_dim,
+                slots=config.context * config.top_k * config.window,
+                successor_bias=config.successor_bias if config.window > 1 else 0.0,
             )
             self.cache_attention[str(index)] = attention
             ffn = getattr(base, arch.ffn)

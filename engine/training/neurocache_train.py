@@ -42,7 +42,7 @@ class TrainConfig:
     n_segments: int = 6
     accumulation: int = 2
     lr: float = 1e-4
-    gate_lr: float = 1e-2  # the gates start at 0; at `lr` AdamW could move them by only ~lr per step
+    gate_lr: float = 1e-2  # gates and slot biases start at 0; at `lr` AdamW moves them by only ~lr a step
     warmup: int = 20
     min_lr_ratio: float = 0.1
     clip: float = 1.0
@@ -87,8 +87,8 @@ def segment_loss(
 
 
 def parameter_groups(neurocache: Neurocache, lr: float, gate_lr: float) -> list[dict[str, Any]]:
-    """The gates at their own learning rate, every other adapter parameter at `lr`."""
-    gates = [a.gate for a in neurocache.cache_attention.values()]
+    """The gates and slot biases at their own learning rate, every other adapter parameter at `lr`."""
+    gates = [p for a in neurocache.cache_attention.values() for p in (a.gate, a.slot_bias)]
     rest = [p for p in neurocache.adapter_parameters() if all(p is not g for g in gates)]
     return [{"params": rest, "lr": lr}, {"params": gates, "lr": gate_lr}]
 
