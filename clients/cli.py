@@ -45,7 +45,7 @@ def serve(ctx: typer.Context) -> None:
 def ingest(
     file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, readable=True, help="a UTF-8 text file")],
     session: Annotated[str | None, typer.Option(help="session id; a new session is made without one")] = None,
-    memory: Annotated[str | None, typer.Option(help="memory of a new session: truncate or text")] = None,
+    memory: Annotated[str | None, typer.Option(help="memory of a new session: truncate, text, neurocache or stream (default: the model's)")] = None,
     model: Annotated[str | None, typer.Option(help="model of a new session")] = None,
     url: UrlOption = DEFAULT_URL,
     api_key: KeyOption = None,
@@ -207,6 +207,9 @@ def eval_ppl(
     typer.echo(markdown(rows))
 
 
+CapacityOption = Annotated[int | None, typer.Option(help="m of neurocache sessions (default: the adapter's)")]
+
+
 @eval_app.command("passkey")
 def eval_passkey(
     model: str = "smollm2-135m-instruct",
@@ -214,12 +217,14 @@ def eval_passkey(
     memory: Annotated[list[str], typer.Option(help="memories to compare")] = ["truncate", "text", "neurocache"],
     length: Annotated[list[int], typer.Option(help="document lengths in tokens")] = [4096, 16_384],
     depth: Annotated[list[float], typer.Option(help="where the key is, 0..1")] = [0.1, 0.3, 0.5, 0.7, 0.9],
+    capacity: CapacityOption = None,
     device: str = "auto",
 ) -> None:
     """Pass-key retrieval accuracy by memory and document length."""
     from engine.training.evaluate import markdown, passkey
 
-    rows = passkey(_setup(model, adapter, device), memories=tuple(memory), lengths=tuple(length), depths=tuple(depth))
+    rows = passkey(_setup(model, adapter, device), memories=tuple(memory), lengths=tuple(length), depths=tuple(depth),
+                   capacity=capacity)
     typer.echo(markdown(rows))
 
 
@@ -228,12 +233,13 @@ def eval_qa(
     model: str = "smollm2-135m-instruct",
     adapter: AdapterOption = None,
     memory: Annotated[list[str], typer.Option(help="memories to compare")] = ["truncate", "text", "neurocache"],
+    capacity: CapacityOption = None,
     device: str = "auto",
 ) -> None:
     """Single-fact questions about held-out books, contains-match, memories side by side."""
     from engine.training.evaluate import markdown, qa
 
-    typer.echo(markdown(qa(_setup(model, adapter, device), memories=tuple(memory))))
+    typer.echo(markdown(qa(_setup(model, adapter, device), memories=tuple(memory), capacity=capacity)))
 
 
 @eval_app.command("lm")

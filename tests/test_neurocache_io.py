@@ -56,3 +56,20 @@ def test_mismatches_fail_with_a_clear_message(tmp_path):
     (tmp_path / "a" / "adapter.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="unknown Neurocache settings"):
         load_adapter(tiny("llama"), VocabTokenizer(VOCAB), tmp_path / "a")
+
+
+def test_shipping_stores_bfloat16_and_loads_strictly(tmp_path):
+    from scripts.ship_adapter import ship
+
+    model, neurocache, _ = adapted("llama")
+    open_gates(neurocache)
+    save_adapter(neurocache, VocabTokenizer(VOCAB), tmp_path / "run", steps=3)
+    ship(tmp_path / "run", tmp_path / "shipped", {"passkey": "5/5"})
+    meta = read_meta(tmp_path / "shipped")
+    assert meta["manifest"]["steps"] == 3 and meta["manifest"]["eval"] == {"passkey": "5/5"}
+    assert meta["manifest"]["stored_dtype"] == "bfloat16"
+    loaded = load_adapter(tiny("llama"), VocabTokenizer(VOCAB), tmp_path / "shipped")
+    original, shipped = neurocache.adapter_state_dict(), loaded.adapter_state_dict()
+    assert original.keys() == shipped.keys()
+    for name, tensor in original.items():  # the float32 model holds each weight rounded to bfloat16
+        torch.testing.assert_close(shipped[name], tensor.to(torch.bfloat16).float(), rtol=0, atol=0)

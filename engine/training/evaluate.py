@@ -123,9 +123,13 @@ def passkey_document(filler: str, length_tokens: int, depth: float, key: str, to
     return f"{head} The pass key is {key}. Remember it. {key} is the pass key. {tail}"
 
 
-async def _answers(engine: Engine, memory: str, document: str, questions: list[str]) -> list[str]:
-    """Ingest `document` into a fresh session once, then answer each question greedily."""
-    session = engine.create_session(None, memory, {})
+async def _answers(
+    engine: Engine, memory: str, document: str, questions: list[str], capacity: int | None = None
+) -> list[str]:
+    """Ingest `document` into a fresh session once, then answer each question greedily.
+    `capacity` sets a neurocache session's m (None: the adapter's)."""
+    options = {"capacity": capacity} if memory == "neurocache" and capacity else {}
+    session = engine.create_session(None, memory, options)
     try:
         async for _ in await engine.ingest(session.id, document, "eval"):
             pass
@@ -161,7 +165,8 @@ def run_with_engine(setup: EvalSetup, max_tokens: int, body: Callable[[Engine], 
 
 
 def passkey(
-    setup: EvalSetup, *, memories: tuple[str, ...], lengths: tuple[int, ...], depths: tuple[float, ...], seed: int = 0
+    setup: EvalSetup, *, memories: tuple[str, ...], lengths: tuple[int, ...], depths: tuple[float, ...], seed: int = 0,
+    capacity: int | None = None,
 ) -> list[dict[str, Any]]:
     """Accuracy per memory and document length, over the depths; the filler is held-out text."""
     _, held_out = split(fetch(setup.corpus_dir))
@@ -173,18 +178,22 @@ def passkey(
         rows = []
         for memory in memories:
             for length in lengths:
-                hits = 0
+                hits, missed = 0, []
                 for depth in depths:
                     key = str(rng.randrange(10_000, 100_000))
                     document = passkey_document(filler, length, depth, key, tokenizer)
-                    hits += key in (await _answers(engine, memory, document, [PASSKEY_QUESTION]))[0]
-                rows.append({"memory": memory, "length": length, "correct": hits, "trials": len(depths)})
+                    answer = (await _answers(engine, memory, document, [PASSKEY_QUESTION], capacity))[0]
+                    hits += key in answer
+                    if key not in answer:
+                        missed.append(f"depth {depth}: key {key}, answered {' '.join(answer.split())[:40]!r}")
+                rows.append({"memory": memory, "length": length, "correct": hits, "trials": len(depths),
+                             "missed": "; ".join(missed) or "-"})
         return rows
 
     return run_with_engine(setup, max(lengths), body)
 
 
-def qa(setup: EvalSetup, *, memories: tuple[str, ...]) -> list[dict[str, Any]]:
+def qa(setup: EvalSetup, *, memories: tuple[str, ...], capacity: int | None = None) -> list[dict[str, Any]]:
     """Contains-match accuracy on the QA set's held-out books, per memory."""
     folder = fetch(setup.corpus_dir)
 
@@ -193,7 +202,7 @@ def qa(setup: EvalSetup, *, memories: tuple[str, ...]) -> list[dict[str, Any]]:
         for memory in memories:
             hits, total = 0, 0
             for book, questions in QA_SET.items():
-                answers = await _answers(engine, memory, (folder / book).read_text(), [q for q, _ in questions])
+                answers = await _answers(engine, memory, (folder / book).read_text(), [q for q, _ in questions], capacity)
                 for (_, expected), answer in zip(questions, answers, strict=True):
                     hits += expected.lower() in answer.lower()
                     total += 1
