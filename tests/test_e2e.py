@@ -1,6 +1,7 @@
 """End to end on the real default model: a server subprocess on a free loopback port, a 39k-token
 public-domain book ingested in text mode, a question about its middle answered by REST streaming,
-the openai SDK, and the `longdoc` command line."""
+the openai SDK, and the `longdoc` command line; and a pass key answered from a session in the
+default memory, Neurocache with the shipped adapter."""
 
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ def test_metrics_show_the_traffic(server, session):
 def test_command_line_ingest_and_ask(server, tmp_path: Path):
     env = {**os.environ, "LONGDOC_URL": server, "LONGDOC_API_KEY": "e2e-key"}
     cli = [sys.executable, "-m", "clients.cli"]
-    ingested = subprocess.run([*cli, "ingest", str(BOOK)], env=env, capture_output=True, text=True, timeout=300)
+    ingested = subprocess.run([*cli, "ingest", str(BOOK), "--memory", "text"], env=env, capture_output=True, text=True, timeout=300)
     assert ingested.returncode == 0, ingested.stderr
     session_id = ingested.stdout.split()[1].rstrip(":")
     answer = subprocess.run([*cli, "ask", QUESTION, "--session", session_id, "--max-tokens", "48"], env=env, capture_output=True, text=True, timeout=300)
@@ -114,6 +115,23 @@ def test_command_line_ingest_and_ask(server, tmp_path: Path):
     assert session_id in listed.stdout and "alice29.txt" in listed.stdout
     missing = subprocess.run([*cli, "ask", "q", "--session", "s-missing"], env=env, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 1 and "not_found" in missing.stderr
+
+
+def test_default_session_answers_a_pass_key_from_the_neurocache(server, tmp_path: Path):
+    """The shipped adapter makes neurocache the default memory. A neurocache prompt holds no
+    document text, so only the cache can supply the key (stated 374 tokens into a
+    2,358-token document)."""
+    filler = BOOK.read_text(encoding="utf-8")[:9000]
+    key = "60917"
+    document = tmp_path / "passkey.txt"
+    document.write_text(f"{filler[:1500]} The pass key is {key}. Remember it. {key} is the pass key. {filler[1500:]}")
+    client = LongdocClient(server, api_key="e2e-key")
+    session_id = client.create_session(model="smollm2-135m-instruct")["id"]
+    assert client.session(session_id)["memory"] == "neurocache"
+    events = list(client.add_document_stream(session_id, document.read_text(), name="passkey.txt"))
+    assert events[-1].event == "done", events[-1]
+    answer = client.ask(session_id, "What is the pass key? Answer with the number.", max_tokens=16)
+    assert key in answer["answer"], answer
 
 
 def _queue_depth(server: str) -> float:
