@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import math
+import random
+from dataclasses import replace
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from engine.models.neurocache import Neurocache, NeurocacheConfig
 from engine.models.neurocache_io import read_meta
 from engine.training.corpus import CANTERBURY
-from engine.training.neurocache_data import EpisodeSampler, tokenize_files
-from engine.training.neurocache_train import TrainConfig, parameter_groups, train
+from engine.training.neurocache_data import DISTRACTOR_NAMES, EpisodeSampler, near_miss, tokenize_files
+from engine.training.neurocache_train import Trainer, TrainConfig, parameter_groups, train
 from engine.training.schedule import lr_factor
 from tests.test_memories import filler
 from tests.test_neurocache import CONFIG, tiny
@@ -76,3 +80,48 @@ def test_gates_train_at_their_own_learning_rate():
     assert {id(p) for p in gates["params"]} == own_rate
     everything = [id(p) for p in neurocache.adapter_parameters()]
     assert sorted(everything) == sorted(id(p) for p in rest["params"] + gates["params"])  # each exactly once
+
+
+def test_distractor_facts_are_near_misses_and_never_hide_the_key(tiny_tokenizer, corpus_dir):
+    corpus = tokenize_files(tiny_tokenizer, sorted(corpus_dir.glob("*.txt")))
+    sampler = EpisodeSampler(tiny_tokenizer, corpus, segment_len=96, n_segments=4, passkey_ratio=1.0, seed=3,
+                             distractors=3)
+    seen = 0
+    for _ in range(8):
+        episode = sampler.sample()
+        assert len(episode.token_ids) == 384
+        text = tiny_tokenizer.decode(episode.token_ids[:288])
+        key = text.split("The pass key is ")[1][:5]
+        assert f"{key} is the pass key." in text  # the whole fact is cached, before the question's segment
+        for name in DISTRACTOR_NAMES:
+            for part in text.split(f"The {name} is ")[1:]:
+                other = part[:5]
+                assert other.isdigit() and other != key
+                assert sum(a == b for a, b in zip(other, key)) >= 3 or sorted(other) == sorted(key)
+                seen += 1
+        answer = tiny_tokenizer.decode([t for t, m in zip(episode.token_ids, episode.answer_mask) if m])
+        assert key in answer
+    assert seen > 0
+
+
+def test_near_miss_differs_from_the_key():
+    rng = random.Random(0)
+    for _ in range(200):
+        key = str(rng.randrange(10_000, 100_000))
+        other = near_miss(rng, key)
+        assert other != key and len(other) == 5 and other[0] != "0"
+
+
+def test_fine_tuning_starts_from_the_given_adapter(tiny_dir, corpus_dir, tmp_path):
+    config = TrainConfig(
+        model=str(tiny_dir), out=tmp_path / "first", corpus_dir=corpus_dir, device="cpu", steps=2, batch_size=1,
+        segment_len=32, n_segments=2, accumulation=1, lr=1e-2, warmup=1, passkey_ratio=0.5,
+        neurocache=NeurocacheConfig(top_k=3, capacity=256, lora_rank=2, retrieval_layer=0),
+    )
+    train(config)
+    first = tmp_path / "first" / tiny_dir.name
+    tuned = Trainer(replace(config, out=tmp_path / "second", init_adapter=first, neurocache=NeurocacheConfig()))
+    assert tuned.neurocache.config.top_k == 3  # the adapter's settings, not the defaults passed
+    saved = load_file(first / "adapter.safetensors")
+    for name, tensor in tuned.neurocache.adapter_state_dict().items():
+        assert torch.equal(tensor, saved[name]), name

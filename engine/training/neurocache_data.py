@@ -4,7 +4,10 @@ Two kinds of episode:
 - language modelling: a window of a long training text;
 - retrieval tasks in the chat format: a fact (a pass key) stated once in filler text, outside the
   last segment, and in the last segment a question about it with the answer. The answer tokens
-  are scored on their own, so the instruct model learns to answer from the cache.
+  are scored on their own, so the instruct model learns to answer from the cache. Optional
+  distractors: other facts in the needle's very form ("The door code is 60419. ...") whose numbers
+  share digits with the key, so that a digit's nearest match is often the wrong one and only the
+  words "pass key" tell the facts apart.
 """
 
 from __future__ import annotations
@@ -48,8 +51,28 @@ def passkey_prompt(tokenizer: PreTrainedTokenizerBase, key: str) -> tuple[list[i
     return q_ids, a_ids
 
 
-def needle(tokenizer: PreTrainedTokenizerBase, key: str) -> list[int]:
-    return tokenizer(f" The pass key is {key}. Remember it. {key} is the pass key. ", add_special_tokens=False)["input_ids"]
+DISTRACTOR_NAMES = ("door code", "room number", "ticket number", "order number", "locker code", "serial number",
+                    "account number", "phone extension")
+
+
+def needle(tokenizer: PreTrainedTokenizerBase, key: str, name: str = "pass key") -> list[int]:
+    return tokenizer(f" The {name} is {key}. Remember it. {key} is the {name}. ", add_special_tokens=False)["input_ids"]
+
+
+def near_miss(rng: random.Random, key: str) -> str:
+    """Another 5-digit number sharing most of its digits with `key`: one or two digits changed,
+    or two swapped."""
+    while True:
+        digits = list(key)
+        if rng.random() < 0.3:
+            i, j = rng.sample(range(len(digits)), 2)
+            digits[i], digits[j] = digits[j], digits[i]
+        else:
+            for i in rng.sample(range(len(digits)), rng.choice((1, 2))):
+                digits[i] = str(rng.randrange(10))
+        other = "".join(digits)
+        if other != key and other[0] != "0":
+            return other
 
 
 class EpisodeSampler:
@@ -62,6 +85,7 @@ class EpisodeSampler:
         n_segments: int,
         passkey_ratio: float,
         seed: int,
+        distractors: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.corpus = corpus
@@ -70,6 +94,7 @@ class EpisodeSampler:
         if len(corpus) <= self.length:
             raise ValueError("the training corpus is shorter than one episode")
         self.passkey_ratio = passkey_ratio
+        self.distractors = distractors  # at most this many distractor facts per pass-key episode
         self.rng = random.Random(seed)
 
     def _window(self, n: int) -> list[int]:
@@ -83,11 +108,18 @@ class EpisodeSampler:
         key = str(self.rng.randrange(10_000, 100_000))
         q_ids, a_ids = passkey_prompt(self.tokenizer, key)
         fact = needle(self.tokenizer, key)
-        filler = self._window(self.length - len(q_ids) - len(a_ids) - len(fact))
-        # the fact lies wholly before the last segment, where the question is
-        last_start = self.length - self.segment_len
-        at = self.rng.randrange(0, max(1, last_start - len(fact)))
-        body = filler[:at] + fact + filler[at:]
+        others = [
+            needle(self.tokenizer, near_miss(self.rng, key), self.rng.choice(DISTRACTOR_NAMES))
+            for _ in range(self.rng.randint(0, self.distractors) if self.distractors else 0)
+        ]
+        filler = self._window(self.length - len(q_ids) - len(a_ids) - len(fact) - sum(map(len, others)))
+        # the fact lies wholly before the last segment, where the question is, however many
+        # distractors come before it; the distractors go anywhere
+        room = self.length - self.segment_len - len(fact) - sum(map(len, others))
+        inserts = [(self.rng.randrange(0, max(1, room)), fact)] + [(self.rng.randrange(0, len(filler)), o) for o in others]
+        body = filler
+        for cut, piece in sorted(inserts, key=lambda item: item[0], reverse=True):
+            body = body[:cut] + piece + body[cut:]
         ids = body + q_ids + a_ids
         answer = [False] * (len(body) + len(q_ids)) + [True] * len(a_ids)
         assert len(ids) == self.length, (len(ids), self.length)

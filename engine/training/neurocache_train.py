@@ -22,7 +22,7 @@ from tqdm import tqdm
 from engine.config import DEFAULT_MODEL
 from engine.models.loader import load_model
 from engine.models.neurocache import Neurocache, NeurocacheConfig
-from engine.models.neurocache_io import load_adapter, save_adapter
+from engine.models.neurocache_io import load_adapter, read_meta, save_adapter
 from engine.state_cache import StateCache
 from engine.training.corpus import DEFAULT_DIR, fetch, split
 from engine.training.neurocache_data import Episode, EpisodeSampler, tokenize_files
@@ -47,10 +47,12 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     clip: float = 1.0
     passkey_ratio: float = 0.5
+    distractors: int = 0  # at most this many distractor facts per pass-key episode
     lm_stride: int = 4  # score every 4th position for the LM loss (answers always)
     seed: int = 0
     checkpoint_every: int = 50
     resume: bool = False
+    init_adapter: Path | None = None  # start from this adapter's weights and settings (fine-tuning)
     neurocache: NeurocacheConfig = field(default_factory=lambda: NeurocacheConfig(capacity=16_384))
 
 
@@ -105,6 +107,8 @@ class Trainer:
         resuming = config.resume and (config.out / "trainer.pt").is_file()
         if resuming:
             self.neurocache = load_adapter(self.model, self.tokenizer, adapter)
+        elif config.init_adapter is not None:
+            self.neurocache = load_adapter(self.model, self.tokenizer, config.init_adapter)
         else:
             self.neurocache = Neurocache(self.model, config.neurocache)
         self.parameters = list(self.neurocache.adapter_parameters())
@@ -118,9 +122,9 @@ class Trainer:
         corpus = tokenize_files(self.tokenizer, train_files)
         self.sampler = EpisodeSampler(
             self.tokenizer, corpus, segment_len=config.segment_len, n_segments=config.n_segments,
-            passkey_ratio=config.passkey_ratio, seed=config.seed,
+            passkey_ratio=config.passkey_ratio, seed=config.seed, distractors=config.distractors,
         )
-        capacity = max(config.neurocache.capacity, config.segment_len * config.n_segments)
+        capacity = max(self.neurocache.config.capacity, config.segment_len * config.n_segments)
         self.rows = [Row(self.neurocache.new_training_cache(capacity)) for _ in range(config.batch_size)]
         self.step = 0
         self.train_tokens = len(corpus)
@@ -212,6 +216,8 @@ def train(config: TrainConfig, command: str = "") -> list[dict[str, Any]]:
         "seed": config.seed,
         "train_config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items() if k != "neurocache"},
     }
+    if config.init_adapter is not None:  # what the starting point was trained with
+        manifest["init_manifest"] = read_meta(config.init_adapter).get("manifest", {})
     with (config.out / "log.jsonl").open("a") as log, tqdm(total=config.steps, initial=trainer.step, desc="train") as bar:
         while trainer.step < config.steps:
             record = trainer.train_step()
