@@ -113,6 +113,7 @@ def train_neurocache(
     warmup: Annotated[int, typer.Option(help="warm-up steps")] = 20,
     passkey_ratio: Annotated[float, typer.Option(help="share of pass-key episodes")] = 0.5,
     distractors: Annotated[int, typer.Option(help="at most this many distractor facts per pass-key episode")] = 0,
+    repeats: Annotated[float, typer.Option(help="share of pass keys made to hold a digit twice or more")] = 0.0,
     init_adapter: Annotated[Path | None, typer.Option(help="fine-tune this adapter (its settings win over the ones below)")] = None,
     top_k: Annotated[int, typer.Option(help="k")] = 16,
     window: Annotated[int, typer.Option(help="w")] = 2,
@@ -133,7 +134,8 @@ def train_neurocache(
     config = TrainConfig(
         model=model, out=out, device=device, steps=steps, batch_size=batch_size, segment_len=segment_len,
         n_segments=n_segments, accumulation=accumulation, lr=lr, gate_lr=gate_lr, warmup=warmup, passkey_ratio=passkey_ratio,
-        seed=seed, checkpoint_every=checkpoint_every, resume=resume, distractors=distractors, init_adapter=init_adapter,
+        seed=seed, checkpoint_every=checkpoint_every, resume=resume, distractors=distractors, repeats=repeats,
+        init_adapter=init_adapter,
         neurocache=NeurocacheConfig(top_k=top_k, window=window, context=context, compression=compression,
                                     lora_rank=lora_rank, capacity=capacity, successor_bias=successor_bias),
     )

@@ -125,3 +125,13 @@ def test_fine_tuning_starts_from_the_given_adapter(tiny_dir, corpus_dir, tmp_pat
     saved = load_file(first / "adapter.safetensors")
     for name, tensor in tuned.neurocache.adapter_state_dict().items():
         assert torch.equal(tensor, saved[name]), name
+
+
+def test_repeats_give_keys_with_a_digit_twice(tiny_tokenizer, corpus_dir):
+    corpus = tokenize_files(tiny_tokenizer, sorted(corpus_dir.glob("*.txt")))
+    always = EpisodeSampler(tiny_tokenizer, corpus, segment_len=64, n_segments=4, passkey_ratio=1.0, seed=0, repeats=1.0)
+    never = EpisodeSampler(tiny_tokenizer, corpus, segment_len=64, n_segments=4, passkey_ratio=1.0, seed=0)
+    keys = [always._key() for _ in range(100)]
+    assert all(len(set(k)) < 5 and len(k) == 5 and k[0] != "0" for k in keys)
+    plain = [never._key() for _ in range(200)]
+    assert any(len(set(k)) == 5 for k in plain)  # without the option, about 30% of keys have five different digits

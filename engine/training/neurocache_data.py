@@ -86,6 +86,7 @@ class EpisodeSampler:
         passkey_ratio: float,
         seed: int,
         distractors: int = 0,
+        repeats: float = 0.0,
     ) -> None:
         self.tokenizer = tokenizer
         self.corpus = corpus
@@ -95,6 +96,7 @@ class EpisodeSampler:
             raise ValueError("the training corpus is shorter than one episode")
         self.passkey_ratio = passkey_ratio
         self.distractors = distractors  # at most this many distractor facts per pass-key episode
+        self.repeats = repeats  # share of keys made to hold some digit twice or more
         self.rng = random.Random(seed)
 
     def _window(self, n: int) -> list[int]:
@@ -104,8 +106,16 @@ class EpisodeSampler:
     def language_episode(self) -> Episode:
         return Episode(self._window(self.length), [False] * self.length, "lm")
 
+    def _key(self) -> str:
+        key = list(str(self.rng.randrange(10_000, 100_000)))
+        if self.repeats and self.rng.random() < self.repeats:
+            i = self.rng.randrange(len(key) - 1)  # digit i again at a later place, or in a run
+            for j in self.rng.sample(range(i + 1, len(key)), self.rng.choice((1, 2)) if i < len(key) - 2 else 1):
+                key[j] = key[i]
+        return "".join(key)
+
     def passkey_episode(self) -> Episode:
-        key = str(self.rng.randrange(10_000, 100_000))
+        key = self._key()
         q_ids, a_ids = passkey_prompt(self.tokenizer, key)
         fact = needle(self.tokenizer, key)
         others = [

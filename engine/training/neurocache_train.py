@@ -48,6 +48,7 @@ class TrainConfig:
     clip: float = 1.0
     passkey_ratio: float = 0.5
     distractors: int = 0  # at most this many distractor facts per pass-key episode
+    repeats: float = 0.0  # share of pass keys made to hold a digit twice or more
     lm_stride: int = 4  # score every 4th position for the LM loss (answers always)
     seed: int = 0
     checkpoint_every: int = 50
@@ -123,6 +124,7 @@ class Trainer:
         self.sampler = EpisodeSampler(
             self.tokenizer, corpus, segment_len=config.segment_len, n_segments=config.n_segments,
             passkey_ratio=config.passkey_ratio, seed=config.seed, distractors=config.distractors,
+            repeats=config.repeats,
         )
         capacity = max(self.neurocache.config.capacity, config.segment_len * config.n_segments)
         self.rows = [Row(self.neurocache.new_training_cache(capacity)) for _ in range(config.batch_size)]
