@@ -135,3 +135,15 @@ def test_repeats_give_keys_with_a_digit_twice(tiny_tokenizer, corpus_dir):
     assert all(len(set(k)) < 5 and len(k) == 5 and k[0] != "0" for k in keys)
     plain = [never._key() for _ in range(200)]
     assert any(len(set(k)) == 5 for k in plain)  # without the option, about 30% of keys have five different digits
+
+
+def test_bad_distractor_settings_fail_clearly(tiny_tokenizer, corpus_dir):
+    corpus = tokenize_files(tiny_tokenizer, sorted(corpus_dir.glob("*.txt")))
+    for bad in ({"distractors": -1}, {"repeats": 1.5}):
+        with pytest.raises(ValueError, match="distractors must be"):
+            EpisodeSampler(tiny_tokenizer, corpus, segment_len=64, n_segments=4, passkey_ratio=1.0, seed=0, **bad)
+    crowded = EpisodeSampler(tiny_tokenizer, corpus, segment_len=64, n_segments=2, passkey_ratio=1.0, seed=0,
+                             distractors=40)
+    with pytest.raises(ValueError, match="do not fit"):
+        for _ in range(20):
+            crowded.sample()

@@ -94,6 +94,8 @@ class EpisodeSampler:
         self.length = segment_len * n_segments
         if len(corpus) <= self.length:
             raise ValueError("the training corpus is shorter than one episode")
+        if distractors < 0 or not 0.0 <= repeats <= 1.0:
+            raise ValueError("distractors must be >= 0 and repeats between 0 and 1")
         self.passkey_ratio = passkey_ratio
         self.distractors = distractors  # at most this many distractor facts per pass-key episode
         self.repeats = repeats  # share of keys made to hold some digit twice or more
@@ -126,6 +128,8 @@ class EpisodeSampler:
         # the fact lies wholly before the last segment, where the question is, however many
         # distractors come before it; the distractors go anywhere
         room = self.length - self.segment_len - len(fact) - sum(map(len, others))
+        if room < 1:
+            raise ValueError("the key and its distractors do not fit before the last segment: use fewer distractors or longer episodes")
         inserts = [(self.rng.randrange(0, max(1, room)), fact)] + [(self.rng.randrange(0, len(filler)), o) for o in others]
         body = filler
         for cut, piece in sorted(inserts, key=lambda item: item[0], reverse=True):
