@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from engine.models.neurocache import Neurocache, NeurocacheConfig
 from engine.models.neurocache_io import save_adapter
 from engine.training.corpus import CANTERBURY
-from engine.training.evaluate import EvalSetup, markdown, passkey_document, perplexity
+from engine.training.evaluate import QA_SET, EvalSetup, markdown, passkey_document, perplexity, qa
 from tests.test_memories import filler
 
 
@@ -19,11 +19,26 @@ def test_passkey_document_puts_the_key_at_the_depth(tiny_tokenizer):
     assert 950 < len(tiny_tokenizer(text)["input_ids"]) < 1100
 
 
-def test_closed_gate_perplexity_equals_the_window_baseline(tiny_dir, tmp_path):
+def _corpus(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for name in (*CANTERBURY, "kjv-Genesis.txt", "kjv-John.txt", "kjv-Acts.txt"):
         (corpus / name).write_text(filler(200))
+    return corpus
+
+
+def test_qa_counts_contains_matches_and_lists_what_was_missed(tiny_dir, tmp_path):
+    corpus = _corpus(tmp_path)
+    setup = EvalSetup(model=str(tiny_dir), corpus_dir=corpus, cache_dir=tmp_path / "cache", device="cpu")
+    [row] = qa(setup, memories=("truncate",))
+    total = sum(len(questions) for questions in QA_SET.values())
+    assert row["memory"] == "truncate" and row["questions"] == total
+    # The tiny random model cannot know the books: every question it misses is listed with its answer.
+    assert row["missed"].count(": answered ") == total - row["correct"]
+
+
+def test_closed_gate_perplexity_equals_the_window_baseline(tiny_dir, tmp_path):
+    corpus = _corpus(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
     neurocache = Neurocache(model, NeurocacheConfig(top_k=4, capacity=512, lora_rank=2))
     save_adapter(neurocache, AutoTokenizer.from_pretrained(tiny_dir), tmp_path / "adapter")

@@ -200,13 +200,16 @@ def qa(setup: EvalSetup, *, memories: tuple[str, ...], capacity: int | None = No
     async def body(engine: Engine) -> list[dict[str, Any]]:
         rows = []
         for memory in memories:
-            hits, total = 0, 0
+            hits, total, missed = 0, 0, []
             for book, questions in QA_SET.items():
                 answers = await _answers(engine, memory, (folder / book).read_text(), [q for q, _ in questions], capacity)
                 for (_, expected), answer in zip(questions, answers, strict=True):
-                    hits += expected.lower() in answer.lower()
                     total += 1
-            rows.append({"memory": memory, "correct": hits, "questions": total})
+                    if expected.lower() in answer.lower():
+                        hits += 1
+                    else:
+                        missed.append(f"{expected}: answered {' '.join(answer.split())[:40]!r}")
+            rows.append({"memory": memory, "correct": hits, "questions": total, "missed": "; ".join(missed) or "-"})
         return rows
 
     return run_with_engine(setup, 200_000, body)
