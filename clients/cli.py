@@ -222,13 +222,14 @@ def eval_passkey(
     length: Annotated[list[int], typer.Option(help="document lengths in tokens")] = [4096, 16_384],
     depth: Annotated[list[float], typer.Option(help="where the key is, 0..1")] = [0.1, 0.3, 0.5, 0.7, 0.9],
     capacity: CapacityOption = None,
+    seed: Annotated[int, typer.Option(help="seed of the keys drawn, one per trial in order")] = 0,
     device: str = "auto",
 ) -> None:
     """Pass-key retrieval accuracy by memory and document length."""
     from engine.training.evaluate import markdown, passkey
 
     rows = passkey(_setup(model, adapter, device), memories=tuple(memory), lengths=tuple(length), depths=tuple(depth),
-                   capacity=capacity)
+                   capacity=capacity, seed=seed)
     typer.echo(markdown(rows))
 
 

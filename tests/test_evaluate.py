@@ -1,6 +1,8 @@
-"""Evaluation helpers on a tiny model: a closed-gate adapter leaves perplexity exactly unchanged."""
+"""Evaluation on a tiny model: a closed-gate adapter leaves perplexity exactly unchanged; pass-key and QA rows."""
 
 from __future__ import annotations
+
+import random
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -8,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from engine.models.neurocache import Neurocache, NeurocacheConfig
 from engine.models.neurocache_io import save_adapter
 from engine.training.corpus import CANTERBURY
-from engine.training.evaluate import QA_SET, EvalSetup, markdown, passkey_document, perplexity, qa
+from engine.training.evaluate import QA_SET, EvalSetup, markdown, passkey, passkey_document, perplexity, qa
 from tests.test_memories import filler
 
 
@@ -35,6 +37,16 @@ def test_qa_counts_contains_matches_and_lists_what_was_missed(tiny_dir, tmp_path
     assert row["memory"] == "truncate" and row["questions"] == total
     # The tiny random model cannot know the books: every question it misses is listed with its answer.
     assert row["missed"].count(": answered ") == total - row["correct"]
+
+
+def test_passkey_seed_draws_other_keys_and_misses_name_them(tiny_dir, tmp_path):
+    setup = EvalSetup(model=str(tiny_dir), corpus_dir=_corpus(tmp_path), cache_dir=tmp_path / "cache", device="cpu")
+    rows = {seed: passkey(setup, memories=("truncate",), lengths=(300,), depths=(0.5,), seed=seed)[0] for seed in (0, 1)}
+    for seed, row in rows.items():
+        assert (row["memory"], row["length"], row["trials"], row["correct"]) == ("truncate", 300, 1, 0)
+        # The tiny random model cannot copy the key; the row names the key drawn from this seed.
+        assert row["missed"].startswith(f"depth 0.5: key {random.Random(seed).randrange(10_000, 100_000)}, answered")
+    assert rows[0]["missed"] != rows[1]["missed"]
 
 
 def test_closed_gate_perplexity_equals_the_window_baseline(tiny_dir, tmp_path):
