@@ -112,6 +112,23 @@ def test_open_gate_uses_the_cache_and_detached_model_stays_base(arch):
     torch.testing.assert_close(empty, expected, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_trained_lora_applies_only_while_a_cache_is_attached(arch):
+    """Sessions of other memories share the adapted model: outside a binding it is the base model."""
+    model, neurocache, reference = adapted(arch)
+    open_gates(neurocache)  # gates, slot biases and LoRA all away from their initial values
+    ids = torch.randint(0, VOCAB, (1, 16))
+    with torch.no_grad():
+        expected = reference(ids).logits
+        detached = model(ids).logits
+        with neurocache.attached([neurocache.new_cache()]):  # empty cache: only the LoRA differs
+            adapted_logits = model(ids).logits
+        after = model(ids).logits
+    torch.testing.assert_close(detached, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(after, expected, rtol=0, atol=1e-6)
+    assert (adapted_logits - expected).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("position", [0, 1, 7, 15])
 def test_changing_a_token_never_moves_earlier_outputs(arch, position):

@@ -174,11 +174,15 @@ class CompressedStates(Exception):
 
 
 class LoRALinear(nn.Module):
-    """y = base(x) + (alpha / rank) * B(A(x)); B starts at zero. Wraps nn.Linear or GPT-2's Conv1D."""
+    """y = base(x) + (alpha / rank) * B(A(x)); B starts at zero. Wraps nn.Linear or GPT-2's Conv1D.
 
-    def __init__(self, base: nn.Module, *, rank: int, alpha: float) -> None:
+    The update applies only while a Neurocache binding is active (`shared.caches` set): outside,
+    the layer is the base layer, so sessions of other memories sharing the model get the base model."""
+
+    def __init__(self, base: nn.Module, *, rank: int, alpha: float, shared: RetrievalState) -> None:
         super().__init__()
         self.base = base
+        self._shared = shared
         weight = base.weight
         is_conv1d = type(base).__name__ == "Conv1D"
         in_features, out_features = (weight.shape[0], weight.shape[1]) if is_conv1d else (weight.shape[1], weight.shape[0])
@@ -189,6 +193,8 @@ class LoRALinear(nn.Module):
         self.scale = alpha / rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._shared.caches is None:
+            return self.base(x)
         return self.base(x) + self.scale * self.lora_b(self.lora_a(x))
 
 
@@ -401,7 +407,7 @@ class Neurocache(nn.Module):
             self.cache_attention[str(index)] = attention
             ffn = getattr(base, arch.ffn)
             for name in targets:
-                lora = LoRALinear(getattr(ffn, name), rank=config.lora_rank, alpha=config.lora_alpha)
+                lora = LoRALinear(getattr(ffn, name), rank=config.lora_rank, alpha=config.lora_alpha, shared=self.shared)
                 setattr(ffn, name, lora)
                 self.lora[f"{index}_{name}"] = lora
             layers[index] = AugmentedLayer(base, arch, attention, self.shared)
@@ -492,7 +498,9 @@ class Neurocache(nn.Module):
         raise RuntimeError("the retrieval layer was never reached")
 
     def merge_lora(self) -> None:
-        """Fold each LoRA update into its base weight for serving; the adapter can no longer train."""
+        """Fold each LoRA update into its base weight; the adapter can no longer train. The merged
+        weights apply outside a binding too, so a model that also serves `truncate` or `text`
+        sessions must not be merged (the engine never merges)."""
         with torch.no_grad():
             for lora in self.lora.values():
                 delta = lora.scale * (lora.lora_b.weight @ lora.lora_a.weight)  # out, in
