@@ -169,8 +169,8 @@ def main() -> None:
     print(result)
     command = "make bench  # .venv/bin/python bench/bench_memories.py " + " ".join(sys.argv[1:])
     machine = f"{os.cpu_count()} CPU cores, no GPU"
-    args.out.write_text(
-        "# Benchmarks\n\n## Memory modes on the default model (SmolLM2-135M-Instruct)\n\n"
+    section = (
+        "## Memory modes on the default model (SmolLM2-135M-Instruct)\n\n"
         f"Document: `{document.name}`. Machine: {machine}. Command:\n\n```\n{command.strip()}\n```\n\n"
         f"{result}\n\nTTFT is measured by the client from sending the question to the first streamed text; "
         "decode tokens/s = (output tokens - 1) / (E2E - TTFT). Medians over warm runs (one warm-up "
@@ -178,6 +178,20 @@ def main() -> None:
         "passages 36% and 43% into the book (Raphael sent to warn Adam; the seraph Abdiel); an answer "
         "counts as correct when it names them. The answers are printed while the benchmark runs.\n"
     )
+    old = args.out.read_text() if args.out.exists() else "# Benchmarks\n"
+    args.out.write_text(replace_section(old, section))
+
+
+def replace_section(document: str, section: str) -> str:
+    """`document` with its section of the same `## ` heading replaced by `section` (appended if absent);
+    every other section is kept as it is."""
+    heading = section.split("\n", 1)[0]
+    start = document.find(heading + "\n")
+    if start < 0:
+        return document.rstrip("\n") + "\n\n" + section
+    end = document.find("\n## ", start + len(heading))
+    rest = document[end + 1 :] if end >= 0 else ""
+    return document[:start] + section + ("\n" + rest if rest else "")
 
 
 if __name__ == "__main__":
