@@ -145,6 +145,11 @@ async def _answers(
         engine.delete_session(session.id)
 
 
+def _gist(answer: str) -> str:
+    """An answer on one line, cut to 40 characters, for the tables' "missed" column."""
+    return " ".join(answer.split())[:40]
+
+
 def _engine(setup: EvalSetup, max_tokens: int) -> Engine:
     spec = ModelSpec(sources=(setup.model,), device=setup.device, cache_dir=setup.cache_dir, adapter_dirs=_adapter_dirs(setup))
     config = EngineConfig(models=spec)
@@ -185,7 +190,7 @@ def passkey(
                     answer = (await _answers(engine, memory, document, [PASSKEY_QUESTION], capacity))[0]
                     hits += key in answer
                     if key not in answer:
-                        missed.append(f"depth {depth}: key {key}, answered {' '.join(answer.split())[:40]!r}")
+                        missed.append(f"depth {depth}: key {key}, answered {_gist(answer)!r}")
                 rows.append({"memory": memory, "length": length, "correct": hits, "trials": len(depths),
                              "missed": "; ".join(missed) or "-"})
         return rows
@@ -208,7 +213,7 @@ def qa(setup: EvalSetup, *, memories: tuple[str, ...], capacity: int | None = No
                     if expected.lower() in answer.lower():
                         hits += 1
                     else:
-                        missed.append(f"{expected}: answered {' '.join(answer.split())[:40]!r}")
+                        missed.append(f"{expected}: answered {_gist(answer)!r}")
             rows.append({"memory": memory, "correct": hits, "questions": total, "missed": "; ".join(missed) or "-"})
         return rows
 

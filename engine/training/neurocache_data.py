@@ -130,7 +130,7 @@ class EpisodeSampler:
         room = self.length - self.segment_len - len(fact) - sum(map(len, others))
         if room < 1:
             raise ValueError("the key and its distractors do not fit before the last segment: use fewer distractors or longer episodes")
-        inserts = [(self.rng.randrange(0, max(1, room)), fact)] + [(self.rng.randrange(0, len(filler)), o) for o in others]
+        inserts = [(self.rng.randrange(0, room), fact)] + [(self.rng.randrange(0, len(filler)), o) for o in others]
         body = filler
         for cut, piece in sorted(inserts, key=lambda item: item[0], reverse=True):
             body = body[:cut] + piece + body[cut:]
