@@ -65,7 +65,7 @@ def probe(model, tokenizer, neurocache, document: str, key: str) -> tuple[list[t
         logits = model(input_ids=torch.tensor([full])).logits[0]
     queries = neurocache.compress(torch.tensor([full]))[0].float()
     k, w = neurocache.config.top_k, neurocache.config.window
-    _, rows = cache.backend.search(cache.states[: cache.size].float(), queries, k)
+    _, rows = cache.nearest(queries, k)
     matched = cache.slot_counter[rows].tolist()  # write order = position in the document
     needles = key_positions(ids, key_ids)
     digits = []

@@ -54,7 +54,7 @@ def episode_recall(neurocache: Neurocache, episode, segment_len: int, tokenizer)
     needle = needle_digit_positions(ids, needle_ids(tokenizer, key), key_ids)
     queries = neurocache.compress(torch.tensor([ids[last:]]))[0]
     k, w = neurocache.config.top_k, neurocache.config.window
-    _, rows = cache.backend.search(cache.states[: cache.size], queries.float(), min(k, cache.size))  # T, k
+    _, rows = cache.nearest(queries.float(), min(k, cache.size))  # T, k
     matched = cache.slot_counter[rows]  # write counters = positions in the episode
     windows = (matched.unsqueeze(-1) + torch.arange(w)).flatten(1)  # T, k*w: each match and what follows
     answer_digits = [last + pos for pos in range(len(ids) - last) if answer[last + pos] and ids[last + pos] in key_ids]

@@ -47,7 +47,8 @@ class StateCache:
         self.capacity, self.dim = capacity, dim
         self.device, self.dtype = torch.device(device), dtype
         self.backend = backend or backend_for(self.device)
-        self.states = torch.zeros(capacity, dim, device=self.device, dtype=dtype)
+        self._rows = self.backend.allocate(capacity, dim, dtype, self.device)
+        self.states = self._rows.rows  # capacity, dim; always written in place
         self.values = torch.zeros(capacity, value_dim, device=self.device, dtype=dtype) if value_dim else None
         self.slot_counter = torch.full((capacity,), -1, dtype=torch.long, device=self.device)  # -1: never written
         self.slot_document = torch.full((capacity,), -1, dtype=torch.long, device=self.device)
@@ -113,10 +114,8 @@ class StateCache:
         if self.size == 0 or q == 0:
             empty = None if self.values is None else states.new_zeros(q, k * window, self.values.shape[1])
             return Retrieved(states, mask, empty)
-        # slots fill in order from 0 and are only ever reused after a wrap, so the valid entries
-        # are always the first `size` rows: search them in place, without a copy
         found = min(k, self.size)
-        _, rows = self.backend.search(self.states[: self.size], queries.to(self.device), found)  # q, found
+        _, rows = self.nearest(queries, found)  # q, found
         match_counter = self.slot_counter[rows.to(self.device)]  # q, found
         offsets = torch.arange(window, device=self.device)
         counters = match_counter.unsqueeze(-1) + offsets  # q, found, w
@@ -135,6 +134,12 @@ class StateCache:
             values[:, : found * window] = self.values[slots].reshape(q, found * window, -1)
             values[~mask] = 0
         return Retrieved(states, mask, values)
+
+    def nearest(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Squared L2 distances and slots of the k nearest valid states, [q, k] each; k <= size.
+        Slots fill in order from 0 and are only ever reused after a wrap, so the valid entries are
+        always the first `size` rows: they are searched in place."""
+        return self._rows.search(queries.to(self.device), k, self.size)
 
     def reset(self) -> None:
         self.states.zero_()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -38,11 +40,12 @@ def test_backends_agree_on_indices():
     assert (faiss_rows == torch_rows).float().mean() > 0.99  # ties aside, the same neighbours
 
 
-@pytest.mark.parametrize("block_rows", [7, 1000], ids=["blocks-of-7", "one-block"])
-def test_bfloat16_cache_search_equals_brute_force_over_its_stored_values(block_rows):
-    """A bfloat16 cache is searched exactly over the values it holds, in blocks merged by distance."""
+@pytest.mark.parametrize("capacity", [120, 100], ids=["partly-filled", "full"])
+def test_bfloat16_cache_search_equals_brute_force_over_its_stored_values(capacity):
+    """A bfloat16 cache lives in a FAISS scalar-quantizer index and is searched exactly over the
+    values it holds, its valid rows only."""
     torch.manual_seed(3)
-    cache = StateCache(capacity=120, dim=16, dtype=torch.bfloat16, backend=FaissCpuKnn(block_rows=block_rows))
+    cache = StateCache(capacity=capacity, dim=16, dtype=torch.bfloat16)
     cache.add(torch.nn.functional.normalize(torch.randn(100, 16), dim=-1), document=0)
     stored = cache.states[:100].float()
     queries = torch.randn(20, 16)
@@ -50,7 +53,36 @@ def test_bfloat16_cache_search_equals_brute_force_over_its_stored_values(block_r
     expected = brute_force(stored.numpy(), queries.numpy(), 9)
     assert got.states.dtype == torch.bfloat16
     np.testing.assert_array_equal(got.states.float().numpy(), stored.numpy()[expected])
-    assert cache.nbytes == 120 * 16 * 2 + 2 * 120 * 8
+    distances, _ = cache.nearest(queries, 9)
+    reference = ((queries[:, None, :] - stored[None]) ** 2).sum(-1).sort(dim=1).values[:, :9]
+    torch.testing.assert_close(distances, reference, rtol=1e-5, atol=1e-5)
+    assert cache.nbytes == capacity * 16 * 2 + 2 * capacity * 8
+
+
+def test_bfloat16_rows_in_the_faiss_index_follow_every_write():
+    """Overwrites after a wrap-around, rollback, reset and load all reach what FAISS scans."""
+    torch.manual_seed(5)
+    cache = StateCache(capacity=8, dim=4, dtype=torch.bfloat16)
+    cache.add(marked(8), document=0)
+    cache.begin()
+    cache.add(marked(3, start=100), document=0)  # overwrites slots 0-2
+    assert first_coords(cache.search(marked(1, start=101), k=1)) == [101.0]
+    cache.rollback()
+    assert first_coords(cache.search(marked(1, start=101), k=1)) == [7.0]
+    cache.reset()
+    cache.add(marked(2, start=50), document=0)
+    assert first_coords(cache.search(marked(1, start=0), k=2)) == [50.0, 51.0]  # only the 2 valid rows
+
+
+def test_bfloat16_rows_outlive_their_cache():
+    """A view of the rows keeps the FAISS index that owns their memory alive."""
+    cache = StateCache(capacity=4, dim=4, dtype=torch.bfloat16)
+    cache.add(marked(4, start=10), document=0)
+    rows = cache.states[1:3]
+    del cache
+    gc.collect()
+    torch.empty(1_000_000).fill_(7.0)  # would reuse freed memory
+    assert rows[:, 0].float().tolist() == [11.0, 12.0]
 
 
 def marked(n: int, start: int = 0, dim: int = 4) -> torch.Tensor:
