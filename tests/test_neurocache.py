@@ -81,6 +81,39 @@ def test_slot_bias_selects_a_retrieval_slot():
     assert not torch.allclose(out, spread, atol=1e-3)
 
 
+def test_cache_attention_equals_a_per_head_reference():
+    """Grouped-query cache attention, written out head by head: query head h reads key/value head
+    h // (heads / kv_heads); masked slots get no weight; a token with nothing retrieved gets zero."""
+    neurocache = Neurocache(tiny("llama"), CONFIG)  # 4 query heads, 2 key/value heads
+    attention = neurocache.cache_attention["3"]
+    torch.manual_seed(4)
+    B, T, R, d = 2, 3, attention.slot_bias.shape[1], neurocache.compressed_dim
+    x, states = torch.randn(B, T, 32), torch.randn(B, T, R, d)
+    mask = torch.rand(B, T, R) > 0.4
+    mask[1, 2] = False
+    with torch.no_grad():
+        attention.gate.normal_(0, 1.0)
+        attention.slot_bias.normal_(0, 1.0)
+        got = attention(x, states, mask)
+        hd, group = attention.head_dim, attention.heads // attention.kv_heads
+        expected = torch.zeros(B, T, attention.heads * hd)
+        for b in range(B):
+            for t in range(T):
+                keep = mask[b, t]
+                if not keep.any():
+                    continue
+                for h in range(attention.heads):
+                    q = attention.q.weight[h * hd : (h + 1) * hd] @ x[b, t]
+                    kv = slice((h // group) * hd, (h // group + 1) * hd)
+                    k = states[b, t] @ attention.k.weight[kv].T  # R, hd
+                    v = states[b, t] @ attention.v.weight[kv].T
+                    scores = k[keep] @ q / hd**0.5 + attention.slot_bias[h][keep]
+                    expected[b, t, h * hd : (h + 1) * hd] = torch.tanh(attention.gate[h]) * (torch.softmax(scores, 0) @ v[keep])
+        expected = expected @ attention.o.weight.T
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert got[1, 2].abs().max() == 0
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_closed_gate_equals_base_model(arch):
     model, neurocache, reference = adapted(arch)
@@ -233,6 +266,30 @@ def test_merged_lora_gives_the_same_logits(arch):
         after = model(ids).logits
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
     assert all(float(l.lora_b.weight.detach().abs().max()) == 0 for l in neurocache.lora.values())
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_serving_lora_runs_merged_and_follows_weight_changes(arch):
+    """Without gradients each LoRA layer is one matmul with a merged weight copy; it gives the
+    logits of the two-path form used in training, and is remade when the weights change."""
+    model, neurocache, _ = adapted(arch)
+    open_gates(neurocache)
+    ids = torch.randint(0, VOCAB, (1, 12))
+    cache = filled_cache(neurocache)
+
+    def logits(grad: bool) -> torch.Tensor:
+        with torch.set_grad_enabled(grad), neurocache.attached([cache]):
+            return model(ids).logits.detach()
+
+    lora = next(iter(neurocache.lora.values()))
+    base_weight = lora.base.weight.detach().clone()
+    torch.testing.assert_close(logits(False), logits(True), rtol=1e-4, atol=1e-5)
+    assert lora._merged is not None
+    with torch.no_grad():
+        lora.lora_b.weight.mul_(3.0)  # an optimizer step or a loaded adapter writes in place
+    changed = logits(False)
+    torch.testing.assert_close(changed, logits(True), rtol=1e-4, atol=1e-5)
+    assert torch.equal(lora.base.weight, base_weight)  # the base weight itself is never touched
 
 
 def test_interleaved_requests_keep_their_own_context():

@@ -177,25 +177,44 @@ class LoRALinear(nn.Module):
     """y = base(x) + (alpha / rank) * B(A(x)); B starts at zero. Wraps nn.Linear or GPT-2's Conv1D.
 
     The update applies only while a Neurocache binding is active (`shared.caches` set): outside,
-    the layer is the base layer, so sessions of other memories sharing the model get the base model."""
+    the layer is the base layer, so sessions of other memories sharing the model get the base model.
+    Without gradients (serving), it runs as one matmul with a merged copy of the weight, made on
+    first use and remade whenever the base or LoRA weights change; the base weight stays as it is."""
 
     def __init__(self, base: nn.Module, *, rank: int, alpha: float, shared: RetrievalState) -> None:
         super().__init__()
         self.base = base
         self._shared = shared
         weight = base.weight
-        is_conv1d = type(base).__name__ == "Conv1D"
-        in_features, out_features = (weight.shape[0], weight.shape[1]) if is_conv1d else (weight.shape[1], weight.shape[0])
+        self._conv1d = type(base).__name__ == "Conv1D"  # weight kept as [in, out]
+        in_features, out_features = (weight.shape[0], weight.shape[1]) if self._conv1d else (weight.shape[1], weight.shape[0])
         self.lora_a = nn.Linear(in_features, rank, bias=False, dtype=weight.dtype, device=weight.device)
         self.lora_b = nn.Linear(rank, out_features, bias=False, dtype=weight.dtype, device=weight.device)
         nn.init.kaiming_uniform_(self.lora_a.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_b.weight)
         self.scale = alpha / rank
+        self._merged: tuple[tuple[int, ...], torch.Tensor] | None = None  # (weight versions, [out, in])
+
+    def delta(self) -> torch.Tensor:
+        """The update as a weight in the base layer's layout."""
+        delta = self.scale * (self.lora_b.weight.float() @ self.lora_a.weight.float())  # out, in
+        return delta.T if self._conv1d else delta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._shared.caches is None:
             return self.base(x)
-        return self.base(x) + self.scale * self.lora_b(self.lora_a(x))
+        if torch.is_grad_enabled():
+            return self.base(x) + self.scale * self.lora_b(self.lora_a(x))
+        return F.linear(x, self._merged_weight(), getattr(self.base, "bias", None))
+
+    def _merged_weight(self) -> torch.Tensor:
+        weights = (self.base.weight, self.lora_a.weight, self.lora_b.weight)
+        versions = tuple(w._version for w in weights) + tuple(w.data_ptr() for w in weights)
+        if self._merged is None or self._merged[0] != versions:
+            with torch.inference_mode(False), torch.no_grad():
+                merged = (self.base.weight.float() + self.delta()).to(self.base.weight.dtype)
+            self._merged = (versions, (merged.T if self._conv1d else merged).contiguous())
+        return self._merged[1]
 
 
 class CacheAttention(nn.Module):
@@ -234,17 +253,18 @@ class CacheAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        R = states.shape[2]
-        q = self.q(x).view(B, T, self.heads, 1, self.head_dim)  # B, T, H, 1, hd
-        k = self.k(states.to(x.dtype)).view(B, T, R, self.kv_heads, self.head_dim).transpose(2, 3)  # B, T, Hkv, R, hd
-        v = self.v(states.to(x.dtype)).view(B, T, R, self.kv_heads, self.head_dim).transpose(2, 3)
-        k = k.repeat_interleave(self.heads // self.kv_heads, dim=2)  # B, T, H, R, hd
-        v = v.repeat_interleave(self.heads // self.kv_heads, dim=2)
-        scores = (q.float() @ k.float().transpose(-1, -2)).squeeze(-2) / math.sqrt(self.head_dim)  # B, T, H, R
+        R, H, Hkv, hd = states.shape[2], self.heads, self.kv_heads, self.head_dim
+        retrieved = states.to(x.dtype)
+        # query heads grouped by the key/value head they share (GQA), so keys and values are
+        # never repeated per query head: query head h uses key/value head h // (H / Hkv)
+        q = self.q(x).view(B, T, Hkv, H // Hkv, hd).float()  # B, T, Hkv, G, hd
+        k = self.k(retrieved).view(B, T, R, Hkv, hd).permute(0, 1, 3, 4, 2).float()  # B, T, Hkv, hd, R
+        v = self.v(retrieved).view(B, T, R, Hkv, hd).transpose(2, 3).float()  # B, T, Hkv, R, hd
+        scores = (q @ k).view(B, T, H, R) / math.sqrt(hd)
         scores = scores + self.slot_bias
         scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
         weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a token with nothing retrieved gets zeros
-        out = (weights.unsqueeze(-2) @ v.float()).squeeze(-2)  # B, T, H, hd
+        out = (weights.view(B, T, Hkv, H // Hkv, R) @ v).view(B, T, H, hd)
         out = out * torch.tanh(self.gate).view(1, 1, -1, 1)
         return self.o(out.reshape(B, T, -1).to(x.dtype))
 
@@ -500,12 +520,11 @@ class Neurocache(nn.Module):
     def merge_lora(self) -> None:
         """Fold each LoRA update into its base weight; the adapter can no longer train. The merged
         weights apply outside a binding too, so a model that also serves `truncate` or `text`
-        sessions must not be merged (the engine never merges)."""
+        sessions must not be merged (the engine never merges: serving uses each LoRALinear's own
+        merged copy, which applies inside a binding only)."""
         with torch.no_grad():
             for lora in self.lora.values():
-                delta = lora.scale * (lora.lora_b.weight @ lora.lora_a.weight)  # out, in
-                weight = lora.base.weight
-                weight += delta.T if type(lora.base).__name__ == "Conv1D" else delta
+                lora.base.weight += lora.delta().to(lora.base.weight.dtype)
                 lora.lora_b.weight.zero_()
 
     def new_cache(self, *, capacity: int | None = None, device: torch.device | str | None = None) -> StateCache:
