@@ -112,6 +112,7 @@ def train_neurocache(
     gate_lr: Annotated[float, typer.Option(help="peak learning rate of the gates and slot biases")] = 1e-2,
     warmup: Annotated[int, typer.Option(help="warm-up steps")] = 20,
     passkey_ratio: Annotated[float, typer.Option(help="share of pass-key episodes")] = 0.5,
+    fact_ratio: Annotated[float, typer.Option(help="share of episodes with a fact in prose and a question about it")] = 0.0,
     distractors: Annotated[int, typer.Option(help="at most this many distractor facts per pass-key episode")] = 0,
     repeats: Annotated[float, typer.Option(help="share of pass keys made to hold a digit twice or more")] = 0.0,
     init_adapter: Annotated[Path | None, typer.Option(help="fine-tune this adapter (its settings win over the ones below)")] = None,
@@ -134,7 +135,7 @@ def train_neurocache(
     config = TrainConfig(
         model=model, out=out, device=device, steps=steps, batch_size=batch_size, segment_len=segment_len,
         n_segments=n_segments, accumulation=accumulation, lr=lr, gate_lr=gate_lr, warmup=warmup, passkey_ratio=passkey_ratio,
-        seed=seed, checkpoint_every=checkpoint_every, resume=resume, distractors=distractors, repeats=repeats,
+        fact_ratio=fact_ratio, seed=seed, checkpoint_every=checkpoint_every, resume=resume, distractors=distractors, repeats=repeats,
         init_adapter=init_adapter,
         neurocache=NeurocacheConfig(top_k=top_k, window=window, context=context, compression=compression,
                                     lora_rank=lora_rank, capacity=capacity, successor_bias=successor_bias),

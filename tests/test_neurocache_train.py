@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from engine.models.neurocache import Neurocache, NeurocacheConfig
 from engine.models.neurocache_io import read_meta
 from engine.training.corpus import CANTERBURY
+from engine.training.fact_tasks import NAMES, facts
 from engine.training.neurocache_data import DISTRACTOR_NAMES, EpisodeSampler, near_miss, tokenize_files
 from engine.training.neurocache_train import Trainer, TrainConfig, parameter_groups, train
 from engine.training.schedule import lr_factor
@@ -147,3 +148,43 @@ def test_bad_distractor_settings_fail_clearly(tiny_tokenizer, corpus_dir):
     with pytest.raises(ValueError, match="do not fit"):
         for _ in range(20):
             crowded.sample()
+
+
+def test_fact_episode_asks_about_a_fact_stated_before_the_last_segment(tiny_tokenizer, corpus_dir):
+    corpus = tokenize_files(tiny_tokenizer, sorted(corpus_dir.glob("*.txt")))
+    sampler = EpisodeSampler(tiny_tokenizer, corpus, segment_len=128, n_segments=4, passkey_ratio=0.0, fact_ratio=1.0,
+                             seed=5, distractors=3)
+    for _ in range(8):
+        episode = sampler.sample()
+        assert episode.kind == "fact" and len(episode.token_ids) == 512 == len(episode.answer_mask)
+        body = tiny_tokenizer.decode(episode.token_ids[:384])
+        last = tiny_tokenizer.decode(episode.token_ids[384:])
+        answer = tiny_tokenizer.decode([t for t, m in zip(episode.token_ids, episode.answer_mask) if m])
+        answer = answer.removesuffix(tiny_tokenizer.eos_token or "").strip()
+        question = last.split(answer)[0]
+        asked = next(name for name in NAMES if name in question)
+        statement = next(part for part in body.split(".") if asked in part)  # stated before the last segment
+        content = set(answer.rstrip(".").split()) - set(question.replace("?", " ").split())
+        assert content and all(word in statement for word in content), (statement, answer)
+        others = [name for name in NAMES if name in body and name != asked]
+        assert not any(name in answer for name in others)
+
+
+def test_facts_name_different_people_and_answer_with_the_statement_words():
+    rng = random.Random(0)
+    for _ in range(50):
+        told = facts(rng, 5)
+        names = [next(n for n in NAMES if f.question.count(n)) for f in told]
+        assert len(set(names)) == 5
+        content = set(told[0].answer.rstrip(".").split()) - set(told[0].question.rstrip("?").split())
+        assert content and all(word in told[0].statement for word in content)
+
+
+def test_episode_kinds_follow_the_ratios(tiny_tokenizer, corpus_dir):
+    corpus = tokenize_files(tiny_tokenizer, sorted(corpus_dir.glob("*.txt")))
+    sampler = EpisodeSampler(tiny_tokenizer, corpus, segment_len=96, n_segments=3, passkey_ratio=0.3, fact_ratio=0.3, seed=0)
+    kinds = [sampler.sample().kind for _ in range(200)]
+    for kind in ("passkey", "fact", "lm"):
+        assert 0.2 < kinds.count(kind) / len(kinds) < 0.5, kind
+    with pytest.raises(ValueError, match="sum to at most 1"):
+        EpisodeSampler(tiny_tokenizer, corpus, segment_len=96, n_segments=3, passkey_ratio=0.6, fact_ratio=0.6, seed=0)

@@ -1,13 +1,15 @@
 """Training episodes for Neurocache: a batch row is one document, cut into equal segments.
 
-Two kinds of episode:
+Three kinds of episode:
 - language modelling: a window of a long training text;
 - retrieval tasks in the chat format: a fact (a pass key) stated once in filler text, outside the
   last segment, and in the last segment a question about it with the answer. The answer tokens
   are scored on their own, so the instruct model learns to answer from the cache. Optional
   distractors: other facts in the needle's very form ("The door code is 60419. ...") whose numbers
   share digits with the key, so that a digit's nearest match is often the wrong one and only the
-  words "pass key" tell the facts apart.
+  words "pass key" tell the facts apart;
+- facts in prose (engine/training/fact_tasks.py), placed and asked the same way, with facts about
+  other people as distractors: the answer repeats the fact's words.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
+
+from engine.training.fact_tasks import facts
 
 
 @dataclass(frozen=True)
@@ -38,17 +42,16 @@ def tokenize_files(tokenizer: PreTrainedTokenizerBase, files: Sequence[Path]) ->
     return ids
 
 
-def passkey_prompt(tokenizer: PreTrainedTokenizerBase, key: str) -> tuple[list[int], list[int]]:
+def chat_turn(tokenizer: PreTrainedTokenizerBase, question: str, answer: str) -> tuple[list[int], list[int]]:
     """(question turn in the chat template, answer tokens ending with the end-of-turn marker)."""
-    question = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the pass key? Answer with the number."}],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    q_ids = tokenizer(question, add_special_tokens=False)["input_ids"]
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
     end = tokenizer.eos_token or ""
-    a_ids = tokenizer(f"The pass key is {key}.{end}", add_special_tokens=False)["input_ids"]
-    return q_ids, a_ids
+    q_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return q_ids, tokenizer(f"{answer}{end}", add_special_tokens=False)["input_ids"]
+
+
+def passkey_prompt(tokenizer: PreTrainedTokenizerBase, key: str) -> tuple[list[int], list[int]]:
+    return chat_turn(tokenizer, "What is the pass key? Answer with the number.", f"The pass key is {key}.")
 
 
 DISTRACTOR_NAMES = ("door code", "room number", "ticket number", "order number", "locker code", "serial number",
@@ -87,6 +90,7 @@ class EpisodeSampler:
         seed: int,
         distractors: int = 0,
         repeats: float = 0.0,
+        fact_ratio: float = 0.0,
     ) -> None:
         self.tokenizer = tokenizer
         self.corpus = corpus
@@ -96,7 +100,9 @@ class EpisodeSampler:
             raise ValueError("the training corpus is shorter than one episode")
         if distractors < 0 or not 0.0 <= repeats <= 1.0:
             raise ValueError("distractors must be >= 0 and repeats between 0 and 1")
-        self.passkey_ratio = passkey_ratio
+        if min(passkey_ratio, fact_ratio) < 0.0 or passkey_ratio + fact_ratio > 1.0:
+            raise ValueError("passkey_ratio and fact_ratio must be >= 0 and sum to at most 1")
+        self.passkey_ratio, self.fact_ratio = passkey_ratio, fact_ratio
         self.distractors = distractors  # at most this many distractor facts per pass-key episode
         self.repeats = repeats  # share of keys made to hold some digit twice or more
         self.rng = random.Random(seed)
@@ -119,17 +125,27 @@ class EpisodeSampler:
     def passkey_episode(self) -> Episode:
         key = self._key()
         q_ids, a_ids = passkey_prompt(self.tokenizer, key)
-        fact = needle(self.tokenizer, key)
         others = [
             needle(self.tokenizer, near_miss(self.rng, key), self.rng.choice(DISTRACTOR_NAMES))
             for _ in range(self.rng.randint(0, self.distractors) if self.distractors else 0)
         ]
+        return self._task_episode(needle(self.tokenizer, key), others, q_ids, a_ids, "passkey")
+
+    def fact_episode(self) -> Episode:
+        """A fact in prose about one person among distractor facts about others, then a question
+        about it; the answer repeats the fact's words."""
+        told = facts(self.rng, 1 + (self.rng.randint(0, self.distractors) if self.distractors else 0))
+        q_ids, a_ids = chat_turn(self.tokenizer, told[0].question, told[0].answer)
+        pieces = [self.tokenizer(f" {f.statement} ", add_special_tokens=False)["input_ids"] for f in told]
+        return self._task_episode(pieces[0], pieces[1:], q_ids, a_ids, "fact")
+
+    def _task_episode(self, fact: list[int], others: list[list[int]], q_ids: list[int], a_ids: list[int], kind: str) -> Episode:
+        """Filler with `fact` wholly before the last segment, where the question and answer are;
+        the distractors go anywhere before the question."""
         filler = self._window(self.length - len(q_ids) - len(a_ids) - len(fact) - sum(map(len, others)))
-        # the fact lies wholly before the last segment, where the question is, however many
-        # distractors come before it; the distractors go anywhere
         room = self.length - self.segment_len - len(fact) - sum(map(len, others))
         if room < 1:
-            raise ValueError("the key and its distractors do not fit before the last segment: use fewer distractors or longer episodes")
+            raise ValueError("the fact and its distractors do not fit before the last segment: use fewer distractors or longer episodes")
         inserts = [(self.rng.randrange(0, room), fact)] + [(self.rng.randrange(0, len(filler)), o) for o in others]
         body = filler
         for cut, piece in sorted(inserts, key=lambda item: item[0], reverse=True):
@@ -137,7 +153,12 @@ class EpisodeSampler:
         ids = body + q_ids + a_ids
         answer = [False] * (len(body) + len(q_ids)) + [True] * len(a_ids)
         assert len(ids) == self.length, (len(ids), self.length)
-        return Episode(ids, answer, "passkey")
+        return Episode(ids, answer, kind)
 
     def sample(self) -> Episode:
-        return self.passkey_episode() if self.rng.random() < self.passkey_ratio else self.language_episode()
+        draw = self.rng.random()
+        if draw < self.passkey_ratio:
+            return self.passkey_episode()
+        if draw < self.passkey_ratio + self.fact_ratio:
+            return self.fact_episode()
+        return self.language_episode()

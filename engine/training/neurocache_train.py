@@ -47,6 +47,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     clip: float = 1.0
     passkey_ratio: float = 0.5
+    fact_ratio: float = 0.0  # share of episodes with a fact in prose and a question about it
     distractors: int = 0  # at most this many distractor facts per pass-key episode
     repeats: float = 0.0  # share of pass keys made to hold a digit twice or more
     lm_stride: int = 4  # score every 4th position for the LM loss (answers always)
@@ -124,7 +125,7 @@ class Trainer:
         self.sampler = EpisodeSampler(
             self.tokenizer, corpus, segment_len=config.segment_len, n_segments=config.n_segments,
             passkey_ratio=config.passkey_ratio, seed=config.seed, distractors=config.distractors,
-            repeats=config.repeats,
+            repeats=config.repeats, fact_ratio=config.fact_ratio,
         )
         capacity = max(self.neurocache.config.capacity, config.segment_len * config.n_segments)
         self.rows = [Row(self.neurocache.new_training_cache(capacity)) for _ in range(config.batch_size)]
@@ -214,7 +215,7 @@ def train(config: TrainConfig, command: str = "") -> list[dict[str, Any]]:
     manifest = {
         "command": command,
         "base_model": config.model,
-        "data": f"{config.corpus_dir} training split ({trainer.train_tokens} tokens) + pass-key tasks",
+        "data": f"{config.corpus_dir} training split ({trainer.train_tokens} tokens) + pass-key and fact tasks",
         "seed": config.seed,
         "train_config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items() if k != "neurocache"},
     }
