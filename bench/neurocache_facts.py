@@ -1,0 +1,84 @@
+"""Does the Neurocache adapter answer a question about a fact in prose from its cache?
+
+Each trial puts four training-style facts (engine/training/fact_tasks.py: one asked about, three
+about other people) into a window of a held-out book, the asked one at a depth spread from 10% to
+90% of what lies before the last 1,100 tokens; ingests it into a fresh cache; asks the fact's
+question with greedy decoding; and counts the answer correct when it holds every word of the
+expected answer that the question does not already give (the city, the colour, the pet's name...).
+The filler is held out; the templates are the ones training uses, so this measures the trained
+skill on unseen text, not question answering in general (`longdoc eval qa` does that).
+
+    .venv/bin/python bench/neurocache_facts.py [--adapter DIR] [--tokens 8192] [--trials 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from engine.config import DEFAULT_MODEL, SHIPPED_ADAPTERS  # noqa: E402
+from engine.generation import StopTokens, generate_steps  # noqa: E402
+from engine.interface import GenerationParams  # noqa: E402
+from engine.models.loader import load_model  # noqa: E402
+from engine.models.neurocache import CacheBinding  # noqa: E402
+from engine.models.neurocache_io import load_adapter  # noqa: E402
+from engine.prompts import render  # noqa: E402
+from engine.training.corpus import DEFAULT_DIR, fetch, split  # noqa: E402
+from engine.training.fact_tasks import Fact, facts  # noqa: E402
+
+
+def document(filler: list[int], tokenizer, told: list[Fact], length: int, depth: float, rng: random.Random, start: int) -> list[int]:
+    ids = list(filler[start : start + length])
+    room = length - 1100  # every fact lies outside the question's last segment
+    for index, fact in enumerate(told):
+        at = int(depth * room) if index == 0 else rng.randrange(0, room)
+        ids[at:at] = tokenizer(f" {fact.statement} ", add_special_tokens=False)["input_ids"]
+    return ids
+
+
+def expected_words(fact: Fact) -> set[str]:
+    return set(fact.answer.rstrip(".").split()) - set(fact.question.rstrip("?").split())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--adapter", type=Path, default=SHIPPED_ADAPTERS / DEFAULT_MODEL)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--trials", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=123)
+    args = parser.parse_args()
+    loaded = load_model(DEFAULT_MODEL, cache_dir=Path("~/.cache/longdoc").expanduser())
+    model, tokenizer = loaded.model, loaded.tokenizer
+    neurocache = load_adapter(model, tokenizer, args.adapter)
+    _, held_out = split(fetch(DEFAULT_DIR))
+    book = next(p for p in held_out if p.name == "kjv-John.txt")
+    filler = tokenizer(book.read_text(), add_special_tokens=False)["input_ids"]
+    rng = random.Random(args.seed)
+    hits = 0
+    print("| depth | question | expected | answer | correct |\n|---|---|---|---|---|")
+    for trial in range(args.trials):
+        told = facts(rng, 4)
+        depth = 0.1 + 0.8 * trial / max(1, args.trials - 1)
+        ids = document(filler, tokenizer, told, args.tokens, depth, rng, start=trial * 500)
+        cache = neurocache.new_cache(capacity=max(len(ids), neurocache.config.capacity))
+        for start in range(0, len(ids), 1024):
+            cache.add(neurocache.compress(torch.tensor([ids[start : start + 1024]], device=model.device))[0], document=0)
+        prompt = render(tokenizer, [{"role": "user", "content": told[0].question}])
+        steps = generate_steps(model, tokenizer, prompt, GenerationParams(max_tokens=20), StopTokens.of(model, tokenizer),
+                               lambda: neurocache.active(CacheBinding([cache])))
+        answer = "".join(getattr(step, "text", "") for step in steps).strip().replace("\n", " ")
+        correct = all(word in answer for word in expected_words(told[0]))
+        hits += correct
+        print(f"| {depth:.2f} | {told[0].question} | {told[0].answer} | {answer[:80]} | {'yes' if correct else 'no'} |")
+    print(f"\n{hits}/{args.trials} correct ({args.tokens} tokens, adapter {args.adapter})")
+
+
+if __name__ == "__main__":
+    main()
