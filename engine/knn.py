@@ -52,10 +52,12 @@ class PlainRows:
 
 class FaissBfloat16Rows:
     """bfloat16 rows whose memory is the code array of a FAISS flat scalar-quantizer index
-    (QT_bf16, L2). FAISS decodes each row as it scans, and bfloat16 -> float32 is exact, so the
-    search is exact over the stored values and never widens the whole matrix."""
+    (QT_bf16, L2). For a few queries (decoding) FAISS scans the rows in place, decoding each as it
+    goes; bfloat16 -> float32 is exact, so the search is exact over the stored values and never
+    widens the whole matrix. For many queries (a prompt, a segment) one matrix product beats a
+    scan per query: the rows are widened to float32 a block at a time and the blocks' top-k merged."""
 
-    def __init__(self, capacity: int, dim: int) -> None:
+    def __init__(self, capacity: int, dim: int, *, block_rows: int = 65_536, batch_queries: int = 32) -> None:
         index = faiss.IndexScalarQuantizer(dim, faiss.ScalarQuantizer.QT_bf16, faiss.METRIC_L2)
         index.codes.resize(capacity * index.code_size)  # zero bytes: bfloat16 zeros
         index.ntotal = capacity
@@ -65,19 +67,37 @@ class FaissBfloat16Rows:
         buffer.owner = index  # every view of `rows` keeps the index, and so its memory, alive
         self.index = index
         self.rows = torch.from_numpy(np.ctypeslib.as_array(buffer)).view(torch.bfloat16).view(capacity, dim)
+        self.block_rows, self.batch_queries = block_rows, batch_queries
 
     def search(self, queries: torch.Tensor, k: int, valid: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.index.ntotal = valid  # scan the valid prefix only
         xq = np.ascontiguousarray(queries.detach().float().cpu().numpy())
-        distances, rows = self.index.search(xq, k)
+        if xq.shape[0] >= self.batch_queries:
+            distances, rows = self._widened(xq, k, valid)
+        else:
+            self.index.ntotal = valid  # scan the valid prefix only
+            distances, rows = self.index.search(xq, k)
         return torch.from_numpy(distances).to(queries.device), torch.from_numpy(rows).to(queries.device)
+
+    def _widened(self, xq: np.ndarray, k: int, valid: int) -> tuple[np.ndarray, np.ndarray]:
+        parts_d, parts_i = [], []
+        for start in range(0, valid, self.block_rows):
+            block = self.rows[start : min(start + self.block_rows, valid)].float().numpy()
+            d, i = faiss.knn(xq, block, min(k, block.shape[0]))
+            parts_d.append(d)
+            parts_i.append(i + start)
+        distances, rows = np.concatenate(parts_d, axis=1), np.concatenate(parts_i, axis=1)
+        order = np.argsort(distances, axis=1, kind="stable")[:, :k]  # ties keep the lower row first
+        return np.take_along_axis(distances, order, 1), np.take_along_axis(rows, order, 1)
 
 
 class FaissCpuKnn:
     """FAISS brute force over float32 rows; bfloat16 rows it allocates live in a scalar-quantizer
-    index and are scanned in place (FaissBfloat16Rows)."""
+    index (FaissBfloat16Rows)."""
 
     name = "faiss-cpu"
+
+    def __init__(self, *, block_rows: int = 65_536, batch_queries: int = 32) -> None:
+        self.block_rows, self.batch_queries = block_rows, batch_queries
 
     def search(self, database: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         xq = np.ascontiguousarray(queries.detach().float().cpu().numpy())
@@ -87,7 +107,7 @@ class FaissCpuKnn:
 
     def allocate(self, capacity: int, dim: int, dtype: torch.dtype, device: torch.device) -> SearchableRows:
         if dtype == torch.bfloat16 and device.type == "cpu":
-            return FaissBfloat16Rows(capacity, dim)
+            return FaissBfloat16Rows(capacity, dim, block_rows=self.block_rows, batch_queries=self.batch_queries)
         return PlainRows(self, capacity, dim, dtype, device)
 
 

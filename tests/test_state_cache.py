@@ -40,15 +40,17 @@ def test_backends_agree_on_indices():
     assert (faiss_rows == torch_rows).float().mean() > 0.99  # ties aside, the same neighbours
 
 
+@pytest.mark.parametrize("n_queries", [5, 40], ids=["scanned", "widened-in-blocks"])
 @pytest.mark.parametrize("capacity", [120, 100], ids=["partly-filled", "full"])
-def test_bfloat16_cache_search_equals_brute_force_over_its_stored_values(capacity):
+def test_bfloat16_cache_search_equals_brute_force_over_its_stored_values(capacity, n_queries):
     """A bfloat16 cache lives in a FAISS scalar-quantizer index and is searched exactly over the
-    values it holds, its valid rows only."""
+    values it holds, its valid rows only: scanned in place for a few queries, widened to float32
+    in blocks (here of 7 rows) whose top-k are merged for many."""
     torch.manual_seed(3)
-    cache = StateCache(capacity=capacity, dim=16, dtype=torch.bfloat16)
+    cache = StateCache(capacity=capacity, dim=16, dtype=torch.bfloat16, backend=FaissCpuKnn(block_rows=7, batch_queries=32))
     cache.add(torch.nn.functional.normalize(torch.randn(100, 16), dim=-1), document=0)
     stored = cache.states[:100].float()
-    queries = torch.randn(20, 16)
+    queries = torch.randn(n_queries, 16)
     got = cache.search(queries, k=9)
     expected = brute_force(stored.numpy(), queries.numpy(), 9)
     assert got.states.dtype == torch.bfloat16
