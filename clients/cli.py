@@ -113,7 +113,7 @@ def train_neurocache(
     warmup: Annotated[int, typer.Option(help="warm-up steps")] = 20,
     passkey_ratio: Annotated[float, typer.Option(help="share of pass-key episodes")] = 0.5,
     fact_ratio: Annotated[float, typer.Option(help="share of episodes with a fact in prose and a question about it")] = 0.0,
-    distractors: Annotated[int, typer.Option(help="at most this many distractor facts per pass-key episode")] = 0,
+    distractors: Annotated[int, typer.Option(help="at most this many distractor facts per pass-key or fact episode")] = 0,
     repeats: Annotated[float, typer.Option(help="share of pass keys made to hold a digit twice or more")] = 0.0,
     init_adapter: Annotated[Path | None, typer.Option(help="fine-tune this adapter (its settings win over the ones below)")] = None,
     top_k: Annotated[int, typer.Option(help="k")] = 16,

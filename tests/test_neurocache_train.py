@@ -188,3 +188,6 @@ def test_episode_kinds_follow_the_ratios(tiny_tokenizer, corpus_dir):
         assert 0.2 < kinds.count(kind) / len(kinds) < 0.5, kind
     with pytest.raises(ValueError, match="sum to at most 1"):
         EpisodeSampler(tiny_tokenizer, corpus, segment_len=96, n_segments=3, passkey_ratio=0.6, fact_ratio=0.6, seed=0)
+    with pytest.raises(ValueError, match="a name per fact"):
+        EpisodeSampler(tiny_tokenizer, corpus, segment_len=96, n_segments=3, passkey_ratio=0.0, fact_ratio=0.5, seed=0,
+                       distractors=len(NAMES))

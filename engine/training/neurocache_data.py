@@ -21,7 +21,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.training.fact_tasks import facts
+from engine.training.fact_tasks import NAMES, facts
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,9 @@ class EpisodeSampler:
         if min(passkey_ratio, fact_ratio) < 0.0 or passkey_ratio + fact_ratio > 1.0:
             raise ValueError("passkey_ratio and fact_ratio must be >= 0 and sum to at most 1")
         self.passkey_ratio, self.fact_ratio = passkey_ratio, fact_ratio
-        self.distractors = distractors  # at most this many distractor facts per pass-key episode
+        if fact_ratio and distractors >= len(NAMES):
+            raise ValueError(f"fact episodes need a name per fact: at most {len(NAMES) - 1} distractors")
+        self.distractors = distractors  # at most this many distractor facts per pass-key or fact episode
         self.repeats = repeats  # share of keys made to hold some digit twice or more
         self.rng = random.Random(seed)
 

@@ -48,7 +48,7 @@ class TrainConfig:
     clip: float = 1.0
     passkey_ratio: float = 0.5
     fact_ratio: float = 0.0  # share of episodes with a fact in prose and a question about it
-    distractors: int = 0  # at most this many distractor facts per pass-key episode
+    distractors: int = 0  # at most this many distractor facts per pass-key or fact episode
     repeats: float = 0.0  # share of pass keys made to hold a digit twice or more
     lm_stride: int = 4  # score every 4th position for the LM loss (answers always)
     seed: int = 0
