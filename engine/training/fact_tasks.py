@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from string import Formatter
 
 NAMES = ("Anna", "Boris", "Clara", "Daniel", "Edith", "Felix", "Greta", "Hugo", "Ida", "Jonas", "Karin", "Leo",
          "Marta", "Nils", "Olga", "Pavel", "Rosa", "Simon", "Tilda", "Viktor", "Wanda", "Yusuf", "Zora", "Emil",
@@ -37,43 +38,24 @@ class Fact:
     answer: str  # repeats the statement's words
 
 
-def _hidden(rng: random.Random, name: str) -> Fact:
-    thing, place = rng.choice(THINGS), rng.choice(PLACES)
-    return Fact(f"{name} hid the {thing} under {place}.", f"Where did {name} hide the {thing}?",
-                f"{name} hid the {thing} under {place}.")
+CHOICES = {"thing": THINGS, "place": PLACES, "colour": COLOURS, "animal": ANIMALS, "pet": PET_NAMES, "city": CITIES,
+           "trade": TRADES, "food": FOODS}
+
+TEMPLATES: tuple[tuple[str, str, str], ...] = (  # statement, question, answer
+    ("{name} hid the {thing} under {place}.", "Where did {name} hide the {thing}?", "{name} hid the {thing} under {place}."),
+    ("{name} painted the {thing} {colour}.", "What colour did {name} paint the {thing}?", "{name} painted the {thing} {colour}."),
+    ("{name} had a {animal} called {pet}.", "What was the name of {name}'s {animal}?", "{name}'s {animal} was called {pet}."),
+    ("In the spring {name} moved to {city}.", "Which city did {name} move to?", "{name} moved to {city}."),
+    ("{name} worked as a {trade} for many years.", "What was {name}'s trade?", "{name} worked as a {trade}."),
+    ("Every Sunday {name} ate {food}.", "What did {name} eat every Sunday?", "Every Sunday {name} ate {food}."),
+)
 
 
-def _colour(rng: random.Random, name: str) -> Fact:
-    thing, colour = rng.choice(THINGS), rng.choice(COLOURS)
-    return Fact(f"{name} painted the {thing} {colour}.", f"What colour did {name} paint the {thing}?",
-                f"{name} painted the {thing} {colour}.")
-
-
-def _pet(rng: random.Random, name: str) -> Fact:
-    animal, pet = rng.choice(ANIMALS), rng.choice(PET_NAMES)
-    return Fact(f"{name} had a {animal} called {pet}.", f"What was the name of {name}'s {animal}?",
-                f"{name}'s {animal} was called {pet}.")
-
-
-def _journey(rng: random.Random, name: str) -> Fact:
-    city = rng.choice(CITIES)
-    return Fact(f"In the spring {name} moved to {city}.", f"Which city did {name} move to?",
-                f"{name} moved to {city}.")
-
-
-def _trade(rng: random.Random, name: str) -> Fact:
-    trade = rng.choice(TRADES)
-    return Fact(f"{name} worked as a {trade} for many years.", f"What was {name}'s trade?",
-                f"{name} worked as a {trade}.")
-
-
-def _food(rng: random.Random, name: str) -> Fact:
-    food = rng.choice(FOODS)
-    return Fact(f"Every Sunday {name} ate {food}.", f"What did {name} eat every Sunday?",
-                f"Every Sunday {name} ate {food}.")
-
-
-TEMPLATES = (_hidden, _colour, _pet, _journey, _trade, _food)
+def fill(template: tuple[str, str, str], rng: random.Random, name: str) -> Fact:
+    """The template about `name`, each other slot drawn in the order the statement names it."""
+    slots = [field for _, field, _, _ in Formatter().parse(template[0]) if field and field != "name"]
+    values = {slot: rng.choice(CHOICES[slot]) for slot in slots}
+    return Fact(*(part.format(name=name, **values) for part in template))
 
 
 def facts(rng: random.Random, count: int) -> list[Fact]:
@@ -81,4 +63,4 @@ def facts(rng: random.Random, count: int) -> list[Fact]:
     distractors, often of the same template, so only the name tells them apart."""
     names = rng.sample(NAMES, count)
     template = rng.choice(TEMPLATES)
-    return [(template if i == 0 or rng.random() < 0.5 else rng.choice(TEMPLATES))(rng, name) for i, name in enumerate(names)]
+    return [fill(template if i == 0 or rng.random() < 0.5 else rng.choice(TEMPLATES), rng, name) for i, name in enumerate(names)]
