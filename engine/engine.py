@@ -21,6 +21,7 @@ from engine.ingest import ingest_steps, tokenize_document
 from engine.interface import (
     CacheInfo,
     EngineStats,
+    GenerationDone,
     GenerationEvent,
     GenerationParams,
     IngestEvent,
@@ -303,11 +304,15 @@ class Engine:
             yield Retrieval(memory.kind, tuple(p.item for p in pieces), time.perf_counter() - started)
             turn = {"role": "user", "content": with_context(question, pieces)}
             prompt_ids = await asyncio.to_thread(render, runtime.loaded.tokenizer, [*messages[:-1], turn])
-            step_context = None
+            step_context, binding, epoch = None, None, 0
             if isinstance(memory, NeurocacheMemory):
-                binding = memory.binding()
+                binding, epoch = memory.binding(), memory.epoch
                 step_context = functools.partial(runtime.neurocache.active, binding)  # type: ignore[union-attr]
             async for event in self._generate(runtime, prompt_ids, params, step_context):
+                if isinstance(event, GenerationDone) and binding is not None and binding.record:
+                    # a remembered turn is written before `done`, so the next question can use it
+                    async with session.ingest_lock:
+                        await self._memory_worker(session).run(memory.remember, binding, epoch)
                 yield event
         finally:
             session.busy -= 1

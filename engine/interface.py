@@ -47,6 +47,7 @@ class CacheInfo:
     bytes: int
     capacity: int
     documents: int
+    turns: int = 0  # answered turns written to the memory (neurocache with "remember")
 
 
 @dataclass(frozen=True)

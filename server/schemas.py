@@ -30,6 +30,7 @@ class CachePublic(BaseModel):
     bytes: int
     capacity: int
     documents: int
+    turns: int = 0
 
 
 class SessionPublic(BaseModel):

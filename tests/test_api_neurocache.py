@@ -75,3 +75,35 @@ def test_failed_ingestion_rolls_the_cache_back(make_client, adapter_dir):
     assert "event: error" in response.text and "internal_error" in response.text
     assert client.get(f"/v1/sessions/{session}/cache").json() == before
     assert torch.equal(memory.cache.states, states)
+
+
+def test_remembered_turns_are_written_after_the_answer(make_client, adapter_dir):
+    """With "remember", an answered turn's states (the prompt's and each fed answer token's) join
+    the cache as a block of their own; without it the cache stays read-only (test above)."""
+    client = make_client(adapter_dir=[str(adapter_dir)])
+    session = client.post("/v1/sessions", json={"options": {"remember": True}}).json()["id"]
+    doc = client.post(f"/v1/sessions/{session}/documents", json={"text": TEXT[:3000]}).json()
+    body = {"question": "Where did the rabbit go?", "max_tokens": 6, "temperature": 1.0, "seed": 0}
+    first = client.post(f"/v1/sessions/{session}/ask", json=body).json()
+    cache = client.get(f"/v1/sessions/{session}/cache").json()
+    fed = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"] - 1  # the last token is never fed
+    assert cache["turns"] == 1 and cache["documents"] == 1
+    assert cache["entries"] == doc["tokens"] + fed
+    memory = client.app.state.engine.sessions.get(session).memory
+    blocks = memory.cache.slot_document[: cache["entries"]]
+    assert len(set(blocks[: doc["tokens"]].tolist())) == 1 and len(set(blocks[doc["tokens"] :].tolist())) == 1
+    assert blocks[0] != blocks[-1]  # retrieval windows never run from the document into the turn
+    client.post(f"/v1/sessions/{session}/ask", json={**body, "stream": True})
+    assert client.get(f"/v1/sessions/{session}/cache").json()["turns"] == 2
+    late = memory.binding()  # an answer still running when the cache is cleared writes nothing
+    late.record.append(torch.zeros(1, 3, memory.cache.dim))
+    epoch = memory.epoch
+    assert client.delete(f"/v1/sessions/{session}/cache").json()["entries"] == 0
+    memory.remember(late, epoch)
+    assert memory.cache.size == 0 and memory.stats().turns == 0
+
+
+def test_remember_must_be_a_boolean(make_client, adapter_dir):
+    client = make_client(adapter_dir=[str(adapter_dir)])
+    response = client.post("/v1/sessions", json={"options": {"remember": "yes"}})
+    assert response.status_code == 400 and "remember" in response.json()["error"]["message"]

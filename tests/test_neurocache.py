@@ -314,6 +314,28 @@ def test_interleaved_requests_keep_their_own_context():
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+def test_a_recording_binding_keeps_each_pass_states_and_leaves_the_cache_alone():
+    """What a remembered turn writes: C of the prompt pass, then of each decoding step, equal to
+    compressing the whole sequence at once (layer r sits below every cache-attention layer)."""
+    from engine.models.neurocache import CacheBinding
+
+    model, neurocache, _ = adapted("llama")
+    open_gates(neurocache)
+    ids = torch.randint(0, VOCAB, (1, 10))
+    cache = filled_cache(neurocache)
+    before = cache.states.clone()
+    binding = CacheBinding([cache], record=[])
+    with torch.no_grad():
+        with neurocache.active(binding):
+            past = model(ids[:, :7], use_cache=True).past_key_values
+        for i in range(7, 10):
+            with neurocache.active(binding):
+                past = model(ids[:, i : i + 1], past_key_values=past, use_cache=True).past_key_values
+    assert [tuple(c.shape) for c in binding.record] == [(1, 7, neurocache.compressed_dim)] + [(1, 1, neurocache.compressed_dim)] * 3
+    torch.testing.assert_close(torch.cat(binding.record, dim=1), neurocache.compress(ids), rtol=1e-4, atol=1e-5)
+    assert torch.equal(cache.states, before) and cache.size == 100
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_compress_equals_the_states_of_a_full_forward(arch):
     model, neurocache, _ = adapted(arch)

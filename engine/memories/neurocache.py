@@ -3,7 +3,9 @@
 Ingestion runs each segment through the base model up to the retrieval layer and appends C
 (positions restart at 0 in every segment; a segment never sees its own states). Answering attaches
 the cache to the adapted model: every token, prompt and generated, retrieves once; the cache is
-read-only while answering.
+read-only while answering. A session made with `"remember": true` then writes each answered turn
+(the prompt's and the answer's states) to the cache as a block of its own, so later questions can
+retrieve earlier turns.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ from engine.models.neurocache import CacheBinding
 @dataclass(frozen=True)
 class NeurocacheOptions:
     capacity: int | None = None  # m; None: the adapter's setting
+    remember: bool = False  # write each answered turn to the cache
 
     def __post_init__(self) -> None:
         if self.capacity is not None and not 1 <= self.capacity <= 4_000_000:
             raise ValueError("capacity must be between 1 and 4000000")
+        if not isinstance(self.remember, bool):
+            raise ValueError("remember must be true or false")
 
 
 class NeurocacheMemory(Memory):
@@ -39,17 +44,21 @@ class NeurocacheMemory(Memory):
         self.cache = self.neurocache.new_cache(capacity=self.options.capacity)
         self._documents: list[str] = []
         self._staged: tuple[str, int] | None = None  # (document id, states written)
+        self._turns = 0  # remembered turns
+        self._blocks = 0  # documents and turns begun: each block's states carry its own number
+        self.epoch = 0  # bumped when the cache is emptied or replaced
 
     def begin_document(self, document_id: str, text: str) -> None:
         self.cache.begin()
         self._staged = (document_id, 0)
+        self._blocks += 1
 
     def add_segment(self, segment: Segment) -> None:
         assert self._staged is not None, "begin_document first"
         device = next(self.neurocache.projection.parameters()).device
         ids = torch.tensor([segment.token_ids], device=device)
         compressed = self.neurocache.compress(ids)[0]  # T, d
-        self.cache.add(compressed, document=len(self._documents))
+        self.cache.add(compressed, document=self._blocks)
         self._staged = (self._staged[0], self._staged[1] + len(segment.token_ids))
 
     def staged_bytes(self) -> int:
@@ -72,7 +81,18 @@ class NeurocacheMemory(Memory):
         return []  # retrieval happens inside the model, once per token
 
     def binding(self) -> CacheBinding:
-        return CacheBinding([self.cache])
+        """One answer's view of the cache; it records the answer's states when turns are remembered."""
+        return CacheBinding([self.cache], record=[] if self.options.remember else None)
+
+    def remember(self, binding: CacheBinding, epoch: int) -> None:
+        """Write an answered turn's recorded states as a block of their own (retrieval windows
+        never run into a document or another turn). Nothing is written if the cache was emptied
+        or replaced since the answer began (`epoch`)."""
+        if not binding.record or epoch != self.epoch:
+            return
+        self._blocks += 1
+        self.cache.add(torch.cat([states[0] for states in binding.record]), document=self._blocks)
+        self._turns += 1
 
     def stats(self) -> CacheInfo:
         return CacheInfo(
@@ -81,11 +101,13 @@ class NeurocacheMemory(Memory):
             bytes=self.cache.nbytes,
             capacity=self.cache.capacity,
             documents=len(self._documents),
+            turns=self._turns,
         )
 
     def reset(self) -> None:
         self.cache.reset()
         self._documents, self._staged = [], None
+        self._turns, self._blocks, self.epoch = 0, 0, self.epoch + 1
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -94,6 +116,8 @@ class NeurocacheMemory(Memory):
             "slot_counter": self.cache.slot_counter.clone(),
             "slot_document": self.cache.slot_document.clone(),
             "written": self.cache.written,
+            "turns": self._turns,
+            "blocks": self._blocks,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -105,3 +129,5 @@ class NeurocacheMemory(Memory):
         self.cache.slot_counter.copy_(state["slot_counter"])
         self.cache.slot_document.copy_(state["slot_document"])
         self.cache.written = int(state["written"])
+        self._turns = int(state.get("turns", 0))
+        self._blocks = int(state.get("blocks", int(self.cache.slot_document.max()) + 1))

@@ -393,7 +393,7 @@ class CacheBinding:
 
     caches: list[StateCache]
     carry: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    compressed: torch.Tensor | None = None  # B, T, d of the last forward
+    record: list[torch.Tensor] | None = None  # a list: C [B, T, d] of every forward pass, in order
 
 
 # ---- the adapted model ----------------------------------------------------------------------
@@ -481,13 +481,16 @@ class Neurocache(nn.Module):
     def active(self, binding: CacheBinding) -> Iterator[RetrievalState]:
         """Forward passes inside use the binding's caches (one per batch row) and carry its
         retrieval context on; outside, the model is the base model. Requests sharing the model
-        each keep their own binding, so their steps may interleave."""
+        each keep their own binding, so their steps may interleave. With `binding.record` a list,
+        each pass's compressed states are appended to it (what a remembered turn writes)."""
         shared = self.shared
         shared.caches, shared.carry = binding.caches, binding.carry
         try:
             yield shared
         finally:
-            binding.carry, binding.compressed = shared.carry, shared.compressed
+            binding.carry = shared.carry
+            if binding.record is not None and shared.compressed is not None:
+                binding.record.append(shared.compressed)
             shared.caches, shared.states, shared.mask, shared.compressed, shared.carry = None, None, None, None, []
 
     @contextmanager
