@@ -34,7 +34,7 @@ from engine.memories.neurocache import NeurocacheMemory
 from engine.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.models.neurocache import Neurocache
 from engine.models.neurocache_io import load_adapter
-from engine.prompts import Messages, overhead_tokens, render, with_context
+from engine.prompts import Messages, history_tokens, overhead_tokens, render, with_context
 from engine.sessions import Session, SessionStore
 from engine.worker import EventStream, SerialWorker
 
@@ -310,9 +310,11 @@ class Engine:
                 step_context = functools.partial(runtime.neurocache.active, binding)  # type: ignore[union-attr]
             async for event in self._generate(runtime, prompt_ids, params, step_context):
                 if isinstance(event, GenerationDone) and binding is not None and binding.record:
-                    # a remembered turn is written before `done`, so the next question can use it
+                    # a remembered turn is written before `done`, so the next question can use it;
+                    # earlier turns sent along (chat) are not written again
+                    earlier = await asyncio.to_thread(history_tokens, runtime.loaded.tokenizer, messages[:-1], prompt_ids)
                     async with session.ingest_lock:
-                        await self._memory_worker(session).run(memory.remember, binding, epoch)
+                        await self._memory_worker(session).run(memory.remember, binding, epoch, earlier)
                 yield event
         finally:
             session.busy -= 1

@@ -32,3 +32,13 @@ def overhead_tokens(tokenizer: PreTrainedTokenizerBase, messages: Messages, ques
     """Prompt tokens besides the excerpts: earlier turns, template, instruction, question, separators."""
     framed = [*messages, {"role": "user", "content": _format(question, "")}]
     return len(render(tokenizer, framed)) + 32
+
+
+def history_tokens(tokenizer: PreTrainedTokenizerBase, history: Messages, prompt_ids: list[int]) -> int:
+    """How many leading tokens of `prompt_ids` are the rendered earlier turns `history`; 0 without
+    history, or when the chat template does not render them as a prefix of the prompt."""
+    if not history:
+        return 0
+    text = tokenizer.apply_chat_template(history, add_generation_prompt=False, tokenize=False)
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return len(ids) if prompt_ids[: len(ids)] == ids else 0

@@ -103,6 +103,34 @@ def test_remembered_turns_are_written_after_the_answer(make_client, adapter_dir)
     assert memory.cache.size == 0 and memory.stats().turns == 0
 
 
+def test_a_remembered_chat_turn_leaves_out_the_earlier_turns_sent_along(make_client, adapter_dir, tiny_tokenizer):
+    """OpenAI-style chat sends the whole conversation each time; only the new turn is written."""
+    client = make_client(adapter_dir=[str(adapter_dir)])
+    session = client.post("/v1/sessions", json={"options": {"remember": True}}).json()["id"]
+    history = [{"role": "user", "content": "Who went down the rabbit-hole?"}, {"role": "assistant", "content": "Alice did."}]
+    messages = [*history, {"role": "user", "content": "And then?"}]
+    body = {"messages": messages, "session_id": session, "max_tokens": 5, "temperature": 1.0, "seed": 0}
+    usage = client.post("/v1/chat/completions", json=body).json()["usage"]
+    rendered = tiny_tokenizer.apply_chat_template(history, add_generation_prompt=False, tokenize=False)
+    earlier = len(tiny_tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    assert 0 < earlier < usage["prompt_tokens"]
+    cache = client.get(f"/v1/sessions/{session}/cache").json()
+    assert cache["turns"] == 1
+    assert cache["entries"] == usage["prompt_tokens"] - earlier + usage["completion_tokens"] - 1
+
+
+def test_history_tokens_counts_only_a_rendered_prefix(tiny_tokenizer):
+    from engine.prompts import history_tokens, render
+
+    history = [{"role": "user", "content": "Hello there."}, {"role": "assistant", "content": "Hi."}]
+    prompt = render(tiny_tokenizer, [*history, {"role": "user", "content": "Again?"}])
+    count = history_tokens(tiny_tokenizer, history, prompt)
+    assert 0 < count < len(prompt)
+    assert history_tokens(tiny_tokenizer, [], prompt) == 0
+    other = render(tiny_tokenizer, [{"role": "user", "content": "Something else entirely."}])
+    assert history_tokens(tiny_tokenizer, history, other) == 0  # not a prefix: keep the whole turn
+
+
 def test_remember_must_be_a_boolean(make_client, adapter_dir):
     client = make_client(adapter_dir=[str(adapter_dir)])
     response = client.post("/v1/sessions", json={"options": {"remember": "yes"}})

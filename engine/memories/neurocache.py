@@ -84,14 +84,18 @@ class NeurocacheMemory(Memory):
         """One answer's view of the cache; it records the answer's states when turns are remembered."""
         return CacheBinding([self.cache], record=[] if self.options.remember else None)
 
-    def remember(self, binding: CacheBinding, epoch: int) -> None:
-        """Write an answered turn's recorded states as a block of their own (retrieval windows
-        never run into a document or another turn). Nothing is written if the cache was emptied
-        or replaced since the answer began (`epoch`)."""
+    def remember(self, binding: CacheBinding, epoch: int, skip: int = 0) -> None:
+        """Write an answered turn's recorded states, less the first `skip` (earlier turns sent
+        along with it), as a block of their own: retrieval windows never run into a document or
+        another turn. Nothing is written if the cache was emptied or replaced since the answer
+        began (`epoch`)."""
         if not binding.record or epoch != self.epoch:
             return
+        states = torch.cat([recorded[0] for recorded in binding.record])[skip:]
+        if states.shape[0] == 0:
+            return
         self._blocks += 1
-        self.cache.add(torch.cat([states[0] for states in binding.record]), document=self._blocks)
+        self.cache.add(states, document=self._blocks)
         self._turns += 1
 
     def stats(self) -> CacheInfo:
