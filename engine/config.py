@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,24 @@ class ModelSpec:
         _require(self.dtype in ("auto", "bfloat16", "float16", "float32"), f"unknown dtype {self.dtype!r}")
 
 
+def machine_memory_bytes() -> int:
+    """RAM this process may use: the machine's, or the container's cgroup limit if lower."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            physical = min(physical, int(text))
+    return physical
+
+
+def default_server_memory_bytes() -> int:
+    """Half of the machine's RAM for session memories; the rest is models, activations and slack."""
+    return machine_memory_bytes() // 2
+
+
 @dataclass(frozen=True)
 class SessionLimits:
     """Limits of the session store."""
@@ -42,11 +61,13 @@ class SessionLimits:
     max_sessions: int = 64
     idle_ttl_seconds: float = 3600.0
     memory_budget_bytes: int = 512 * 1024**2  # per session
+    server_memory_bytes: int = field(default_factory=default_server_memory_bytes)  # all sessions together
 
     def __post_init__(self) -> None:
         _require(self.max_sessions > 0, "max_sessions must be positive")
         _require(self.idle_ttl_seconds > 0, "idle_ttl_seconds must be positive")
         _require(self.memory_budget_bytes > 0, "memory_budget_bytes must be positive")
+        _require(self.server_memory_bytes > 0, "server_memory_bytes must be positive")
 
 
 @dataclass(frozen=True)
@@ -68,10 +89,14 @@ class GenerationLimits:
     max_new_tokens: int = 1024
     default_max_tokens: int = 256
     max_queue: int = 16  # jobs waiting per worker before 429
+    max_prompt_chars: int = 262_144  # a question, or all of a chat's messages; checked before tokenizing
+    max_generation_seconds: float = 300.0  # a generation still running then ends with finish_reason "length"
 
     def __post_init__(self) -> None:
         _require(0 < self.default_max_tokens <= self.max_new_tokens, "need 0 < default_max_tokens <= max_new_tokens")
         _require(self.max_queue > 0, "max_queue must be positive")
+        _require(self.max_prompt_chars > 0, "max_prompt_chars must be positive")
+        _require(self.max_generation_seconds > 0, "max_generation_seconds must be positive")
 
 
 @dataclass(frozen=True)

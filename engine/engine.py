@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import secrets
@@ -29,13 +30,13 @@ from engine.interface import (
     Retrieval,
     SessionInfo,
 )
-from engine.memories import MEMORIES, ContextPiece, MemoryContext, StreamMemory, build_memory
+from engine.memories import MEMORIES, ContextPiece, MemoryContext, StreamMemory, build_memory, memory_type
 from engine.memories.neurocache import NeurocacheMemory
 from engine.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.models.neurocache import Neurocache
 from engine.models.neurocache_io import load_adapter
 from engine.prompts import Messages, history_tokens, overhead_tokens, render, with_context
-from engine.sessions import Session, SessionStore
+from engine.sessions import Reservation, Session, SessionStore
 from engine.worker import EventStream, SerialWorker
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ class Engine:
         return [runtime.info() for runtime in self._models.values()]
 
     def create_session(self, model: str | None, memory: str | None, options: dict[str, Any]) -> SessionInfo:
+        """A new session; what its memory allocates up front is reserved against the budgets first."""
         runtime = self._runtime(model)
         loaded = runtime.loaded
         context = MemoryContext(
@@ -165,8 +167,11 @@ class Engine:
             neurocache=runtime.neurocache,
             stream_model=loaded.model if loaded.streaming else None,
         )
-        memory_obj = build_memory(memory or self._default_memory(runtime), context, options)
-        return self.sessions.create(runtime.loaded.name, memory_obj, dict(options)).info()
+        kind = memory or self._default_memory(runtime)
+        self.sessions.check_room()
+        with self.sessions.reserve(None, memory_type(kind).initial_bytes(context, options)):
+            memory_obj = build_memory(kind, context, options)
+            return self.sessions.create(runtime.loaded.name, memory_obj, dict(options)).info()
 
     def _default_memory(self, runtime: ModelRuntime) -> str:
         if self.config.default_memory != "auto":
@@ -207,7 +212,12 @@ class Engine:
         depth = {runtime.worker.name: runtime.worker.depth for runtime in self._models.values()}
         depth[self._embed_worker.name] = self._embed_worker.depth
         return EngineStats(
-            ready=self._ready, active_sessions=len(self.sessions), session_memory_bytes=memory_bytes, queue_depth=depth
+            ready=self._ready,
+            active_sessions=len(self.sessions),
+            session_memory_bytes=memory_bytes,
+            queue_depth=depth,
+            memory_limit_bytes=self.config.sessions.server_memory_bytes,
+            memory_reserved_bytes=self.sessions.reserved_bytes,
         )
 
     # ---- ingestion -------------------------------------------------------------------------
@@ -220,38 +230,58 @@ class Engine:
             raise InvalidRequestError("the document is empty")
         tokenizer = self._models[session.model].loaded.tokenizer
         document_id = "d-" + secrets.token_hex(6)
-        document = await asyncio.to_thread(tokenize_document, tokenizer, document_id, name, text)
         limit = self.config.ingest.max_document_tokens
-        if len(document.token_ids) > limit:
-            raise TooLargeError(f"the document has {len(document.token_ids)} tokens; the limit is {limit}")
-        self.sessions.check_budget(session, session.memory.estimate_bytes(len(text), len(document.token_ids)))
-        slot = self._memory_worker(session).admit()
-        return EventStream(self._ingest_events(session, document), [slot])
+        document = await asyncio.to_thread(tokenize_document, tokenizer, document_id, name, text, limit)
+        reservation = self.sessions.reserve(session, session.memory.estimate_bytes(len(text), len(document.token_ids)))
+        try:
+            slot = self._memory_worker(session).admit()
+        except BaseException:
+            reservation.release()
+            raise
+        return EventStream(self._ingest_events(session, document, reservation), [slot, reservation])
 
-    async def _ingest_events(self, session: Session, document: Any) -> AsyncIterator[IngestEvent]:
-        async with session.ingest_lock:
-            session.busy += 1
-            try:
-                steps = ingest_steps(
-                    session.memory,
-                    document,
-                    segment_len=self.config.ingest.segment_len,
-                    budget_bytes=self.sessions.budget_left(session),
-                    on_commit=session.documents.append,
-                )
-                async for event in self._memory_worker(session).iterate(steps):
-                    yield event
-            finally:
-                session.busy -= 1
-                session.last_used_at = time.time()
+    async def _ingest_events(self, session: Session, document: Any, reservation: Reservation) -> AsyncIterator[IngestEvent]:
+        with reservation:
+            async with session.ingest_lock:
+                session.busy += 1
+                try:
+                    steps = ingest_steps(
+                        session.memory,
+                        document,
+                        segment_len=self.config.ingest.segment_len,
+                        reserve=reservation.grow_to,
+                        on_commit=session.documents.append,
+                    )
+                    async for event in self._memory_worker(session).iterate(steps):
+                        if session.deleted:
+                            raise NotFoundError(f"session {session.id} was deleted during ingestion")
+                        yield event
+                finally:
+                    session.busy -= 1
+                    session.last_used_at = time.time()
 
     # ---- generation ------------------------------------------------------------------------
 
     def _check_params(self, params: GenerationParams) -> GenerationParams:
-        limit = self.config.generation.max_new_tokens
-        if not 1 <= params.max_tokens <= limit:
-            raise InvalidRequestError(f"max_tokens must be between 1 and {limit}")
-        return params
+        """Bounds the HTTP schema also states, checked again here for every caller of the engine;
+        fills in the generation time limit."""
+        limits = self.config.generation
+        if not 1 <= params.max_tokens <= limits.max_new_tokens:
+            raise InvalidRequestError(f"max_tokens must be between 1 and {limits.max_new_tokens}")
+        if not 0.0 <= params.temperature <= 2.0:  # also false for NaN
+            raise InvalidRequestError("temperature must be between 0 and 2")
+        if not 0.0 < params.top_p <= 1.0:
+            raise InvalidRequestError("top_p must be above 0 and at most 1")
+        if params.seed is not None and not -(2**63) <= params.seed < 2**64:
+            raise InvalidRequestError("seed must be between -2**63 and 2**64 - 1")
+        return dataclasses.replace(params, max_seconds=limits.max_generation_seconds)
+
+    def _check_prompt_chars(self, messages: Messages) -> None:
+        """Refuse an over-long prompt by its characters, before any tokenizing."""
+        chars = sum(len(m.get("content", "")) for m in messages)
+        limit = self.config.generation.max_prompt_chars
+        if chars > limit:
+            raise TooLargeError(f"the prompt has {chars} characters; the limit is {limit} (LONGDOC_MAX_PROMPT_CHARS)")
 
     async def ask(self, session_id: str, question: str, params: GenerationParams) -> AsyncIterator[GenerationEvent]:
         """Answer one question from the session's memory: a retrieval event, text deltas, then done."""
@@ -263,6 +293,7 @@ class Engine:
         """Chat completion; with a session, the last user turn is answered from the session's memory."""
         self._require_ready()
         params = self._check_params(params)
+        self._check_prompt_chars(messages)
         if not messages or messages[-1].get("role") != "user" or not messages[-1].get("content", "").strip():
             raise InvalidRequestError("the last message must be a non-empty user message")
         session = self.sessions.get(session_id) if session_id else None

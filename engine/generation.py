@@ -13,15 +13,25 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from engine.interface import GenerationDone, GenerationParams, TokenDelta
 
 
+# Temperatures below this sample as greedy: logits / 1e-300 overflow, and below ~1e-5 the
+# softmax is one-hot in float32 anyway (vLLM uses the same cut-off).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 def sample_next(logits: torch.Tensor, params: GenerationParams, generator: torch.Generator | None) -> int:
-    """Pick the next token from float logits [V]: greedy at temperature 0, else nucleus sampling."""
-    if params.temperature <= 0.0:
+    """Pick the next token from float logits [V]: greedy at temperature 0 (or below
+    GREEDY_BELOW_TEMPERATURE), else nucleus sampling. The most likely token always survives top-p,
+    however small top_p is."""
+    if params.temperature < GREEDY_BELOW_TEMPERATURE:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+    logits = logits.float()
+    probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above each token
-        sorted_probs[before >= params.top_p] = 0.0  # the top token always survives
+        drop = before >= params.top_p
+        drop[0] = False  # a top_p that rounds to 0 in float32 must not mask every token
+        sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
 
@@ -147,6 +157,8 @@ def decode_steps(
         if assembler.stopped:
             finish_reason = "stop"
             break
+        if params.max_seconds is not None and time.perf_counter() - started > params.max_seconds:
+            break  # finish_reason stays "length": a time cap ends an answer as max_tokens does
         ids = [token]
     tail = assembler.flush()
     if tail:

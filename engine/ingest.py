@@ -6,11 +6,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from engine.errors import BudgetExceededError
+from engine.errors import TooLargeError
 from engine.interface import DocumentInfo, IngestDone, IngestEvent, IngestProgress
 from engine.memories import Memory, Segment
+
+
+PIECE_CHARS = 65_536  # documents are tokenized this many characters at a time
 
 
 @dataclass(frozen=True)
@@ -18,29 +22,70 @@ class TokenizedDocument:
     id: str
     name: str
     text: str
-    token_ids: list[int]
-    token_spans: list[tuple[int, int]]
+    token_ids: np.ndarray  # int32 [n]
+    token_spans: np.ndarray  # int32 [n, 2]: each token's characters in `text`
 
-    def segments(self, segment_len: int) -> list[Segment]:
-        return [
-            Segment(
+    def segments(self, segment_len: int) -> Iterator[Segment]:
+        for i in range(0, len(self.token_ids), segment_len):
+            yield Segment(
                 document_id=self.id,
                 index=i // segment_len,
-                token_ids=self.token_ids[i : i + segment_len],
-                token_spans=self.token_spans[i : i + segment_len],
+                token_ids=self.token_ids[i : i + segment_len].tolist(),
+                token_spans=[(a, b) for a, b in self.token_spans[i : i + segment_len].tolist()],
             )
-            for i in range(0, len(self.token_ids), segment_len)
-        ]
 
 
-def tokenize_document(tokenizer: PreTrainedTokenizerBase, document_id: str, name: str, text: str) -> TokenizedDocument:
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+def _is_cut(text: str, at: int) -> bool:
+    """A space between two non-space characters: with a byte-level (GPT-2 style) pre-tokenizer a
+    pre-token starts there in the whole text as in the piece that starts there, so tokenizing
+    the two sides apart gives the same tokens as tokenizing them together."""
+    return text[at] == " " and not text[at - 1].isspace() and not text[at + 1].isspace()
+
+
+def piece_bounds(text: str, piece_chars: int = PIECE_CHARS) -> Iterator[tuple[int, int]]:
+    """(start, end) of consecutive pieces of about `piece_chars` characters, cut where `_is_cut`
+    holds. A stretch of `piece_chars` characters without such a space (no prose does that) is cut
+    where it ends, which may change the tokens at that one place."""
+    start = 0
+    while len(text) - start > piece_chars:
+        at = start + piece_chars
+        limit = min(len(text) - 1, at + piece_chars)
+        while at < limit and not _is_cut(text, at):
+            at += 1
+        yield start, at
+        start = at
+    yield start, len(text)
+
+
+def tokenize_document(
+    tokenizer: PreTrainedTokenizerBase,
+    document_id: str,
+    name: str,
+    text: str,
+    max_tokens: int | None = None,
+    piece_chars: int = PIECE_CHARS,
+) -> TokenizedDocument:
+    """Tokenize piece by piece; raises TooLargeError as soon as the count passes `max_tokens`, so
+    a document far over the limit costs the limit's work and memory, not its own."""
+    ids: list[np.ndarray] = []
+    spans: list[np.ndarray] = []
+    count = 0
+    for start, end in piece_bounds(text, piece_chars):
+        encoded = tokenizer(text[start:end], add_special_tokens=False, return_offsets_mapping=True)
+        ids.append(np.asarray(encoded["input_ids"], np.int32))
+        spans.append(np.asarray(encoded["offset_mapping"], np.int32).reshape(-1, 2) + start)
+        count += len(ids[-1])
+        if max_tokens is not None and count > max_tokens:
+            raise TooLargeError(
+                f"the document has more than {max_tokens} tokens (passed at character {end} of {len(text)}); "
+                f"the limit is {max_tokens} (LONGDOC_MAX_DOCUMENT_TOKENS)"
+            )
     return TokenizedDocument(
         id=document_id,
         name=name,
         text=text,
-        token_ids=list(encoded["input_ids"]),
-        token_spans=[(int(a), int(b)) for a, b in encoded["offset_mapping"]],
+        token_ids=np.concatenate(ids) if ids else np.zeros(0, np.int32),
+        token_spans=np.concatenate(spans) if spans else np.zeros((0, 2), np.int32),
     )
 
 
@@ -49,25 +94,24 @@ def ingest_steps(
     document: TokenizedDocument,
     *,
     segment_len: int,
-    budget_bytes: int,
+    reserve: Callable[[int], None],
     on_commit: Callable[[DocumentInfo], None],
 ) -> Iterator[IngestEvent]:
-    """Stage the document segment by segment, then commit; any exit before the commit aborts it."""
+    """Stage the document segment by segment, then commit; any exit before the commit aborts it.
+    `reserve(n)` is told the staged bytes after each segment and raises when the budgets cannot
+    hold them."""
     started = time.perf_counter()
-    segments = document.segments(segment_len)
     total_tokens = len(document.token_ids)
+    n_segments = -(-total_tokens // segment_len)
     memory.begin_document(document.id, document.text)
     committed = False
     try:
         done_tokens = 0
-        for i, segment in enumerate(segments):
+        for i, segment in enumerate(document.segments(segment_len)):
             memory.add_segment(segment)
-            if memory.staged_bytes() > budget_bytes:
-                raise BudgetExceededError(
-                    f"document {document.id} outgrew the session's memory budget ({budget_bytes} bytes left)", 60.0
-                )
+            reserve(memory.staged_bytes())
             done_tokens += len(segment.token_ids)
-            yield IngestProgress(document.id, i + 1, len(segments), done_tokens, total_tokens)
+            yield IngestProgress(document.id, i + 1, n_segments, done_tokens, total_tokens)
         memory.commit_document()
         committed = True
         info = DocumentInfo(
@@ -75,7 +119,7 @@ def ingest_steps(
             name=document.name,
             chars=len(document.text),
             tokens=total_tokens,
-            segments=len(segments),
+            segments=n_segments,
             seconds=time.perf_counter() - started,
         )
         on_commit(info)

@@ -17,6 +17,7 @@ class GenerationParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    max_seconds: float | None = None  # wall-clock cap on decoding; the engine sets it from its limits
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,8 @@ class EngineStats:
     active_sessions: int
     session_memory_bytes: dict[str, int] = field(default_factory=dict)  # by memory kind
     queue_depth: dict[str, int] = field(default_factory=dict)  # by worker name
+    memory_limit_bytes: int = 0  # what all sessions' memories may hold together
+    memory_reserved_bytes: int = 0  # promised to work in flight, not yet committed
 
 
 def to_dict(event: Any) -> dict[str, Any]:

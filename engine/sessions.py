@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import SessionLimits
-from engine.errors import BudgetExceededError, NotFoundError, SessionLimitError
+from engine.errors import BudgetExceededError, NotFoundError, SessionLimitError, TooLargeError
 from engine.interface import DocumentInfo, SessionInfo
 from engine.memories import Memory
 
@@ -25,6 +25,8 @@ class Session:
     documents: list[DocumentInfo] = field(default_factory=list)
     ingest_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     busy: int = 0  # requests in flight; a busy session is never evicted
+    deleted: bool = False  # set when the store drops it; work in flight stops at its next step
+    reserved: int = 0  # bytes reserved for this session's work in flight
 
     def info(self) -> SessionInfo:
         return SessionInfo(
@@ -39,19 +41,61 @@ class Session:
         )
 
 
+class Reservation:
+    """Bytes promised to work in flight (a memory being made, a document being staged) before
+    they are allocated. Released when the work ends; what was committed is then counted by the
+    memories themselves."""
+
+    def __init__(self, store: SessionStore, session: Session | None, nbytes: int) -> None:
+        self._store, self.session, self.nbytes = store, session, nbytes
+
+    def grow_to(self, nbytes: int) -> None:
+        """Ask for more, under the same budgets; raises like `SessionStore.reserve`."""
+        if nbytes > self.nbytes:
+            self._store._check(self.session, nbytes - self.nbytes)
+            self._add(nbytes - self.nbytes)
+
+    def release(self) -> None:
+        """Give the bytes back; releasing twice is harmless."""
+        self._add(-self.nbytes)
+
+    def _add(self, nbytes: int) -> None:
+        self.nbytes += nbytes
+        self._store._reserved += nbytes
+        if self.session is not None:
+            self.session.reserved += nbytes
+
+    def __del__(self) -> None:  # a request dropped before it ran must not keep its bytes
+        self.release()
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 class SessionStore:
+    """Sessions under explicit limits: a count, an idle TTL, and memory budgets per session and
+    for all sessions together. Every allocation a client can cause is reserved here first."""
+
     def __init__(self, limits: SessionLimits, clock: Any = time.time) -> None:
         self.limits = limits
         self._clock = clock
         self._sessions: dict[str, Session] = {}
+        self._reserved = 0  # bytes of every live Reservation
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def create(self, model: str, memory: Memory, options: dict[str, Any]) -> Session:
+    def check_room(self) -> None:
+        """Refuse a new session when the store holds its limit (after dropping idle ones)."""
         self.evict_idle()
         if len(self._sessions) >= self.limits.max_sessions:
             raise SessionLimitError(f"the server holds its limit of {self.limits.max_sessions} sessions", 30.0)
+
+    def create(self, model: str, memory: Memory, options: dict[str, Any]) -> Session:
+        self.check_room()
         now = self._clock()
         session = Session(
             id="s-" + secrets.token_hex(8), model=model, memory=memory, options=options, created_at=now, last_used_at=now
@@ -67,8 +111,10 @@ class SessionStore:
         return session
 
     def delete(self, session_id: str) -> None:
-        if self._sessions.pop(session_id, None) is None:
+        session = self._sessions.pop(session_id, None)
+        if session is None:
             raise NotFoundError(f"no session {session_id!r}")
+        session.deleted = True
 
     def list(self) -> list[Session]:
         return list(self._sessions.values())
@@ -78,17 +124,55 @@ class SessionStore:
         deadline = self._clock() - self.limits.idle_ttl_seconds
         idle = [s.id for s in self._sessions.values() if s.last_used_at < deadline and s.busy == 0]
         for session_id in idle:
-            del self._sessions[session_id]
+            self._sessions.pop(session_id).deleted = True
         return idle
 
-    def budget_left(self, session: Session) -> int:
-        return self.limits.memory_budget_bytes - session.memory.stats().bytes
+    # ---- memory budgets ----------------------------------------------------------------------
 
-    def check_budget(self, session: Session, extra_bytes: int) -> None:
-        left = self.budget_left(session)
-        if extra_bytes > left:
+    def used_bytes(self) -> int:
+        """Committed bytes of every session's memory, plus every reservation."""
+        return sum(s.memory.stats().bytes for s in self._sessions.values()) + self._reserved
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._reserved
+
+    def reserve(self, session: Session | None, nbytes: int) -> Reservation:
+        """Promise `nbytes` to work for `session` (None: a session being made).
+
+        Raises:
+            TooLargeError (413): `nbytes` alone is over the per-session or the server budget, so
+                no retry can succeed.
+            BudgetExceededError (429, Retry-After): it would fit, but the session's or the
+                server's memory holds too much now (clear a cache, delete sessions, or wait for
+                idle ones to expire).
+        """
+        self._check(session, nbytes)
+        reservation = Reservation(self, session, 0)
+        reservation._add(nbytes)
+        return reservation
+
+    def _check(self, session: Session | None, nbytes: int) -> None:
+        per_session, server = self.limits.memory_budget_bytes, self.limits.server_memory_bytes
+        if nbytes > per_session:
+            raise TooLargeError(
+                f"this needs {nbytes} bytes of session memory; a session may hold {per_session} "
+                "(LONGDOC_SESSION_MEMORY_BYTES)"
+            )
+        if nbytes > server:
+            raise TooLargeError(f"this needs {nbytes} bytes; all sessions together may hold {server} (LONGDOC_MAX_MEMORY_BYTES)")
+        if session is not None:
+            held = session.memory.stats().bytes + session.reserved
+            if held + nbytes > per_session:
+                raise BudgetExceededError(
+                    f"session {session.id} would need {nbytes} more bytes of memory; {per_session - held} of its "
+                    f"{per_session}-byte budget are left (clear its cache or use a new session)",
+                    60.0,
+                )
+        used = self.used_bytes()
+        if used + nbytes > server:
             raise BudgetExceededError(
-                f"session {session.id} would need {extra_bytes} more bytes of memory; {left} of its "
-                f"{self.limits.memory_budget_bytes}-byte budget are left (clear its cache or use a new session)",
-                60.0,
+                f"the server's session memory is full: {used} of {server} bytes held, {nbytes} more needed "
+                "(retry after other sessions are deleted or expire)",
+                30.0,
             )

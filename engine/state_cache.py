@@ -63,9 +63,14 @@ class StateCache:
 
     @property
     def nbytes(self) -> int:
-        counters = self.slot_counter.numel() * self.slot_counter.element_size()
-        documents = self.slot_document.numel() * self.slot_document.element_size()
-        return self.states.numel() * self.states.element_size() + counters + documents
+        return self.bytes_for(self.capacity, self.dim, self.dtype, self.values.shape[1] if self.values is not None else 0)
+
+    @staticmethod
+    def bytes_for(capacity: int, dim: int, dtype: torch.dtype, value_dim: int = 0) -> int:
+        """What a cache of this shape allocates when made: states (and values), and two int64
+        counters a slot. Known before allocating, so budgets can refuse it first."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return capacity * ((dim + value_dim) * element + 2 * 8)
 
     def add(self, states: torch.Tensor, document: int, values: torch.Tensor | None = None) -> None:
         """Append states [n, d] of one document in order, overwriting the oldest when full."""

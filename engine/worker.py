@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from engine.errors import QueueFullError
 
@@ -73,10 +73,15 @@ class SerialWorker:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-class EventStream:
-    """An async iterator over a started request that releases its slot however it ends."""
+class Releasable(Protocol):
+    def release(self) -> None: ...
 
-    def __init__(self, events: AsyncIterator[Any], slots: list[Slot]) -> None:
+
+class EventStream:
+    """An async iterator over a started request that releases its slots (and memory
+    reservations) however it ends, also when it is dropped before its first event."""
+
+    def __init__(self, events: AsyncIterator[Any], slots: list[Releasable]) -> None:
         self._events = events
         self._slots = slots
 

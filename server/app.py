@@ -12,6 +12,7 @@ from fastapi import Depends, FastAPI, Request, Response
 from engine.interface import EngineClient
 from server.deps import require_api_key
 from server.errors import install_error_handlers
+from server.limits import RequestBodyLimit
 from server.metrics import Metrics
 from server.routes import ask, documents, health, openai, sessions
 from server.settings import Settings
@@ -56,6 +57,7 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
     app.state.settings = settings
     app.state.metrics = Metrics(lambda: app.state.engine.stats() if hasattr(app.state, "engine") else None)
     install_error_handlers(app)
+    app.add_middleware(RequestBodyLimit, limit=settings.max_request_bytes)
     app.include_router(health.router)
     for router in (sessions.router, documents.router, ask.router, openai.router):
         app.include_router(router, dependencies=[Depends(require_api_key)])

@@ -37,6 +37,12 @@ class _EngineCollector(Collector):
         for kind, value in sorted(stats.session_memory_bytes.items()):
             memory.add_metric([kind], value)
         yield memory
+        yield GaugeMetricFamily(
+            "longdoc_session_memory_limit_bytes", "what all session memories may hold together", value=stats.memory_limit_bytes
+        )
+        yield GaugeMetricFamily(
+            "longdoc_session_memory_reserved_bytes", "bytes promised to work in flight", value=stats.memory_reserved_bytes
+        )
         queue = GaugeMetricFamily("longdoc_queue_depth", "requests admitted and not finished", labels=["worker"])
         for worker, value in sorted(stats.queue_depth.items()):
             queue.add_metric([worker], value)

@@ -2,16 +2,40 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+MAX_STOP_STRINGS = 8  # OpenAI allows 4; a few more cost nothing
+MAX_STOP_CHARS = 256
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
+def _valid_unicode(text: str) -> str:
+    """JSON may carry lone surrogates (\\ud800); no tokenizer can take them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the text holds a lone surrogate at character {exc.start}; send valid Unicode") from None
+    return text
+
+
+# Scalars are strict (no true-as-1, no "1"-as-1) and floats finite; text is valid Unicode.
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+Flag = Annotated[bool, Field(strict=True)]
+TokenCount = Annotated[int, Field(strict=True, ge=1, le=2**31 - 1)]
+Temperature = Annotated[float, Field(strict=True, ge=0.0, le=2.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(strict=True, gt=0.0, le=1.0, allow_inf_nan=False)]
+Seed = Annotated[int, Field(strict=True, ge=SEED_RANGE[0], le=SEED_RANGE[1])]
+StopString = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 
 
 class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = Field(None, description="a name from GET /v1/models; defaults to the first")
-    memory: str | None = Field(None, description="'truncate', 'text', 'neurocache' (models with an adapter) or 'stream' (CacheFormer/Long-Short checkpoints); defaults to the server's default")
+    model: Text | None = Field(None, max_length=256, description="a name from GET /v1/models; defaults to the first")
+    memory: Text | None = Field(None, description="'truncate', 'text', 'neurocache' (models with an adapter) or 'stream' (CacheFormer/Long-Short checkpoints); defaults to the server's default")
     options: dict[str, Any] = Field(default_factory=dict, description="memory options, e.g. {'top_k': 4}")
 
 
@@ -55,21 +79,21 @@ class DocumentList(BaseModel):
 class DocumentCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    text: str = Field(min_length=1)
-    name: str | None = Field(None, max_length=256)
-    stream: bool = False
+    text: Text = Field(min_length=1)
+    name: Text | None = Field(None, max_length=256)
+    stream: Flag = False
 
 
 class AskRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    question: str = Field(min_length=1, max_length=8192)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 is greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
+    question: Text = Field(min_length=1, description="at most `max_prompt_chars` characters (a server setting)")
+    max_tokens: TokenCount | None = None
+    temperature: Temperature = Field(0.0, description="0 is greedy; below 1e-5 too")
+    top_p: TopP = 1.0
+    seed: Seed | None = None
+    stop: Stop | None = None
+    stream: Flag = False
 
 
 class RetrievedItemPublic(BaseModel):
@@ -111,28 +135,28 @@ class AskResponse(BaseModel):
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: Text
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: Flag = False
 
 
 class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
 
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
-    stream: bool = False
+    model: Text | None = Field(None, max_length=256)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1024, description="together at most `max_prompt_chars` characters")
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    seed: Seed | None = None
+    stop: Stop | None = None
+    n: int = Field(1, strict=True, ge=1, le=1, description="only 1 is supported")
+    stream: Flag = False
     stream_options: StreamOptions | None = None
-    session_id: str | None = Field(None, description="longdoc extension: answer from this session's memory")
+    session_id: Text | None = Field(None, max_length=128, description="longdoc extension: answer from this session's memory")
 
 
 class ModelCard(BaseModel):

@@ -17,6 +17,7 @@ from engine.config import (
     SessionLimits,
     SHIPPED_ADAPTERS,
     SHIPPED_CHECKPOINTS,
+    default_server_memory_bytes,
     shipped_checkpoints,
 )
 
@@ -40,7 +41,15 @@ class Settings(BaseSettings):
     max_document_tokens: int = Field(2_000_000, gt=0)
     max_sessions: int = Field(64, gt=0)
     session_ttl_seconds: float = Field(3600.0, gt=0)
-    session_memory_bytes: int = Field(512 * 1024**2, gt=0)
+    session_memory_bytes: int = Field(512 * 1024**2, gt=0, description="what one session's memory may hold")
+    max_memory_bytes: int | None = Field(
+        None, gt=0, description="what all sessions' memories may hold together; default half the machine's RAM (or cgroup limit)"
+    )
+    max_request_bytes: int = Field(
+        4 * 1024**2, gt=0, description="JSON request bodies (document uploads have max_document_bytes); 413 beyond"
+    )
+    max_prompt_chars: int = Field(262_144, gt=0, description="characters of a question, or of all of a chat's messages")
+    max_generation_seconds: float = Field(300.0, gt=0, description="an answer still generating then ends (finish_reason 'length')")
     segment_len: int = Field(1024, ge=16)
     max_queue: int = Field(16, gt=0, description="requests admitted per model worker before 429")
     max_new_tokens: int = Field(1024, gt=0)
@@ -84,12 +93,15 @@ class Settings(BaseSettings):
                 max_sessions=self.max_sessions,
                 idle_ttl_seconds=self.session_ttl_seconds,
                 memory_budget_bytes=self.session_memory_bytes,
+                server_memory_bytes=self.max_memory_bytes or default_server_memory_bytes(),
             ),
             ingest=IngestConfig(segment_len=self.segment_len, max_document_tokens=self.max_document_tokens),
             generation=GenerationLimits(
                 max_new_tokens=self.max_new_tokens,
                 default_max_tokens=self.default_max_tokens,
                 max_queue=self.max_queue,
+                max_prompt_chars=self.max_prompt_chars,
+                max_generation_seconds=self.max_generation_seconds,
             ),
             default_memory=self.default_memory,
         )

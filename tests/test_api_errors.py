@@ -109,17 +109,22 @@ def test_429_queue_full_with_retry_after(make_client):
     assert client.post("/v1/chat/completions", json=chat).status_code == 200
 
 
-def test_429_memory_budget_keeps_earlier_documents(make_client):
+def test_memory_budget_refusals_keep_earlier_documents(make_client):
     client = make_client(session_memory_bytes=40_000)
     session_id = new_session(client, memory="text")
     url = f"/v1/sessions/{session_id}/documents"
-    kept = client.post(url, json={"text": "A short first document about lighthouses."}).json()
+    kept = client.post(url, json={"text": "word " * 1000}).json()
     cache_before = client.get(f"/v1/sessions/{session_id}/cache").json()
-    response = client.post(url, json={"text": "Far too long a document. " * 2000})
-    assert_error(response, 429, "memory_budget_exceeded")
-    assert "Retry-After" in response.headers
+    # alone over the session's budget: no retry can succeed
+    assert "LONGDOC_SESSION_MEMORY_BYTES" in assert_error(client.post(url, json={"text": "Far too long. " * 2000}), 413, "too_large")["message"]
+    # fits an empty session, not this one now: 429, until the cache is cleared
+    response = client.post(url, json={"text": "word " * 1000})
+    assert "clear its cache" in assert_error(response, 429, "memory_budget_exceeded")["message"]
+    assert int(response.headers["Retry-After"]) >= 1
     assert [d["id"] for d in client.get(url).json()["data"]] == [kept["id"]]
     assert client.get(f"/v1/sessions/{session_id}/cache").json() == cache_before
+    client.delete(f"/v1/sessions/{session_id}/cache")
+    assert client.post(url, json={"text": "word " * 1000}).status_code == 201
 
 
 def test_429_budget_exceeded_mid_stream_is_an_error_event(make_client):

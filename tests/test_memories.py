@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.errors import BudgetExceededError, InvalidRequestError
-from engine.ingest import ingest_steps, tokenize_document
+from engine.errors import BudgetExceededError, InvalidRequestError, TooLargeError
+from engine.ingest import ingest_steps, piece_bounds, tokenize_document
 from engine.interface import IngestDone
 from engine.memories import MemoryContext, build_memory
 
@@ -18,10 +18,20 @@ def filler(n: int) -> str:
     return " ".join(f"The {words[i % 8]} number {i} was quiet that day." for i in range(n))
 
 
+def limit_to(budget: int):
+    """A `reserve` callback that refuses staged documents over `budget` bytes."""
+
+    def reserve(nbytes: int) -> None:
+        if nbytes > budget:
+            raise BudgetExceededError(f"{nbytes} bytes staged; {budget} allowed")
+
+    return reserve
+
+
 def ingest(memory, tokenizer, doc_id: str, text: str, *, segment_len: int = 64, budget: int = 10**9) -> list:
     document = tokenize_document(tokenizer, doc_id, doc_id, text)
     committed = []
-    events = list(ingest_steps(memory, document, segment_len=segment_len, budget_bytes=budget, on_commit=committed.append))
+    events = list(ingest_steps(memory, document, segment_len=segment_len, reserve=limit_to(budget), on_commit=committed.append))
     assert isinstance(events[-1], IngestDone)
     return committed
 
@@ -87,7 +97,7 @@ def test_aborted_document_leaves_earlier_documents_intact(context, tiny_tokenize
     ingest(memory, tiny_tokenizer, "kept", FACT + " " + filler(20))
     before = (memory.stats(), [p.text for p in memory.retrieve("Velmora lighthouse", 4000)])
     document = tokenize_document(tiny_tokenizer, "dropped", "dropped", filler(200))
-    steps = ingest_steps(memory, document, segment_len=64, budget_bytes=10**9, on_commit=lambda d: None)
+    steps = ingest_steps(memory, document, segment_len=64, reserve=limit_to(10**9), on_commit=lambda d: None)
     next(steps), next(steps)
     steps.close()  # as when the client disconnects mid-ingestion
     assert (memory.stats(), [p.text for p in memory.retrieve("Velmora lighthouse", 4000)]) == before
@@ -130,3 +140,36 @@ def test_reset_forgets_everything(context, tiny_tokenizer, kind):
     memory.reset()
     assert memory.stats().entries == 0 and memory.stats().documents == 0
     assert memory.retrieve("anything", 1000) == []
+
+
+def test_piecewise_tokenization_equals_whole_text(tiny_tokenizer, alice):
+    tricky = "One  two\n\nthree\t four\u00a0five  \n six's 12 345 end.\r\n" * 40 + alice[:20000]
+    for text in (alice, tricky):
+        whole = tiny_tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        document = tokenize_document(tiny_tokenizer, "d", "d", text)
+        assert document.token_ids.tolist() == whole["input_ids"]
+        assert [tuple(span) for span in document.token_spans.tolist()] == [tuple(s) for s in whole["offset_mapping"]]
+
+
+def test_piece_bounds_cut_small_pieces_at_spaces(tiny_tokenizer, alice):
+    bounds = list(piece_bounds(alice, 500))
+    assert len(bounds) > 100 and bounds[0][0] == 0 and bounds[-1][1] == len(alice)
+    assert all(a[1] == b[0] and alice[b[0]] == " " for a, b in zip(bounds, bounds[1:]))
+    whole = tiny_tokenizer(alice, add_special_tokens=False)["input_ids"]
+    assert tokenize_document(tiny_tokenizer, "d", "d", alice, piece_chars=500).token_ids.tolist() == whole
+
+
+def test_tokenization_stops_soon_after_the_token_limit(tiny_tokenizer):
+    text = filler(20000)  # ~300K tokens
+    calls = []
+    original = tiny_tokenizer.__class__.__call__
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tiny_tokenizer.__class__, "__call__", counting)
+        with pytest.raises(TooLargeError, match="more than 1000 tokens"):
+            tokenize_document(tiny_tokenizer, "d", "d", text, max_tokens=1000)
+    assert len(calls) == 1 < len(list(piece_bounds(text)))

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
 
 from engine.config import SessionLimits
-from engine.errors import BudgetExceededError, NotFoundError, QueueFullError, SessionLimitError
+from engine.errors import BudgetExceededError, NotFoundError, QueueFullError, SessionLimitError, TooLargeError
 from engine.memories import MemoryContext, build_memory
 from engine.sessions import SessionStore
 from engine.worker import EventStream, SerialWorker
@@ -114,10 +115,57 @@ def test_session_count_limit(memory_factory):
         store.delete(a.id)
 
 
-def test_budget_check(memory_factory):
-    store = SessionStore(SessionLimits(memory_budget_bytes=1000))
+def test_session_budget_refuses_with_413_when_it_can_never_fit_else_429(memory_factory):
+    store = SessionStore(SessionLimits(memory_budget_bytes=1000, server_memory_bytes=10_000))
     session = store.create("m", memory_factory(), {})
-    store.check_budget(session, 1000)
-    with pytest.raises(BudgetExceededError, match="1000-byte budget"):
-        store.check_budget(session, 1001)
+    with pytest.raises(TooLargeError, match="a session may hold 1000"):
+        store.reserve(session, 1001)
+    held = store.reserve(session, 600)
+    with pytest.raises(BudgetExceededError, match="400 of its 1000-byte budget are left") as refused:
+        store.reserve(session, 500)
+    assert refused.value.retry_after > 0
+    held.release()
+    held.release()  # harmless twice
+    store.reserve(session, 1000).release()
+    assert store.reserved_bytes == 0 and session.reserved == 0
 
+
+def test_server_budget_counts_every_session_and_reservation(memory_factory):
+    store = SessionStore(SessionLimits(memory_budget_bytes=1000, server_memory_bytes=2500))
+    a, b, c = (store.create("m", memory_factory(), {}) for _ in range(3))
+    first, second = store.reserve(a, 1000), store.reserve(b, 1000)
+    assert store.used_bytes() == 2000
+    with pytest.raises(BudgetExceededError, match="server's session memory is full"):
+        store.reserve(c, 600)
+    with pytest.raises(BudgetExceededError):
+        store.reserve(None, 600)  # a session being made counts the same
+    second.release()
+    store.reserve(c, 600).release()
+    with pytest.raises(TooLargeError, match="LONGDOC_MAX_MEMORY_BYTES"):
+        SessionStore(SessionLimits(memory_budget_bytes=5000, server_memory_bytes=2500)).reserve(None, 3000)
+    first.release()
+
+
+def test_reservation_grows_under_the_same_budgets_and_frees_when_dropped(memory_factory):
+    store = SessionStore(SessionLimits(memory_budget_bytes=1000, server_memory_bytes=10_000))
+    session = store.create("m", memory_factory(), {})
+    reservation = store.reserve(session, 100)
+    reservation.grow_to(50)  # never shrinks below what was promised
+    reservation.grow_to(900)
+    assert store.reserved_bytes == 900
+    with pytest.raises(BudgetExceededError):
+        reservation.grow_to(1001)
+    assert store.reserved_bytes == 900
+    del reservation
+    gc.collect()
+    assert store.reserved_bytes == 0 and session.reserved == 0
+
+
+def test_deleted_and_evicted_sessions_are_marked(memory_factory):
+    clock = FakeClock()
+    store = SessionStore(SessionLimits(idle_ttl_seconds=60), clock=clock)
+    deleted, idle = store.create("m", memory_factory(), {}), store.create("m", memory_factory(), {})
+    store.delete(deleted.id)
+    clock.now += 61
+    store.evict_idle()
+    assert deleted.deleted and idle.deleted

@@ -14,13 +14,17 @@ from engine.memories.truncate import TruncateMemory
 MEMORIES: dict[str, type[Memory]] = {cls.kind: cls for cls in (TruncateMemory, TextMemory, NeurocacheMemory, StreamMemory)}
 
 
-def build_memory(kind: str, context: MemoryContext, options: dict[str, Any]) -> Memory:
+def memory_type(kind: str) -> type[Memory]:
     if kind not in MEMORIES:
         raise InvalidRequestError(f"unknown memory {kind!r}; choose one of {sorted(MEMORIES)}")
+    return MEMORIES[kind]
+
+
+def build_memory(kind: str, context: MemoryContext, options: dict[str, Any]) -> Memory:
     try:
-        return MEMORIES[kind](context, options)  # type: ignore[call-arg]
+        return memory_type(kind)(context, options)  # type: ignore[call-arg]
     except ValueError as exc:  # e.g. a model without a Neurocache adapter
         raise InvalidRequestError(str(exc)) from exc
 
 
-__all__ = ["MEMORIES", "ContextPiece", "Memory", "MemoryContext", "Segment", "StreamMemory", "build_memory"]
+__all__ = ["MEMORIES", "ContextPiece", "Memory", "MemoryContext", "Segment", "StreamMemory", "build_memory", "memory_type"]

@@ -7,10 +7,12 @@ A document reaches a memory as a sequence of segments between `begin_document` a
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
+from pydantic import TypeAdapter, ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from engine.embedder import Embedder
@@ -55,15 +57,26 @@ class ContextPiece:
 
 
 def parse_options(options_type: type, options: dict[str, Any]) -> Any:
-    """Build a memory's options dataclass from a user's dict; unknown or bad values are user errors."""
+    """Build a memory's options dataclass from a user's dict, strictly typed as JSON (no 1.5 for an
+    int, no true for a number, no "3" for 3); unknown or bad values are user errors."""
     known = {f.name for f in fields(options_type)}
     unknown = sorted(set(options) - known)
     if unknown:
         raise InvalidRequestError(f"unknown memory options {unknown}; known: {sorted(known)}")
     try:
-        return options_type(**options)
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequestError(f"bad memory options: {exc}") from exc
+        # JSON mode: strict there still takes an object for a dataclass (Python mode wants an instance)
+        return TypeAdapter(options_type).validate_json(json.dumps(options), strict=True)
+    except ValidationError as exc:
+        raise InvalidRequestError(f"bad memory options: {validation_message(exc)}") from None
+
+
+def validation_message(exc: ValidationError) -> str:
+    """'capacity: Input should be a valid integer; ...' without pydantic's URLs and input echoes."""
+    parts = []
+    for error in exc.errors(include_url=False, include_input=False):
+        where = ".".join(str(part) for part in error["loc"])
+        parts.append(f"{where}: {error['msg']}" if where else error["msg"])
+    return "; ".join(parts)
 
 
 class Memory(ABC):
@@ -89,6 +102,11 @@ class Memory(ABC):
     @abstractmethod
     def abort_document(self) -> None:
         """Drop the staged document; the memory is as it was before `begin_document`."""
+
+    @classmethod
+    def initial_bytes(cls, context: MemoryContext, options: dict[str, Any]) -> int:
+        """Bytes the memory allocates when made with these options (before any document)."""
+        return 0
 
     @abstractmethod
     def estimate_bytes(self, chars: int, tokens: int) -> int:

@@ -48,6 +48,12 @@ class NeurocacheMemory(Memory):
         self._blocks = 0  # documents and turns begun: each block's states carry its own number
         self.epoch = 0  # bumped when the cache is emptied or replaced
 
+    @classmethod
+    def initial_bytes(cls, context: MemoryContext, options: dict[str, Any]) -> int:
+        if context.neurocache is None:
+            return 0  # refused when made
+        return context.neurocache.cache_bytes(parse_options(NeurocacheOptions, options).capacity)
+
     def begin_document(self, document_id: str, text: str) -> None:
         self.cache.begin()
         self._staged = (document_id, 0)
@@ -62,7 +68,7 @@ class NeurocacheMemory(Memory):
         self._staged = (self._staged[0], self._staged[1] + len(segment.token_ids))
 
     def staged_bytes(self) -> int:
-        return 0  # the cache is allocated whole when the session is made
+        return 0  # the cache is allocated whole when the session is made (initial_bytes)
 
     def commit_document(self) -> None:
         assert self._staged is not None, "begin_document first"

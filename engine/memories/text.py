@@ -69,8 +69,7 @@ class TextMemory(Memory):
             raise ValueError("text memory needs an embedder")
         self._embedder: Embedder = context.embedder
         self._index = faiss.IndexFlatIP(self._embedder.dim)
-        self._chunks = _Chunks.empty()
-        self._vectors = np.zeros((0, self._embedder.dim), np.float32)
+        self._chunks = _Chunks.empty()  # row i of the index is chunk i; vectors live in the index only
         self._doc_ids: list[str] = []
         self._staged: tuple[str, str, _Chunks, list[np.ndarray]] | None = None
 
@@ -101,9 +100,7 @@ class TextMemory(Memory):
         assert self._staged is not None, "begin_document first"
         document_id, _, chunks, vectors = self._staged
         if vectors:
-            block = np.concatenate(vectors)
-            self._index.add(block)
-            self._vectors = np.concatenate([self._vectors, block])
+            self._index.add(np.concatenate(vectors))
             self._chunks.extend(chunks)
         self._doc_ids.append(document_id)
         self._staged = None
@@ -148,13 +145,12 @@ class TextMemory(Memory):
     def reset(self) -> None:
         self._index.reset()
         self._chunks = _Chunks.empty()
-        self._vectors = np.zeros((0, self._embedder.dim), np.float32)
         self._doc_ids, self._staged = [], None
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "documents": list(self._doc_ids),
-            "vectors": self._vectors.copy(),
+            "vectors": self._index.reconstruct_n(0, self._index.ntotal),
             "chunk_documents": list(self._chunks.document_ids),
             "chunk_spans": np.asarray(self._chunks.spans, np.int64).reshape(-1, 2),
             "chunk_texts": list(self._chunks.texts),
@@ -164,7 +160,7 @@ class TextMemory(Memory):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.reset()
         self._doc_ids = list(state["documents"])
-        self._vectors = np.asarray(state["vectors"], np.float32).reshape(-1, self._embedder.dim)
+        vectors = np.ascontiguousarray(state["vectors"], np.float32).reshape(-1, self._embedder.dim)
         self._chunks = _Chunks(
             document_ids=list(state["chunk_documents"]),
             spans=[(int(a), int(b)) for a, b in np.asarray(state["chunk_spans"]).reshape(-1, 2)],
@@ -172,4 +168,4 @@ class TextMemory(Memory):
             tokens=[int(t) for t in state["chunk_tokens"]],
             text_bytes=sum(len(t.encode()) for t in state["chunk_texts"]),
         )
-        self._index.add(self._vectors)
+        self._index.add(vectors)

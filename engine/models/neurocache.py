@@ -538,6 +538,11 @@ class Neurocache(nn.Module):
                 lora.base.weight += lora.delta().to(lora.base.weight.dtype)
                 lora.lora_b.weight.zero_()
 
+    def cache_bytes(self, capacity: int | None = None) -> int:
+        """Bytes `new_cache(capacity=...)` allocates."""
+        weight = next(self.projection.parameters())
+        return StateCache.bytes_for(capacity or self.config.capacity, self.compressed_dim, weight.dtype)
+
     def new_cache(self, *, capacity: int | None = None, device: torch.device | str | None = None) -> StateCache:
         """A serving cache. States are stored in the projection's dtype, the dtype they are
         computed in, so a bfloat16 model's cache holds them losslessly at 2 bytes a number."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import time
 from collections.abc import Callable
@@ -38,11 +39,26 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def decode_text(data: bytes) -> str:
+def charset_of(content_type: str) -> str:
+    """The charset parameter of a Content-Type header; UTF-8 when there is none."""
+    for param in content_type.split(";")[1:]:
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "charset" and value.strip():
+            return value.strip().strip('"')
+    return "utf-8"
+
+
+def decode_text(data: bytes, charset: str = "utf-8") -> str:
     try:
-        return data.decode("utf-8-sig")
+        codec = codecs.lookup(charset).name
+    except LookupError:
+        raise ApiError(415, "unsupported_media_type", f"unknown charset {charset!r}") from None
+    if codec == "utf-8":
+        codec = "utf-8-sig"  # drop a byte-order mark
+    try:
+        return data.decode(codec)
     except UnicodeDecodeError as exc:
-        raise ApiError(415, "unsupported_media_type", f"the document is not valid UTF-8 text ({exc.reason})") from exc
+        raise ApiError(415, "unsupported_media_type", f"the document is not valid {charset} text ({exc.reason})") from exc
 
 
 async def _from_multipart(request: Request, body: bytes) -> tuple[str, str | None, bool]:
@@ -53,7 +69,7 @@ async def _from_multipart(request: Request, body: bytes) -> tuple[str, str | Non
     upload = form.get("file")
     if not isinstance(upload, UploadFile):
         raise InvalidRequestError("multipart uploads need a file field named 'file'")
-    text = decode_text(await upload.read())
+    text = decode_text(await upload.read(), charset_of(upload.content_type or ""))
     name = form.get("name") or upload.filename
     stream = str(form.get("stream", "false")).lower() in ("1", "true", "yes")
     return text, str(name) if name else None, stream
@@ -78,13 +94,35 @@ async def parse_document(request: Request, limit: int) -> tuple[str, str | None,
     elif media == "multipart/form-data":
         text, name, stream = await _from_multipart(request, body)
     else:
-        text, name, stream = decode_text(body), None, False
+        text, name, stream = decode_text(body, charset_of(request.headers.get("content-type", ""))), None, False
     if len(text.encode()) > limit:
         raise TooLargeError(f"the document is over the limit of {limit} bytes")
     return text, name, stream
 
 
-@router.post("/{session_id}/documents", status_code=201, response_model=DocumentPublic)
+DOCUMENT_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": DocumentCreate.model_json_schema()},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "name": {"type": "string"},
+                        "stream": {"type": "boolean"},
+                    },
+                }
+            },
+            "text/plain": {"schema": {"type": "string", "minLength": 1}},
+        },
+    }
+}
+
+
+@router.post("/{session_id}/documents", status_code=201, response_model=DocumentPublic, openapi_extra=DOCUMENT_BODY)
 async def add_document(
     session_id: str,
     request: Request,
