@@ -38,7 +38,14 @@ def serve(ctx: typer.Context) -> None:
     from server.settings import Settings
 
     settings = Settings(_cli_parse_args=ctx.args, _cli_prog_name="longdoc serve")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        limit_concurrency=settings.max_connections,
+        timeout_keep_alive=settings.keep_alive_seconds,
+    )
 
 
 @app.command()

@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.embedder import Embedder
-from engine.errors import InvalidRequestError, NotFoundError, NotReadyError, TooLargeError
+from engine.errors import ConflictError, InvalidRequestError, NotFoundError, NotReadyError, TooLargeError
 from engine.generation import StopTokens, generate_steps
 from engine.ingest import ingest_steps, tokenize_document
 from engine.interface import (
@@ -157,7 +157,9 @@ class Engine:
     def list_models(self) -> list[ModelInfo]:
         return [runtime.info() for runtime in self._models.values()]
 
-    def create_session(self, model: str | None, memory: str | None, options: dict[str, Any]) -> SessionInfo:
+    def create_session(
+        self, model: str | None, memory: str | None, options: dict[str, Any], owner: str | None = None
+    ) -> SessionInfo:
         """A new session; what its memory allocates up front is reserved against the budgets first."""
         runtime = self._runtime(model)
         loaded = runtime.loaded
@@ -171,7 +173,7 @@ class Engine:
         self.sessions.check_room()
         with self.sessions.reserve(None, memory_type(kind).initial_bytes(context, options)):
             memory_obj = build_memory(kind, context, options)
-            return self.sessions.create(runtime.loaded.name, memory_obj, dict(options)).info()
+            return self.sessions.create(runtime.loaded.name, memory_obj, dict(options), owner).info()
 
     def _default_memory(self, runtime: ModelRuntime) -> str:
         if self.config.default_memory != "auto":
@@ -200,7 +202,7 @@ class Engine:
         """Forget every document of the session; runs on the worker that reads the memory."""
         session = self.sessions.get(session_id)
         if session.ingest_lock.locked():
-            raise InvalidRequestError(f"session {session_id} is ingesting a document or answering; clear it afterwards")
+            raise ConflictError(f"session {session_id} is ingesting a document or writing an answer; clear it afterwards")
         await self._memory_worker(session).run(session.memory.reset)
         session.documents.clear()
         return session.memory.stats()

@@ -21,6 +21,12 @@ class NotFoundError(LongdocError):
     kind = "not_found"
 
 
+class ConflictError(LongdocError):
+    """The session is doing something this request cannot run beside (clearing while ingesting)."""
+
+    kind = "conflict"
+
+
 class TooLargeError(LongdocError):
     kind = "too_large"
 

@@ -61,6 +61,7 @@ class SessionInfo:
     last_used_at: float
     documents: tuple[DocumentInfo, ...]
     cache: CacheInfo
+    owner: str | None = None  # the API key's name that made it, when keys are configured
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,9 @@ class EngineClient(Protocol):
 
     def list_models(self) -> list[ModelInfo]: ...
 
-    def create_session(self, model: str | None, memory: str | None, options: dict[str, Any]) -> SessionInfo: ...
+    def create_session(
+        self, model: str | None, memory: str | None, options: dict[str, Any], owner: str | None = None
+    ) -> SessionInfo: ...
 
     def list_sessions(self) -> list[SessionInfo]: ...
 

@@ -27,6 +27,7 @@ class Session:
     busy: int = 0  # requests in flight; a busy session is never evicted
     deleted: bool = False  # set when the store drops it; work in flight stops at its next step
     reserved: int = 0  # bytes reserved for this session's work in flight
+    owner: str | None = None
 
     def info(self) -> SessionInfo:
         return SessionInfo(
@@ -38,6 +39,7 @@ class Session:
             last_used_at=self.last_used_at,
             documents=tuple(self.documents),
             cache=self.memory.stats(),
+            owner=self.owner,
         )
 
 
@@ -94,11 +96,17 @@ class SessionStore:
         if len(self._sessions) >= self.limits.max_sessions:
             raise SessionLimitError(f"the server holds its limit of {self.limits.max_sessions} sessions", 30.0)
 
-    def create(self, model: str, memory: Memory, options: dict[str, Any]) -> Session:
+    def create(self, model: str, memory: Memory, options: dict[str, Any], owner: str | None = None) -> Session:
         self.check_room()
         now = self._clock()
         session = Session(
-            id="s-" + secrets.token_hex(8), model=model, memory=memory, options=options, created_at=now, last_used_at=now
+            id="s-" + secrets.token_hex(8),
+            model=model,
+            memory=memory,
+            options=options,
+            created_at=now,
+            last_used_at=now,
+            owner=owner,
         )
         self._sessions[session.id] = session
         return session

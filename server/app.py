@@ -21,6 +21,18 @@ log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[Settings], EngineClient]
 
+API_DESCRIPTION = """Ask questions about documents far longer than the model's context.
+
+Errors are JSON `{"error": {"type", "message"}}` with a 4xx status (5xx only for faults of the
+server). A streamed response (`"stream": true`, server-sent events) has already sent `200` when an
+error can still happen; such an error arrives as the stream's last event:
+
+    event: error
+    data: {"error": {"type": "memory_budget_exceeded", "message": "..."}}
+
+and the stream ends. The `type` is the one the same error would have had as a status response.
+"""
+
 
 def default_engine(settings: Settings) -> EngineClient:
     from engine.engine import Engine  # the only place the server reaches for the engine's implementation
@@ -53,11 +65,12 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
                 await loading
             await app.state.engine.stop()
 
-    app = FastAPI(title="longdoc", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="longdoc", version="0.1.0", description=API_DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
+    app.state.keys = settings.key_ring()
     app.state.metrics = Metrics(lambda: app.state.engine.stats() if hasattr(app.state, "engine") else None)
     install_error_handlers(app)
-    app.add_middleware(RequestBodyLimit, limit=settings.max_request_bytes)
+    app.add_middleware(RequestBodyLimit, limit=settings.max_request_bytes, read_timeout=settings.body_read_timeout_seconds)
     app.include_router(health.router)
     for router in (sessions.router, documents.router, ask.router, openai.router):
         app.include_router(router, dependencies=[Depends(require_api_key)])

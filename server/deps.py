@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import secrets
 from typing import Annotated
 
 from fastapi import Depends, Request
 
-from engine.interface import EngineClient
+from engine.errors import NotFoundError
+from engine.interface import EngineClient, SessionInfo
+from server.auth import Caller, KeyRing
 from server.errors import ApiError
 from server.metrics import Metrics
 from server.settings import Settings
@@ -25,16 +26,28 @@ def get_metrics(request: Request) -> Metrics:
     return request.app.state.metrics
 
 
-def require_api_key(request: Request) -> None:
-    """When an API key is configured, /v1 needs `Authorization: Bearer <key>`."""
-    key = request.app.state.settings.api_key
-    if key is None:
-        return
+def require_api_key(request: Request) -> Caller | None:
+    """With API keys configured, /v1 needs `Authorization: Bearer <key>`; returns who called
+    (None: no keys configured, everyone sees everything)."""
+    keys: KeyRing = request.app.state.keys
+    if not keys.enabled:
+        return None
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.get_secret_value().encode()):
+    caller = keys.identify(token.strip()) if scheme.lower() == "bearer" else None
+    if caller is None:
         raise ApiError(401, "unauthorized", "missing or wrong API key", {"WWW-Authenticate": "Bearer"})
+    return caller
+
+
+def visible_session(engine: EngineClient, session_id: str, caller: Caller | None) -> SessionInfo:
+    """The session, if this caller may see it; 404 otherwise, as for a session that does not exist."""
+    info = engine.get_session(session_id)
+    if caller is not None and not caller.may_see(info.owner):
+        raise NotFoundError(f"no session {session_id!r}")
+    return info
 
 
 EngineDep = Annotated[EngineClient, Depends(get_engine)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+CallerDep = Annotated[Caller | None, Depends(require_api_key)]

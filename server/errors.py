@@ -13,6 +13,7 @@ from starlette.routing import Match
 from starlette.types import Scope
 
 from engine.errors import (
+    ConflictError,
     InvalidRequestError,
     LongdocError,
     NotFoundError,
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 STATUS_BY_ERROR: dict[type[LongdocError], int] = {
     InvalidRequestError: 400,
     NotFoundError: 404,
+    ConflictError: 409,
     TooLargeError: 413,
     RetryLaterError: 429,
     NotReadyError: 503,
@@ -88,7 +90,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(exc.status_code, "http_error")
+        kind = {404: "not_found", 405: "method_not_allowed", 408: "timeout", 413: "too_large"}.get(exc.status_code, "http_error")
         headers = exc.headers
         if exc.status_code == 405:  # Starlette names only the first matching route's methods
             headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(app, request.scope))}

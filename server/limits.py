@@ -2,11 +2,13 @@
 
 JSON bodies are held to `max_request_bytes`: a declared Content-Length over it is refused at once,
 and a body sent without one is cut off as soon as it passes the limit. Document uploads are left
-to their route, which has a limit of its own (`max_document_bytes`).
+to their route, which has a limit of its own (`max_document_bytes`). Every body, uploads too, must
+keep arriving: a client that sends nothing for `read_timeout` seconds gets 408.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 from fastapi.responses import JSONResponse
@@ -23,27 +25,35 @@ def _too_large(limit: int) -> str:
 
 
 class RequestBodyLimit:
-    def __init__(self, app: ASGIApp, *, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: ASGIApp, *, limit: int, read_timeout: float) -> None:
+        self.app, self.limit, self.read_timeout = app, limit, read_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or DOCUMENT_UPLOAD.match(scope["path"]):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = None if DOCUMENT_UPLOAD.match(scope["path"]) else self.limit
         declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.limit:
-            response = JSONResponse(error_body("too_large", _too_large(self.limit)), status_code=413)
+        if limit is not None and declared.isdigit() and int(declared) > limit:
+            response = JSONResponse(error_body("too_large", _too_large(limit)), status_code=413)
             await response(scope, receive, send)
             return
-        received = 0
+        received, body_done = 0, False
 
-        async def limited() -> Message:
-            nonlocal received
-            message = await receive()
+        async def guarded() -> Message:
+            nonlocal received, body_done
+            if body_done:  # after the body, receive() waits for a disconnect: no timeout there
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout)
+            except TimeoutError:
+                # FastAPI passes HTTPException through body parsing to the error handlers
+                raise HTTPException(408, f"no request body bytes for {self.read_timeout:g} s (LONGDOC_BODY_READ_TIMEOUT_SECONDS)") from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.limit:
-                    raise HTTPException(413, _too_large(self.limit))  # FastAPI passes HTTPException through body parsing
+                body_done = not message.get("more_body", False)
+                if limit is not None and received > limit:
+                    raise HTTPException(413, _too_large(limit))
             return message
 
-        await self.app(scope, limited, send)
+        await self.app(scope, guarded, send)

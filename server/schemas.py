@@ -66,6 +66,7 @@ class SessionPublic(BaseModel):
     last_used_at: float
     documents: list[DocumentPublic]
     cache: CachePublic
+    owner: str | None = Field(None, description="the name of the API key that made it (when keys are configured)")
 
 
 class SessionList(BaseModel):

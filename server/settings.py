@@ -20,6 +20,7 @@ from engine.config import (
     default_server_memory_bytes,
     shipped_checkpoints,
 )
+from server.auth import KeyRing, key_name, read_keys_file
 
 
 class Settings(BaseSettings):
@@ -37,6 +38,10 @@ class Settings(BaseSettings):
     dtype: str = "auto"
     cache_dir: Path = Path("~/.cache/longdoc").expanduser()
     api_key: SecretStr | None = Field(None, description="when set, /v1 requires 'Authorization: Bearer <key>'")
+    api_keys_file: Path | None = Field(
+        None, description="more API keys, one 'name:key' (or a bare key) a line; each key sees only the sessions it made"
+    )
+    admin_key: SecretStr | None = Field(None, description="an API key that sees and may act on every session")
     max_document_bytes: int = Field(32 * 1024**2, gt=0)
     max_document_tokens: int = Field(2_000_000, gt=0)
     max_sessions: int = Field(64, gt=0)
@@ -50,6 +55,9 @@ class Settings(BaseSettings):
     )
     max_prompt_chars: int = Field(262_144, gt=0, description="characters of a question, or of all of a chat's messages")
     max_generation_seconds: float = Field(300.0, gt=0, description="an answer still generating then ends (finish_reason 'length')")
+    body_read_timeout_seconds: float = Field(30.0, gt=0, description="408 when a request body stalls this long")
+    max_connections: int = Field(512, gt=0, description="open connections before uvicorn answers 503")
+    keep_alive_seconds: float = Field(5.0, gt=0, description="idle keep-alive connections are closed after this")
     segment_len: int = Field(1024, ge=16)
     max_queue: int = Field(16, gt=0, description="requests admitted per model worker before 429")
     max_new_tokens: int = Field(1024, gt=0)
@@ -79,6 +87,12 @@ class Settings(BaseSettings):
                     "nor a folder with a config.json"
                 )
         return value
+
+    def key_ring(self) -> KeyRing:
+        keys = read_keys_file(self.api_keys_file.expanduser()) if self.api_keys_file else []
+        if self.api_key is not None:
+            keys.insert(0, (key_name(self.api_key.get_secret_value()), self.api_key.get_secret_value()))
+        return KeyRing(keys, self.admin_key.get_secret_value() if self.admin_key else None)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

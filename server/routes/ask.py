@@ -9,7 +9,7 @@ from dataclasses import asdict
 from fastapi import APIRouter
 
 from engine.interface import GenerationDone, GenerationEvent, GenerationParams, Retrieval, TokenDelta
-from server.deps import EngineDep, MetricsDep, SettingsDep
+from server.deps import CallerDep, EngineDep, MetricsDep, SettingsDep, visible_session
 from server.metrics import GenerationTimer, Metrics
 from server.schemas import AskRequest, AskResponse, RetrievalPublic, Timings, Usage
 from server.streaming import event_stream, sse
@@ -47,7 +47,10 @@ def timings(timer: GenerationTimer, done: GenerationDone, retrieval: Retrieval |
 
 
 @router.post("/{session_id}/ask", response_model=AskResponse)
-async def ask(session_id: str, body: AskRequest, engine: EngineDep, settings: SettingsDep, metrics: MetricsDep):
+async def ask(
+    session_id: str, body: AskRequest, engine: EngineDep, settings: SettingsDep, metrics: MetricsDep, caller: CallerDep
+):
+    visible_session(engine, session_id, caller)
     timer = GenerationTimer(metrics, ENDPOINT)
     params = GenerationParams(
         max_tokens=body.max_tokens or settings.default_max_tokens,

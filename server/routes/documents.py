@@ -15,7 +15,7 @@ from starlette.datastructures import UploadFile
 
 from engine.errors import InvalidRequestError, TooLargeError
 from engine.interface import IngestDone, IngestEvent, IngestProgress
-from server.deps import EngineDep, MetricsDep, SettingsDep
+from server.deps import CallerDep, EngineDep, MetricsDep, SettingsDep, visible_session
 from server.errors import ApiError
 from server.schemas import DocumentCreate, DocumentPublic
 from server.streaming import event_stream, sse
@@ -129,10 +129,11 @@ async def add_document(
     engine: EngineDep,
     settings: SettingsDep,
     metrics: MetricsDep,
+    caller: CallerDep,
     stream: bool = Query(False, description="stream ingestion progress as server-sent events"),
 ):
     text, name, stream_body = await parse_document(request, settings.max_document_bytes)
-    memory = engine.get_session(session_id).memory
+    memory = visible_session(engine, session_id, caller).memory
     events = await engine.ingest(session_id, text, name or "document")
     started = time.perf_counter()
 

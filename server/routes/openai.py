@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from engine.interface import GenerationDone, GenerationEvent, GenerationParams, TokenDelta
-from server.deps import EngineDep, MetricsDep, SettingsDep
+from server.deps import CallerDep, EngineDep, MetricsDep, SettingsDep, visible_session
 from server.metrics import GenerationTimer, Metrics
 from server.routes.ask import observe, stop_tuple, usage_of
 from server.schemas import ChatCompletionRequest, ModelCard, ModelList
@@ -39,7 +39,10 @@ def _chunk(base: dict[str, Any], delta: dict[str, Any], finish_reason: str | Non
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, engine: EngineDep, settings: SettingsDep, metrics: MetricsDep):
+async def chat_completions(
+    body: ChatCompletionRequest, engine: EngineDep, settings: SettingsDep, metrics: MetricsDep, caller: CallerDep
+):
+    session = visible_session(engine, body.session_id, caller) if body.session_id else None
     timer = GenerationTimer(metrics, ENDPOINT)
     params = GenerationParams(
         max_tokens=body.max_completion_tokens or body.max_tokens or settings.default_max_tokens,
@@ -50,7 +53,7 @@ async def chat_completions(body: ChatCompletionRequest, engine: EngineDep, setti
     )
     messages = [m.model_dump() for m in body.messages]
     events = await engine.chat(messages, params, body.model, body.session_id)
-    model = body.model or (engine.get_session(body.session_id).model if body.session_id else engine.list_models()[0].name)
+    model = body.model or (session.model if session else engine.list_models()[0].name)
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -1,0 +1,167 @@
+"""Requests that race on one session, each with a defined result:
+
+- clear during ingestion: 409; the ingestion completes; clearing afterwards works;
+- delete during ingestion: the delete wins; the ingestion stops with 404 and gives its bytes back;
+- delete during an answer: the answer completes from what it had; the session is gone afterwards;
+- two answers at once on one session: both complete, each as it would alone;
+- clear during a remembered answer: the clear wins; the answer's turn is not written.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from tests.test_api_errors import assert_error, new_session
+from tests.test_api_neurocache import adapter_dir  # noqa: F401 - a fixture used below
+
+DOCUMENT = "The lighthouse of Velmora is painted violet. " * 60
+TIMEOUT = 60.0
+
+
+class Hold:
+    """Block the `after`-th call of a function until released, and say when it is reached."""
+
+    def __init__(self, after: int) -> None:
+        self.after, self.calls = after, 0
+        self.reached, self.released = threading.Event(), threading.Event()
+
+    def wrap(self, fn: Callable) -> Callable:
+        def held(*args, **kwargs):
+            self.calls += 1
+            if self.calls == self.after:
+                self.reached.set()
+                assert self.released.wait(TIMEOUT), "never released"
+            return fn(*args, **kwargs)
+
+        return held
+
+    def hook(self, module, args) -> None:  # a forward pre-hook
+        self.wrap(lambda: None)()
+
+
+def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list]:
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(fn()))
+    thread.start()
+    return thread, result
+
+
+def session_of(client, session_id: str):
+    return client.app.state.engine.sessions.get(session_id)
+
+
+def model_of(client):
+    return next(iter(client.app.state.engine._models.values())).loaded.model
+
+
+def test_clear_during_ingestion_is_409_and_the_document_lands(make_client):
+    client = make_client()
+    session_id = new_session(client, memory="text")
+    memory = session_of(client, session_id).memory
+    hold = Hold(after=2)
+    memory.add_segment = hold.wrap(memory.add_segment)
+    thread, result = in_thread(lambda: client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT}))
+    assert hold.reached.wait(TIMEOUT)
+    assert_error(client.delete(f"/v1/sessions/{session_id}/cache"), 409, "conflict")
+    hold.released.set()
+    thread.join(TIMEOUT)
+    assert result[0].status_code == 201
+    assert client.get(f"/v1/sessions/{session_id}/cache").json()["documents"] == 1
+    assert client.delete(f"/v1/sessions/{session_id}/cache").json()["documents"] == 0
+
+
+def test_delete_during_ingestion_stops_it_and_frees_its_bytes(make_client):
+    client = make_client()
+    engine = client.app.state.engine
+    session_id = new_session(client, memory="text")
+    memory = session_of(client, session_id).memory
+    hold = Hold(after=2)
+    memory.add_segment = hold.wrap(memory.add_segment)
+    thread, result = in_thread(lambda: client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT}))
+    assert hold.reached.wait(TIMEOUT)
+    assert engine.sessions.reserved_bytes > 0
+    assert client.delete(f"/v1/sessions/{session_id}").status_code == 204
+    hold.released.set()
+    thread.join(TIMEOUT)
+    assert "deleted during ingestion" in assert_error(result[0], 404, "not_found")["message"]
+    assert engine.sessions.reserved_bytes == 0 and engine.sessions.used_bytes() == 0
+    assert memory.stats().documents == 0  # the staged document was dropped, not committed
+    assert_error(client.get(f"/v1/sessions/{session_id}"), 404)
+
+
+def test_delete_during_an_answer_lets_it_finish(make_client):
+    client = make_client()
+    session_id = new_session(client, memory="text")
+    client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT})
+    body = {"question": "What colour is the lighthouse?", "max_tokens": 8}
+    alone = client.post(f"/v1/sessions/{session_id}/ask", json=body).json()
+    hold = Hold(after=3)
+    handle = model_of(client).register_forward_pre_hook(hold.hook)
+    try:
+        thread, result = in_thread(lambda: client.post(f"/v1/sessions/{session_id}/ask", json=body))
+        assert hold.reached.wait(TIMEOUT)
+        assert client.delete(f"/v1/sessions/{session_id}").status_code == 204
+        hold.released.set()
+        thread.join(TIMEOUT)
+    finally:
+        handle.remove()
+    assert result[0].status_code == 200
+    assert result[0].json()["answer"] == alone["answer"]
+    assert_error(client.post(f"/v1/sessions/{session_id}/ask", json=body), 404)
+
+
+def test_two_answers_at_once_on_one_session(make_client):
+    client = make_client()
+    session_id = new_session(client, memory="text")
+    client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT})
+    body = {"question": "What colour is the lighthouse?", "max_tokens": 12}
+    alone = client.post(f"/v1/sessions/{session_id}/ask", json=body).json()["answer"]
+    threads = [in_thread(lambda: client.post(f"/v1/sessions/{session_id}/ask", json=body)) for _ in range(2)]
+    for thread, _ in threads:
+        thread.join(TIMEOUT)
+    assert [result[0].json()["answer"] for _, result in threads] == [alone, alone]
+
+
+def test_clear_during_a_remembered_answer_drops_the_turn(make_client, adapter_dir):  # noqa: F811
+    client = make_client(adapter_dir=[str(adapter_dir)])
+    session_id = client.post("/v1/sessions", json={"memory": "neurocache", "options": {"remember": True}}).json()["id"]
+    client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT})
+    body = {"question": "What colour is the lighthouse?", "max_tokens": 8}
+    client.post(f"/v1/sessions/{session_id}/ask", json=body)
+    assert client.get(f"/v1/sessions/{session_id}/cache").json()["turns"] == 1  # remembered when nothing races
+    hold = Hold(after=3)
+    handle = model_of(client).register_forward_pre_hook(hold.hook)
+    try:
+        thread, result = in_thread(lambda: client.post(f"/v1/sessions/{session_id}/ask", json=body))
+        assert hold.reached.wait(TIMEOUT)
+        # the clear runs on the model's worker, between two decoding steps of the answer
+        clearing, cleared = in_thread(lambda: client.delete(f"/v1/sessions/{session_id}/cache"))
+        queue = next(iter(client.app.state.engine._models.values())).worker._executor._work_queue
+        deadline = time.monotonic() + TIMEOUT
+        while queue.qsize() == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        hold.released.set()
+        thread.join(TIMEOUT)
+        clearing.join(TIMEOUT)
+    finally:
+        handle.remove()
+    assert cleared[0].status_code == 200 and cleared[0].json()["entries"] == 0
+    assert result[0].status_code == 200
+    cache = client.get(f"/v1/sessions/{session_id}/cache").json()
+    assert cache["entries"] == 0 and cache["turns"] == 0 and cache["documents"] == 0
+
+
+@pytest.mark.parametrize("memory", ["text", "truncate"])
+def test_budget_accounting_returns_to_zero_after_everything(make_client, memory):
+    client = make_client()
+    engine = client.app.state.engine
+    session_id = new_session(client, memory=memory)
+    client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT})
+    held = client.get(f"/v1/sessions/{session_id}/cache").json()["bytes"]
+    assert engine.sessions.used_bytes() == held > 0 and engine.sessions.reserved_bytes == 0
+    client.delete(f"/v1/sessions/{session_id}")
+    assert engine.sessions.used_bytes() == 0

@@ -1,0 +1,71 @@
+"""Slow and oversized clients against a real uvicorn server (tiny model) over a raw socket."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import CACHE_DIR
+from tests.test_e2e import free_port
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    port = free_port()
+    env = {**os.environ, "LONGDOC_CACHE_DIR": str(CACHE_DIR), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "clients.cli", "serve", "--port", str(port), "--log-level", "warning",
+           "--model", str(tiny_dir), "--dtype", "float32", "--body-read-timeout-seconds", "1",
+           "--max-request-bytes", "100000"]
+    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert process.poll() is None, process.stdout.read()
+        try:
+            if httpx.get(f"{url}/readyz").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not become ready"
+        time.sleep(0.25)
+    yield port
+    process.terminate()
+    process.communicate(timeout=30)
+
+
+def exchange(port: int, head: bytes, body_parts: list[bytes], pause: float = 0.0) -> str:
+    """Send a request in parts with a pause before each body part; the response's text."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head)
+        for part in body_parts:
+            time.sleep(pause)
+            try:
+                sock.sendall(part)
+            except OSError:
+                break  # the server answered and closed already
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+def test_a_stalled_body_gets_408(server):
+    head = (b"POST /v1/sessions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 20\r\nconnection: close\r\n\r\n{")
+    started = time.monotonic()
+    response = exchange(server, head, [b'"memory": "text"}'], pause=3.0)
+    assert response.startswith("HTTP/1.1 408") and '"type":"timeout"' in response
+    assert time.monotonic() - started < 3.0 + 5.0
+
+
+def test_a_declared_huge_body_is_refused_unread(server):
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 50000000\r\nconnection: close\r\n\r\n")
+    response = exchange(server, head, [])
+    assert response.startswith("HTTP/1.1 413") and "LONGDOC_MAX_REQUEST_BYTES" in response
