@@ -35,6 +35,7 @@ from engine.memories.neurocache import NeurocacheMemory
 from engine.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.models.neurocache import Neurocache
 from engine.models.neurocache_io import load_adapter
+from engine.os_memory import return_free_memory
 from engine.prompts import Messages, history_tokens, overhead_tokens, render, with_context
 from engine.sessions import Reservation, Session, SessionStore
 from engine.worker import EventStream, SerialWorker
@@ -134,8 +135,11 @@ class Engine:
         period = min(30.0, self.config.sessions.idle_ttl_seconds / 4)
         while True:
             await asyncio.sleep(period)
-            for session_id in self.sessions.evict_idle():
+            evicted = self.sessions.evict_idle()
+            for session_id in evicted:
                 log.info("evicted idle session %s", session_id)
+            if evicted:
+                return_free_memory()
 
     def _require_ready(self) -> None:
         if not self._ready:
@@ -194,6 +198,7 @@ class Engine:
 
     def delete_session(self, session_id: str) -> None:
         self.sessions.delete(session_id)
+        return_free_memory()
 
     def cache_info(self, session_id: str) -> CacheInfo:
         return self.sessions.get(session_id).memory.stats()
@@ -205,6 +210,7 @@ class Engine:
             raise ConflictError(f"session {session_id} is ingesting a document or writing an answer; clear it afterwards")
         await self._memory_worker(session).run(session.memory.reset)
         session.documents.clear()
+        return_free_memory()
         return session.memory.stats()
 
     def stats(self) -> EngineStats:
@@ -261,6 +267,7 @@ class Engine:
                 finally:
                     session.busy -= 1
                     session.last_used_at = time.time()
+                    return_free_memory()
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -303,9 +310,11 @@ class Engine:
             raise InvalidRequestError(f"session {session.id} uses model {session.model!r}, not {model!r}")
         runtime = self._runtime(session.model if session else model)
         tokenizer = runtime.loaded.tokenizer
+        context_tokens = runtime.loaded.context_len  # a session's prompt is filled up to the context
         if session is None:
             prompt_ids = await asyncio.to_thread(render, tokenizer, messages)
             self._check_context(runtime, len(prompt_ids), params)
+            context_tokens = len(prompt_ids) + params.max_tokens
             events = self._generate(runtime, prompt_ids, params)
         elif isinstance(session.memory, StreamMemory):
             events = self._stream_events(runtime, session, session.memory, messages, params)
@@ -314,7 +323,14 @@ class Engine:
             self._check_context(runtime, overhead, params)
             budget = runtime.loaded.context_len - params.max_tokens - overhead
             events = self._chat_events(runtime, session, messages, params, budget)
-        return EventStream(events, [runtime.worker.admit()])
+        # the answer's key/value cache, at its largest, is reserved before it exists
+        reservation = self.sessions.reserve(None, context_tokens * runtime.loaded.kv_bytes_per_token)
+        try:
+            slot = runtime.worker.admit()
+        except BaseException:
+            reservation.release()
+            raise
+        return EventStream(events, [slot, reservation])
 
     def _check_context(self, runtime: ModelRuntime, prompt_tokens: int, params: GenerationParams) -> None:
         context_len = runtime.loaded.context_len

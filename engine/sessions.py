@@ -146,7 +146,8 @@ class SessionStore:
         return self._reserved
 
     def reserve(self, session: Session | None, nbytes: int) -> Reservation:
-        """Promise `nbytes` to work for `session` (None: a session being made).
+        """Promise `nbytes` to work for `session` (None: a session being made, or a generation's
+        key/value cache, which belongs to no session's memory but to the server's).
 
         Raises:
             TooLargeError (413): `nbytes` alone is over the per-session or the server budget, so

@@ -165,3 +165,31 @@ def test_budget_accounting_returns_to_zero_after_everything(make_client, memory)
     assert engine.sessions.used_bytes() == held > 0 and engine.sessions.reserved_bytes == 0
     client.delete(f"/v1/sessions/{session_id}")
     assert engine.sessions.used_bytes() == 0
+
+
+def test_an_answers_key_value_cache_is_reserved_while_it_runs(make_client):
+    client = make_client()
+    engine = client.app.state.engine
+    loaded = next(iter(engine._models.values())).loaded
+    session_id = new_session(client, memory="text")
+    client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT})
+    hold = Hold(after=3)
+    handle = model_of(client).register_forward_pre_hook(hold.hook)
+    try:
+        thread, result = in_thread(lambda: client.post(f"/v1/sessions/{session_id}/ask", json={"question": "q", "max_tokens": 8}))
+        assert hold.reached.wait(TIMEOUT)
+        assert engine.sessions.reserved_bytes == loaded.context_len * loaded.kv_bytes_per_token > 0
+        hold.released.set()
+        thread.join(TIMEOUT)
+    finally:
+        handle.remove()
+    assert result[0].status_code == 200 and engine.sessions.reserved_bytes == 0
+
+
+def test_answers_that_cannot_fit_the_server_budget_are_refused(make_client):
+    client = make_client(max_memory_bytes=500_000)  # under one full-context cache of the tiny model
+    session_id = new_session(client, memory="text")
+    error = assert_error(client.post(f"/v1/sessions/{session_id}/ask", json={"question": "q"}), 413, "too_large")
+    assert "LONGDOC_MAX_MEMORY_BYTES" in error["message"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200  # a short chat's cache fits

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 import faiss
@@ -13,7 +14,7 @@ from engine.errors import BudgetExceededError
 from engine.interface import CacheInfo, RetrievedItem
 from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment, parse_options
 
-_CHUNK_OVERHEAD = 64  # bytes of bookkeeping per chunk beyond its vector and text
+_CHUNK_BYTES = 2 * 8 + 4 + 4  # a chunk's span (two int64), token count and document number (int32)
 
 
 @dataclass(frozen=True)
@@ -33,31 +34,39 @@ class TextOptions:
 
 @dataclass
 class _Chunks:
-    """Chunk metadata in parallel lists; row i matches row i of the vectors."""
+    """Chunks as arrays: chunk i is row i of the index, and its text is characters
+    spans[i] of document documents[i]. Texts are never copied out of their document."""
 
-    document_ids: list[str]
-    spans: list[tuple[int, int]]
-    texts: list[str]
-    tokens: list[int]
-    text_bytes: int = 0  # UTF-8 bytes of `texts`, kept as chunks are added: stats run on every scrape
+    documents: np.ndarray  # int32 [n]: position in TextMemory._documents
+    spans: np.ndarray  # int64 [n, 2]
+    tokens: np.ndarray  # int32 [n]
+
+    @classmethod
+    def of(cls, documents: list[int], spans: list[tuple[int, int]], tokens: list[int]) -> _Chunks:
+        return cls(np.asarray(documents, np.int32), np.asarray(spans, np.int64).reshape(-1, 2), np.asarray(tokens, np.int32))
 
     @classmethod
     def empty(cls) -> _Chunks:
-        return cls([], [], [], [])
+        return cls.of([], [], [])
 
-    def append(self, document_id: str, span: tuple[int, int], text: str, tokens: int) -> None:
-        self.document_ids.append(document_id)
-        self.spans.append(span)
-        self.texts.append(text)
-        self.tokens.append(tokens)
-        self.text_bytes += len(text.encode())
+    def __len__(self) -> int:
+        return len(self.tokens)
 
-    def extend(self, other: _Chunks) -> None:
-        self.document_ids += other.document_ids
-        self.spans += other.spans
-        self.texts += other.texts
-        self.tokens += other.tokens
-        self.text_bytes += other.text_bytes
+    def extend(self, other: _Chunks) -> _Chunks:
+        return _Chunks(
+            np.concatenate([self.documents, other.documents]),
+            np.concatenate([self.spans, other.spans]),
+            np.concatenate([self.tokens, other.tokens]),
+        )
+
+
+@dataclass
+class _Staged:
+    document_id: str
+    text: str
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    vectors: list[np.ndarray] = field(default_factory=list)
 
 
 class TextMemory(Memory):
@@ -68,41 +77,41 @@ class TextMemory(Memory):
         if context.embedder is None:
             raise ValueError("text memory needs an embedder")
         self._embedder: Embedder = context.embedder
-        self._index = faiss.IndexFlatIP(self._embedder.dim)
-        self._chunks = _Chunks.empty()  # row i of the index is chunk i; vectors live in the index only
-        self._doc_ids: list[str] = []
-        self._staged: tuple[str, str, _Chunks, list[np.ndarray]] | None = None
+        self._index = faiss.IndexFlatIP(self._embedder.dim)  # the chunks' vectors live here only
+        self._chunks = _Chunks.empty()
+        self._documents: list[tuple[str, str]] = []  # (id, text) of each committed document
+        self._staged: _Staged | None = None
 
     def begin_document(self, document_id: str, text: str) -> None:
-        self._staged = (document_id, text, _Chunks.empty(), [])
+        self._staged = _Staged(document_id, text)
 
     def add_segment(self, segment: Segment) -> None:
         assert self._staged is not None, "begin_document first"
-        _, text, chunks, vectors = self._staged
-        new = _Chunks.empty()
-        step = self.options.chunk_tokens
-        for start in range(0, len(segment.token_ids), step):
-            spans = segment.token_spans[start : start + step]
-            char_start, char_end = spans[0][0], spans[-1][1]
-            new.append(segment.document_id, (char_start, char_end), text[char_start:char_end], len(spans))
-        if len(self._chunks.texts) + len(chunks.texts) + len(new.texts) > self.options.max_chunks:
+        staged, step = self._staged, self.options.chunk_tokens
+        spans = [
+            (segment.token_spans[start][0], segment.token_spans[min(start + step, len(segment.token_ids)) - 1][1])
+            for start in range(0, len(segment.token_ids), step)
+        ]
+        if len(self._chunks) + len(staged.spans) + len(spans) > self.options.max_chunks:
             raise BudgetExceededError(f"text memory holds at most {self.options.max_chunks} chunks")
-        vectors.append(self._embedder.encode(new.texts))
-        chunks.extend(new)
+        staged.vectors.append(self._embedder.encode([staged.text[a:b] for a, b in spans]))
+        staged.spans += spans
+        staged.tokens += [min(step, len(segment.token_ids) - start) for start in range(0, len(segment.token_ids), step)]
 
-    def _bytes(self, chunks: _Chunks) -> int:
-        return len(chunks.texts) * (4 * self._embedder.dim + _CHUNK_OVERHEAD) + chunks.text_bytes
+    def _bytes(self, chunks: int, texts: list[str]) -> int:
+        return chunks * (4 * self._embedder.dim + _CHUNK_BYTES) + sum(sys.getsizeof(text) for text in texts)
 
     def staged_bytes(self) -> int:
-        return 0 if self._staged is None else self._bytes(self._staged[2])
+        return 0 if self._staged is None else self._bytes(len(self._staged.spans), [self._staged.text])
 
     def commit_document(self) -> None:
         assert self._staged is not None, "begin_document first"
-        document_id, _, chunks, vectors = self._staged
-        if vectors:
-            self._index.add(np.concatenate(vectors))
-            self._chunks.extend(chunks)
-        self._doc_ids.append(document_id)
+        staged = self._staged
+        if staged.vectors:
+            self._index.add(np.concatenate(staged.vectors))
+            number = len(self._documents)
+            self._chunks = self._chunks.extend(_Chunks.of([number] * len(staged.spans), staged.spans, staged.tokens))
+        self._documents.append((staged.document_id, staged.text))
         self._staged = None
 
     def abort_document(self) -> None:
@@ -110,7 +119,7 @@ class TextMemory(Memory):
 
     def estimate_bytes(self, chars: int, tokens: int) -> int:
         n_chunks = -(-tokens // self.options.chunk_tokens) + 1
-        return n_chunks * (4 * self._embedder.dim + _CHUNK_OVERHEAD) + 4 * chars  # 4 bytes/char worst case
+        return n_chunks * (4 * self._embedder.dim + _CHUNK_BYTES) + 4 * chars + 80  # 4 bytes a character at worst
 
     def retrieve(self, query: str, max_tokens: int) -> list[ContextPiece]:
         if self._index.ntotal == 0:
@@ -122,50 +131,42 @@ class TextMemory(Memory):
         for row, score in zip(rows[0].tolist(), scores[0].tolist(), strict=True):
             if row >= 0 and self._chunks.tokens[row] <= budget:
                 chosen.append((row, score))
-                budget -= self._chunks.tokens[row]
+                budget -= int(self._chunks.tokens[row])
         chosen.sort()  # document order reads better than score order
         return [self._piece(row, score) for row, score in chosen]
 
     def _piece(self, row: int, score: float) -> ContextPiece:
-        start, end = self._chunks.spans[row]
-        item = RetrievedItem(
-            chunk_id=row, document_id=self._chunks.document_ids[row], char_start=start, char_end=end, score=score
-        )
-        return ContextPiece(self._chunks.texts[row], item)
+        document_id, text = self._documents[self._chunks.documents[row]]
+        start, end = (int(x) for x in self._chunks.spans[row])
+        item = RetrievedItem(chunk_id=row, document_id=document_id, char_start=start, char_end=end, score=score)
+        return ContextPiece(text[start:end], item)
 
     def stats(self) -> CacheInfo:
         return CacheInfo(
             memory=self.kind,
             entries=int(self._index.ntotal),
-            bytes=self._bytes(self._chunks),
+            bytes=self._bytes(len(self._chunks), [text for _, text in self._documents]),
             capacity=self.options.max_chunks,
-            documents=len(self._doc_ids),
+            documents=len(self._documents),
         )
 
     def reset(self) -> None:
         self._index.reset()
         self._chunks = _Chunks.empty()
-        self._doc_ids, self._staged = [], None
+        self._documents, self._staged = [], None
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "documents": list(self._doc_ids),
+            "documents": [document_id for document_id, _ in self._documents],
+            "document_texts": [text for _, text in self._documents],
             "vectors": self._index.reconstruct_n(0, self._index.ntotal),
-            "chunk_documents": list(self._chunks.document_ids),
-            "chunk_spans": np.asarray(self._chunks.spans, np.int64).reshape(-1, 2),
-            "chunk_texts": list(self._chunks.texts),
-            "chunk_tokens": np.asarray(self._chunks.tokens, np.int64),
+            "chunk_documents": self._chunks.documents.copy(),
+            "chunk_spans": self._chunks.spans.copy(),
+            "chunk_tokens": self._chunks.tokens.copy(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.reset()
-        self._doc_ids = list(state["documents"])
-        vectors = np.ascontiguousarray(state["vectors"], np.float32).reshape(-1, self._embedder.dim)
-        self._chunks = _Chunks(
-            document_ids=list(state["chunk_documents"]),
-            spans=[(int(a), int(b)) for a, b in np.asarray(state["chunk_spans"]).reshape(-1, 2)],
-            texts=list(state["chunk_texts"]),
-            tokens=[int(t) for t in state["chunk_tokens"]],
-            text_bytes=sum(len(t.encode()) for t in state["chunk_texts"]),
-        )
-        self._index.add(vectors)
+        self._documents = list(zip(state["documents"], state["document_texts"], strict=True))
+        self._chunks = _Chunks.of(state["chunk_documents"], state["chunk_spans"], state["chunk_tokens"])
+        self._index.add(np.ascontiguousarray(state["vectors"], np.float32).reshape(-1, self._embedder.dim))

@@ -41,6 +41,19 @@ class LoadedModel:
     context_len: int
     streaming: bool = False  # a from-scratch Long-Short/CacheFormer LM: sessions stream documents through it
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token adds to a generation's key/value cache (0 for the streaming research LMs,
+        whose state is the session's memory and budgeted there)."""
+        if self.streaming:
+            return 0
+        config = self.model.config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * config.num_hidden_layers * kv_heads * head_dim * element
+
 
 def wheel_dir(package: str) -> Path:
     """Folder of an installed package, found without importing it (its __init__ pulls unwanted deps)."""

@@ -1,0 +1,95 @@
+"""`make drills`: reliability drills against a real `longdoc serve` on the default model.
+
+    python -m scripts.drills [--only sweep,load,rss,fuzz] [--sessions 16] [--out results.json]
+
+Prints each drill's figures as JSON and exits non-zero if any drill failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from scripts.drills.fuzz import fuzz_passed, run_fuzz
+from scripts.drills.load import BOOK, load_passed, run_load
+from scripts.drills.rss import rss_passed, run_rss
+from scripts.drills.server import Server
+from scripts.drills.sweep import run_sweep, sweep_passed
+
+DRILLS = ("sweep", "load", "rss", "fuzz")
+LEAK_TOLERANCE = 0.05
+MAX_DOCUMENT_BYTES = 2_000_000
+# Bounded so a drill measures the server's handling, not minutes of decoding on 2 cores.
+SERVER_ARGS = ["--max-new-tokens", "32", "--default-max-tokens", "16", "--max-document-bytes", str(MAX_DOCUMENT_BYTES),
+               "--max-prompt-chars", "100000", "--max-sessions", "256"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=",".join(DRILLS), help="comma-separated: " + ", ".join(DRILLS))
+    parser.add_argument("--sessions", type=int, default=16, help="concurrent sessions in the load drill")
+    parser.add_argument("--rounds", type=int, default=3, help="load rounds on one server (a leak grows every round)")
+    parser.add_argument("--keys", type=int, default=4, help="API keys the load drill's sessions are spread over")
+    parser.add_argument("--fuzz-examples", type=int, default=20)
+    parser.add_argument("--fuzz-seconds", type=int, default=900)
+    parser.add_argument("--out", type=Path, help="also write the results here as JSON")
+    args = parser.parse_args()
+    chosen = [d for d in args.only.split(",") if d]
+    unknown = set(chosen) - set(DRILLS)
+    if unknown:
+        parser.error(f"unknown drills {sorted(unknown)}")
+
+    keys = [f"drill-key-{i}-{'x' * 8}" for i in range(args.keys)]
+    with tempfile.TemporaryDirectory() as folder:
+        keys_file = Path(folder) / "keys"
+        keys_file.write_text("".join(f"user{i}:{key}\n" for i, key in enumerate(keys)))
+        results, passed = {}, {}
+        book = BOOK.read_text(encoding="utf-8")
+        if {"sweep", "rss", "fuzz"} & set(chosen):  # no keys: every route reachable without headers
+            server = Server(SERVER_ARGS).start()
+            try:
+                if "sweep" in chosen:
+                    results["sweep"] = run_sweep(server, MAX_DOCUMENT_BYTES, book[:20_000])
+                    passed["sweep"] = sweep_passed(results["sweep"])
+                    report("sweep", results["sweep"])
+                if "rss" in chosen:
+                    results["rss"] = run_rss(server, book, caches=4, capacity=1_000_000, documents=8)
+                    passed["rss"] = rss_passed(results["rss"])
+                    report("rss", results["rss"])
+                if "fuzz" in chosen:
+                    results["fuzz"] = run_fuzz(server, max_examples=args.fuzz_examples, max_time=args.fuzz_seconds)
+                    passed["fuzz"] = fuzz_passed(results["fuzz"])
+                    report("fuzz", results["fuzz"])
+            finally:
+                log = server.stop()
+        if "load" in chosen:
+            server = Server(SERVER_ARGS + ["--api-keys-file", str(keys_file)]).start()
+            try:
+                rounds = [asyncio.run(run_load(server, keys, args.sessions)) for _ in range(args.rounds)]
+            finally:
+                log = server.stop()
+            results["load"] = {"rounds": rounds, "keys_in_log": any(key in log for key in keys)}
+            # all sessions are deleted after each round: RSS that keeps growing round after round is a leak
+            first, last = rounds[0]["rss_after_mib"], rounds[-1]["rss_after_mib"]
+            results["load"]["rss_growth_after_first_round_mib"] = round(last - first, 1)
+            passed["load"] = (all(load_passed(r) for r in rounds) and not results["load"]["keys_in_log"]
+                              and last <= first * (1 + LEAK_TOLERANCE))
+            report("load", results["load"])
+    for name in chosen:
+        print(f"{name}: {'PASS' if passed[name] else 'FAIL'}")
+    if args.out:
+        args.out.write_text(json.dumps({"results": results, "passed": passed}, indent=2, default=str))
+    return 0 if all(passed.values()) else 1
+
+
+def report(name: str, result: dict) -> None:
+    shown = {k: v for k, v in result.items() if k not in ("rows", "tail")}
+    print(f"== {name}\n{json.dumps(shown, indent=2, default=str)}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
