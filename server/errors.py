@@ -14,6 +14,7 @@ from starlette.types import Scope
 
 from engine.errors import (
     ConflictError,
+    SnapshotUnreadableError,
     InvalidRequestError,
     LongdocError,
     NotFoundError,
@@ -28,6 +29,7 @@ STATUS_BY_ERROR: dict[type[LongdocError], int] = {
     InvalidRequestError: 400,
     NotFoundError: 404,
     ConflictError: 409,
+    SnapshotUnreadableError: 500,
     TooLargeError: 413,
     RetryLaterError: 429,
     NotReadyError: 503,

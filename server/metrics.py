@@ -43,6 +43,10 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             "longdoc_session_memory_reserved_bytes", "bytes promised to work in flight", value=stats.memory_reserved_bytes
         )
+        yield GaugeMetricFamily("longdoc_sessions_on_disk", "sessions saved on disk, not in RAM", value=stats.sessions_on_disk)
+        yield GaugeMetricFamily(
+            "longdoc_session_snapshot_failures", "unreadable session snapshots met since start", value=stats.snapshot_failures
+        )
         queue = GaugeMetricFamily("longdoc_queue_depth", "requests admitted and not finished", labels=["worker"])
         for worker, value in sorted(stats.queue_depth.items()):
             queue.add_metric([worker], value)

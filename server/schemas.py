@@ -67,6 +67,7 @@ class SessionPublic(BaseModel):
     documents: list[DocumentPublic]
     cache: CachePublic
     owner: str | None = Field(None, description="the name of the API key that made it (when keys are configured)")
+    resident: bool = Field(True, description="in RAM; false: saved on disk and loaded back on its next use")
 
 
 class SessionList(BaseModel):

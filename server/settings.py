@@ -37,6 +37,8 @@ class Settings(BaseSettings):
     device: str = "auto"
     dtype: str = "auto"
     cache_dir: Path = Path("~/.cache/longdoc").expanduser()
+    data_dir: Path | None = Field(None, description="where sessions are saved as they change; default <cache_dir>/sessions")
+    persist_sessions: bool = Field(True, description="save sessions to data_dir (false: sessions live in RAM only)")
     api_key: SecretStr | None = Field(None, description="when set, /v1 requires 'Authorization: Bearer <key>'")
     api_keys_file: Path | None = Field(
         None, description="more API keys, one 'name:key' (or a bare key) a line; each key sees only the sessions it made"
@@ -44,7 +46,7 @@ class Settings(BaseSettings):
     admin_key: SecretStr | None = Field(None, description="an API key that sees and may act on every session")
     max_document_bytes: int = Field(32 * 1024**2, gt=0)
     max_document_tokens: int = Field(2_000_000, gt=0)
-    max_sessions: int = Field(64, gt=0)
+    max_sessions: int = Field(1000, gt=0, description="sessions held, in RAM or on disk; more get 429")
     session_ttl_seconds: float = Field(3600.0, gt=0)
     session_memory_bytes: int = Field(512 * 1024**2, gt=0, description="what one session's memory may hold")
     max_memory_bytes: int | None = Field(
@@ -118,4 +120,5 @@ class Settings(BaseSettings):
                 max_generation_seconds=self.max_generation_seconds,
             ),
             default_memory=self.default_memory,
+            data_dir=(self.data_dir or self.cache_dir / "sessions").expanduser() if self.persist_sessions else None,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,7 +84,10 @@ def fail_on_third_segment(memory) -> None:
 
 
 def tiny_settings(tiny_dir: Path, **overrides) -> Settings:
-    values = dict(model=[str(tiny_dir)], cache_dir=CACHE_DIR, dtype="float32", device="cpu", segment_len=64)
+    values = dict(
+        model=[str(tiny_dir)], cache_dir=CACHE_DIR, dtype="float32", device="cpu", segment_len=64,
+        data_dir=Path(tempfile.mkdtemp(prefix="longdoc-sessions-")),  # never the user's saved sessions
+    )
     values.update(overrides)
     return Settings(**values)
 

@@ -80,19 +80,35 @@ def test_wrongly_typed_memory_options_get_a_plain_message(client):
 
 
 def test_neurocache_capacity_is_typed_and_budgeted(make_client, adapter_dir):  # noqa: F811
-    client = make_client(adapter_dir=[str(adapter_dir)], session_memory_bytes=2_000_000, max_memory_bytes=3_000_000)
+    client = make_client(
+        adapter_dir=[str(adapter_dir)], session_memory_bytes=2_000_000, max_memory_bytes=3_000_000, persist_sessions=False
+    )
     error = assert_error(client.post("/v1/sessions", json={"memory": "neurocache", "options": {"capacity": 1.5}}), 400)
     assert "capacity: Input should be a valid integer" in error["message"]
     huge = {"memory": "neurocache", "options": {"capacity": 4_000_000}}
     assert "a session may hold 2000000" in assert_error(client.post("/v1/sessions", json=huge), 413, "too_large")["message"]
-    # 4096 states of the tiny adapter's 8 floats (float32) and two counters: 4096 * 48 bytes each
-    sessions = [client.post("/v1/sessions", json={"memory": "neurocache", "options": {"capacity": 30_000}}) for _ in range(3)]
+    # 30,000 states of the tiny adapter's 8 float32 numbers and two int64 counters: 1.44 MB each
+    body = {"memory": "neurocache", "options": {"capacity": 30_000}}
+    sessions = [client.post("/v1/sessions", json=body) for _ in range(3)]
     assert [r.status_code for r in sessions[:2]] == [201, 201]
     assert_error(sessions[2], 429, "memory_budget_exceeded")
     assert int(sessions[2].headers["Retry-After"]) >= 1
     assert len(client.get("/v1/sessions").json()["data"]) == 2
     client.delete(f"/v1/sessions/{sessions[0].json()['id']}")
-    assert client.post("/v1/sessions", json={"memory": "neurocache", "options": {"capacity": 30_000}}).status_code == 201
+    assert client.post("/v1/sessions", json=body).status_code == 201
+
+
+def test_with_sessions_on_disk_the_budget_evicts_the_least_recently_used(make_client, adapter_dir):  # noqa: F811
+    client = make_client(adapter_dir=[str(adapter_dir)], session_memory_bytes=2_000_000, max_memory_bytes=3_000_000)
+    body = {"memory": "neurocache", "options": {"capacity": 30_000}}
+    first, second, third = (client.post("/v1/sessions", json=body).json()["id"] for _ in range(3))
+    resident = {s["id"]: s["resident"] for s in client.get("/v1/sessions").json()["data"]}
+    assert resident == {first: False, second: True, third: True}
+    text = {"text": "The lighthouse of Velmora is painted violet."}
+    assert client.post(f"/v1/sessions/{first}/documents", json=text).status_code == 201  # loaded back
+    resident = {s["id"]: s["resident"] for s in client.get("/v1/sessions").json()["data"]}
+    assert resident == {first: True, second: False, third: True}
+    assert client.get(f"/v1/sessions/{first}").json()["documents"][0]["chars"] == len(text["text"])
 
 
 def test_a_huge_chat_message_is_refused_before_it_is_read(make_client):

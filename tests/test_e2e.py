@@ -6,6 +6,7 @@ default memory, Neurocache with the shipped adapter."""
 from __future__ import annotations
 
 import os
+import tempfile
 import socket
 import subprocess
 import sys
@@ -35,7 +36,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def server(default_dir):
     port = free_port()
-    env = {**os.environ, "LONGDOC_CACHE_DIR": str(CACHE_DIR), "LONGDOC_API_KEY": "e2e-key", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "LONGDOC_CACHE_DIR": str(CACHE_DIR), "LONGDOC_DATA_DIR": tempfile.mkdtemp(prefix="longdoc-sessions-"), "LONGDOC_API_KEY": "e2e-key", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "clients.cli", "serve", "--port", str(port), "--log-level", "warning",
            "--model", "smollm2-135m-instruct", "--model", "cacheformer-bytes"]
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

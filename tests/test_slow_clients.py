@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import socket
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from tests.test_e2e import free_port
 @pytest.fixture(scope="module")
 def server(tiny_dir):
     port = free_port()
-    env = {**os.environ, "LONGDOC_CACHE_DIR": str(CACHE_DIR), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "LONGDOC_CACHE_DIR": str(CACHE_DIR), "LONGDOC_DATA_DIR": tempfile.mkdtemp(prefix="longdoc-sessions-"), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "clients.cli", "serve", "--port", str(port), "--log-level", "warning",
            "--model", str(tiny_dir), "--dtype", "float32", "--body-read-timeout-seconds", "1",
            "--max-request-bytes", "100000"]

@@ -90,19 +90,20 @@ class NeurocacheMemory(Memory):
         """One answer's view of the cache; it records the answer's states when turns are remembered."""
         return CacheBinding([self.cache], record=[] if self.options.remember else None)
 
-    def remember(self, binding: CacheBinding, epoch: int, skip: int = 0) -> None:
+    def remember(self, binding: CacheBinding, epoch: int, skip: int = 0) -> bool:
         """Write an answered turn's recorded states, less the first `skip` (earlier turns sent
         along with it), as a block of their own: retrieval windows never run into a document or
         another turn. Nothing is written if the cache was emptied or replaced since the answer
-        began (`epoch`)."""
+        began (`epoch`). Returns whether a turn was written."""
         if not binding.record or epoch != self.epoch:
-            return
+            return False
         states = torch.cat([recorded[0] for recorded in binding.record])[skip:]
         if states.shape[0] == 0:
-            return
+            return False
         self._blocks += 1
         self.cache.add(states, document=self._blocks)
         self._turns += 1
+        return True
 
     def stats(self) -> CacheInfo:
         return CacheInfo(
@@ -120,24 +121,31 @@ class NeurocacheMemory(Memory):
         self._turns, self._blocks, self.epoch = 0, 0, self.epoch + 1
 
     def state_dict(self) -> dict[str, Any]:
+        """The rows written so far (slots fill from 0 and are reused only after a wrap, so they
+        are the first `size`), not the whole preallocated cache."""
+        size = self.cache.size
         return {
             "documents": list(self._documents),
-            "states": self.cache.states.clone(),
-            "slot_counter": self.cache.slot_counter.clone(),
-            "slot_document": self.cache.slot_document.clone(),
+            "capacity": self.cache.capacity,
+            "states": self.cache.states[:size].clone(),
+            "slot_counter": self.cache.slot_counter[:size].clone(),
+            "slot_document": self.cache.slot_document[:size].clone(),
             "written": self.cache.written,
             "turns": self._turns,
             "blocks": self._blocks,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["states"].shape != self.cache.states.shape:
-            raise ValueError("saved cache has another capacity or dimension")
+        size = state["states"].shape[0]
+        if state.get("capacity", self.cache.capacity) != self.cache.capacity or size > self.cache.capacity:
+            raise ValueError("saved cache has another capacity")
+        if state["states"].shape[1:] != self.cache.states.shape[1:]:
+            raise ValueError("saved cache has another dimension")
         self.reset()
         self._documents = list(state["documents"])
-        self.cache.states.copy_(state["states"])
-        self.cache.slot_counter.copy_(state["slot_counter"])
-        self.cache.slot_document.copy_(state["slot_document"])
+        self.cache.states[:size] = state["states"]
+        self.cache.slot_counter[:size] = state["slot_counter"]
+        self.cache.slot_document[:size] = state["slot_document"]
         self.cache.written = int(state["written"])
         self._turns = int(state.get("turns", 0))
         self._blocks = int(state.get("blocks", int(self.cache.slot_document.max()) + 1))

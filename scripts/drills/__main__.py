@@ -14,13 +14,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from scripts.drills.crash import crash_passed, run_crash
 from scripts.drills.fuzz import fuzz_passed, run_fuzz
 from scripts.drills.load import BOOK, load_passed, run_load
 from scripts.drills.rss import rss_passed, run_rss
 from scripts.drills.server import Server
 from scripts.drills.sweep import run_sweep, sweep_passed
 
-DRILLS = ("sweep", "load", "rss", "fuzz")
+DRILLS = ("sweep", "load", "rss", "crash", "fuzz")
 LEAK_TOLERANCE = 0.05
 MAX_DOCUMENT_BYTES = 2_000_000
 # Bounded so a drill measures the server's handling, not minutes of decoding on 2 cores.
@@ -79,6 +80,10 @@ def main() -> int:
             passed["load"] = (all(load_passed(r) for r in rounds) and not results["load"]["keys_in_log"]
                               and last <= first * (1 + LEAK_TOLERANCE))
             report("load", results["load"])
+    if "crash" in chosen:  # the default model and its default memory (neurocache)
+        results["crash"] = run_crash(SERVER_ARGS, book, memory=None)
+        passed["crash"] = crash_passed(results["crash"])
+        report("crash", results["crash"])
     for name in chosen:
         print(f"{name}: {'PASS' if passed[name] else 'FAIL'}")
     if args.out:

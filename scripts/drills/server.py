@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ class Server:
     port: int = field(default_factory=free_port)
     log: Path = Path("/tmp/longdoc-drill-server.log")
     process: subprocess.Popen | None = None
+    data_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="longdoc-drill-sessions-")))
 
     @property
     def url(self) -> str:
@@ -37,7 +39,7 @@ class Server:
 
     def start(self, timeout: float = 600.0) -> Server:
         cmd = [sys.executable, "-m", "clients.cli", "serve", "--port", str(self.port), "--log-level", "warning", *self.args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "LONGDOC_DATA_DIR": str(self.data_dir), **self.env}
         self.process = subprocess.Popen(cmd, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while True:
@@ -69,6 +71,12 @@ class Server:
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 total += float(line.rsplit(" ", 1)[1])
         return total
+
+    def kill(self) -> None:
+        """`kill -9`: no shutdown of any kind."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
 
     def stop(self) -> str:
         """Stop the server; its log."""

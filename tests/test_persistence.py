@@ -1,0 +1,110 @@
+"""Sessions saved on disk: snapshots round-trip, survive restarts of the app, are loaded lazily,
+leave RAM when idle, and a bad snapshot is skipped without harm."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from engine.persistence import Snapshot, SnapshotError, SnapshotStore, pack, unpack
+from tests.test_api_errors import new_session
+from tests.test_api_neurocache import adapter_dir  # noqa: F401 - a fixture used below
+
+DOCUMENT = "The lighthouse of Velmora is painted violet. " * 40
+QUESTION = {"question": "What colour is the lighthouse?", "max_tokens": 8}
+
+
+def test_pack_round_trips_nested_states():
+    state = {"ids": [np.arange(3, dtype=np.int32), np.zeros((0, 2), np.int64)], "t": torch.ones(2, 3, dtype=torch.bfloat16),
+             "n": 7, "f": 0.5, "s": ["a", "b"], "none": None, "deep": {"x": {"y": torch.tensor([1])}}}
+    tensors: dict = {}
+    back = unpack(json.loads(json.dumps(pack(state, tensors))), tensors)
+    assert back["n"] == 7 and back["f"] == 0.5 and back["s"] == ["a", "b"] and back["none"] is None
+    np.testing.assert_array_equal(back["ids"][0], state["ids"][0])
+    assert back["ids"][1].shape == (0, 2) and back["t"].dtype == torch.bfloat16 and torch.equal(back["deep"]["x"]["y"], torch.tensor([1]))
+
+
+def test_snapshots_replace_each_other_and_bad_ones_are_refused(tmp_path):
+    store = SnapshotStore(tmp_path)
+    for generation in range(3):
+        store.write(Snapshot({"id": "s-1", "n": generation}, {"v": torch.full((4,), float(generation))}))
+    assert store.list() == ["s-1"]
+    snapshot = store.read("s-1")
+    assert snapshot.session["n"] == 2 and torch.equal(snapshot.state["v"], torch.full((4,), 2.0))
+    assert [p.name for p in (tmp_path / "s-1").glob("state-*")] == ["state-3.safetensors"]  # older ones removed
+    (tmp_path / "s-1" / ".state-4.safetensors.tmp").write_bytes(b"half written")  # a crash mid-write
+    assert store.read("s-1").session["n"] == 2
+    tensors = tmp_path / "s-1" / "state-3.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[:-1] + b"\x00")
+    with pytest.raises(SnapshotError, match="checksum"):
+        store.read("s-1")
+    manifest = tmp_path / "s-1" / "session.json"
+    manifest.write_text(manifest.read_text().replace("longdoc-session-v1", "longdoc-session-v0"))
+    with pytest.raises(SnapshotError, match="not a longdoc-session-v1"):
+        store.read_session("s-1")
+    with pytest.raises(ValueError):
+        store.folder("../etc")
+
+
+@pytest.mark.parametrize("memory", ["text", "truncate", "neurocache"])
+def test_sessions_come_back_after_a_restart(make_client, tmp_path, adapter_dir, memory):  # noqa: F811
+    settings = dict(data_dir=tmp_path / "sessions", adapter_dir=[str(adapter_dir)])
+    client = make_client(**settings)
+    session_id = new_session(client, memory=memory)
+    document = client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT}).json()
+    before = client.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).json()
+    cache = client.get(f"/v1/sessions/{session_id}/cache").json()
+    client.__exit__(None, None, None)  # the server stops
+
+    restarted = make_client(**settings)
+    info = restarted.get(f"/v1/sessions/{session_id}").json()
+    assert info["resident"] is False and info["documents"] == [document] and info["cache"] == cache
+    assert restarted.app.state.engine.sessions.used_bytes() == 0  # nothing loaded yet
+    after = restarted.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).json()
+    assert after["answer"] == before["answer"] and after["retrieval"]["items"] == before["retrieval"]["items"]
+    assert restarted.get(f"/v1/sessions/{session_id}").json()["resident"] is True
+    assert restarted.get(f"/v1/sessions/{session_id}/cache").json() == cache
+
+
+def test_a_cleared_cache_and_a_deleted_session_stay_so(make_client, tmp_path):
+    client = make_client(data_dir=tmp_path / "sessions")
+    kept, gone = new_session(client, memory="text"), new_session(client, memory="text")
+    for session_id in (kept, gone):
+        client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT})
+    client.delete(f"/v1/sessions/{kept}/cache")
+    client.delete(f"/v1/sessions/{gone}")
+    assert not (tmp_path / "sessions" / gone).exists()
+    client.__exit__(None, None, None)
+    restarted = make_client(data_dir=tmp_path / "sessions")
+    assert [s["id"] for s in restarted.get("/v1/sessions").json()["data"]] == [kept]
+    assert restarted.get(f"/v1/sessions/{kept}").json()["documents"] == []
+
+
+def test_an_unreadable_snapshot_is_skipped_and_kept(make_client, tmp_path):
+    client = make_client(data_dir=tmp_path / "sessions")
+    good, bad = new_session(client, memory="text"), new_session(client, memory="text")
+    client.__exit__(None, None, None)
+    manifest = tmp_path / "sessions" / bad / "session.json"
+    manifest.write_text("{ not json")
+    restarted = make_client(data_dir=tmp_path / "sessions")
+    assert [s["id"] for s in restarted.get("/v1/sessions").json()["data"]] == [good]
+    assert manifest.read_text() == "{ not json"  # left for an operator
+    assert "longdoc_session_snapshot_failures 1.0" in restarted.get("/metrics").text
+
+
+def test_idle_sessions_leave_ram_for_disk(make_client, tmp_path):
+    client = make_client(data_dir=tmp_path / "sessions", session_ttl_seconds=0.2)
+    session_id = new_session(client, memory="text")
+    client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT})
+    answer = client.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).json()["answer"]
+    engine = client.app.state.engine
+    session = next(s for s in engine.sessions.list() if s.id == session_id)  # list() does not count as use
+    deadline = time.monotonic() + 10
+    while session.resident and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not session.resident and engine.sessions.used_bytes() == 0
+    assert client.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).json()["answer"] == answer
