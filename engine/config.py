@@ -62,12 +62,14 @@ class SessionLimits:
     idle_ttl_seconds: float = 3600.0
     memory_budget_bytes: int = 512 * 1024**2  # per session
     server_memory_bytes: int = field(default_factory=default_server_memory_bytes)  # all sessions together
+    saved_ttl_seconds: float = 30 * 24 * 3600.0  # sessions on disk unused this long are deleted
 
     def __post_init__(self) -> None:
         _require(self.max_sessions > 0, "max_sessions must be positive")
         _require(self.idle_ttl_seconds > 0, "idle_ttl_seconds must be positive")
         _require(self.memory_budget_bytes > 0, "memory_budget_bytes must be positive")
         _require(self.server_memory_bytes > 0, "server_memory_bytes must be positive")
+        _require(self.saved_ttl_seconds > 0, "saved_ttl_seconds must be positive")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from engine.errors import (
     NotFoundError,
     NotReadyError,
     SnapshotUnreadableError,
+    StorageError,
     TooLargeError,
 )
 from engine.generation import StopTokens, generate_steps
@@ -46,8 +47,8 @@ from engine.models.neurocache_io import load_adapter
 from engine.os_memory import return_free_memory
 from engine.persistence import Snapshot, SnapshotError, SnapshotStore
 from engine.prompts import Messages, history_tokens, overhead_tokens, render, with_context
-from engine.sessions import Reservation, Session, SessionStore
-from engine.worker import EventStream, SerialWorker
+from engine.sessions import Pin, Reservation, Session, SessionStore
+from engine.worker import EventStream, Releasable, SerialWorker
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class Engine:
         self.config = config
         self.snapshots = SnapshotStore(config.data_dir) if config.data_dir is not None else None
         self.sessions = SessionStore(config.sessions, keep_on_disk=self.snapshots is not None)
+        self.sessions.on_drop = self._delete_files
         self.snapshot_failures = 0  # snapshots found unreadable (logged, skipped, left on disk)
         self._models: dict[str, ModelRuntime] = {}
         self._embedder_factory = embedder_factory or self._default_embedder
@@ -147,11 +149,8 @@ class Engine:
         period = min(30.0, self.config.sessions.idle_ttl_seconds / 4)
         while True:
             await asyncio.sleep(period)
-            evicted = self.sessions.evict_idle()
-            for session_id in evicted:
-                log.info("evicted idle session %s", session_id)
-            if evicted:
-                return_free_memory()
+            self.sessions.evict_idle()
+            return_free_memory()
 
     def _require_ready(self) -> None:
         if not self._ready:
@@ -184,7 +183,11 @@ class Engine:
         with self.sessions.reserve(None, memory_type(kind).initial_bytes(context, options)):
             memory_obj = build_memory(kind, context, options)
             session = self.sessions.create(runtime.loaded.name, memory_obj, dict(options), owner)
-        self._save(session)
+        try:
+            self._save(session)
+        except StorageError:
+            self.delete_session(session.id)
+            raise
         return session.info()
 
     def _memory_context(self, runtime: ModelRuntime) -> MemoryContext:
@@ -201,9 +204,24 @@ class Engine:
     def _save(self, session: Session) -> None:
         """Write the session's snapshot (after every change, so eviction and crashes lose nothing
         committed). Runs where the memory is used: its worker thread, or the event loop when the
-        session is new."""
-        if self.snapshots is not None and session.memory is not None and not session.deleted:
-            self.snapshots.write(Snapshot(session.metadata(), session.memory.state_dict()))
+        session is new. A session whose save failed stays in RAM (dirty) until one succeeds."""
+        if self.snapshots is None:
+            return
+        with session.save_lock:  # a delete waits for a save in progress, and no save follows it
+            if session.memory is None or session.deleted:
+                return
+            try:
+                self.snapshots.write(Snapshot(session.metadata(), session.memory.state_dict()))
+            except OSError as exc:
+                session.dirty = True
+                log.error("session %s could not be saved: %s", session.id, exc)
+                raise StorageError(f"session {session.id} could not be saved to disk ({exc.strerror or exc})") from exc
+            session.dirty = False
+
+    def _delete_files(self, session: Session) -> None:
+        if self.snapshots is not None:
+            with session.save_lock:
+                self.snapshots.delete(session.id)
 
     def _restore_sessions(self) -> None:
         """List the sessions saved on disk; each is loaded on its first use."""
@@ -212,6 +230,8 @@ class Engine:
         for session_id in self.snapshots.list():
             try:
                 session = Session.from_metadata(self.snapshots.read_session(session_id))
+                if session.id != session_id:
+                    raise SnapshotError(f"the snapshot in folder {session_id} names session {session.id}")
             except (SnapshotError, KeyError, TypeError, ValueError) as exc:
                 self._snapshot_failed(session_id, exc)
                 continue
@@ -238,7 +258,9 @@ class Engine:
             with self.sessions.reserve(session, need):
                 try:
                     session.memory = await self._memory_worker(session).run(self._load_memory, session, context)
-                except (SnapshotError, ValueError, KeyError) as exc:
+                except Exception as exc:
+                    if session.deleted:
+                        raise NotFoundError(f"no session {session.id!r}") from exc
                     self._snapshot_failed(session.id, exc)
                     raise SnapshotUnreadableError(f"session {session.id} is saved on disk but cannot be read back") from exc
 
@@ -267,9 +289,7 @@ class Engine:
         return self.sessions.get(session_id).info()
 
     def delete_session(self, session_id: str) -> None:
-        self.sessions.delete(session_id)
-        if self.snapshots is not None:
-            self.snapshots.delete(session_id)
+        self._delete_files(self.sessions.delete(session_id))
         return_free_memory()
 
     def cache_info(self, session_id: str) -> CacheInfo:
@@ -280,15 +300,20 @@ class Engine:
         session = self.sessions.get(session_id)
         if session.ingest_lock.locked():
             raise ConflictError(f"session {session_id} is ingesting a document or writing an answer; clear it afterwards")
-        await self._resident(session)
-        session.documents.clear()
-        await self._memory_worker(session).run(self._reset, session)
+        pin = Pin(session)
+        try:
+            async with session.ingest_lock:  # nothing may start writing the memory while it is cleared
+                await self._resident(session)
+                await self._memory_worker(session).run(self._reset, session)
+        finally:
+            pin.release()
         return_free_memory()
         return session.cache()
 
     def _reset(self, session: Session) -> None:
         assert session.memory is not None
         session.memory.reset()
+        session.documents.clear()
         self._save(session)
 
     def stats(self) -> EngineStats:
@@ -316,19 +341,23 @@ class Engine:
         session = self.sessions.get(session_id)
         if not text.strip():
             raise InvalidRequestError("the document is empty")
-        await self._resident(session)
-        assert session.memory is not None
-        tokenizer = self._models[session.model].loaded.tokenizer
-        document_id = "d-" + secrets.token_hex(6)
-        limit = self.config.ingest.max_document_tokens
-        document = await asyncio.to_thread(tokenize_document, tokenizer, document_id, name, text, limit)
-        reservation = self.sessions.reserve(session, session.memory.estimate_bytes(len(text), len(document.token_ids)))
+        held: list[Releasable] = [Pin(session)]  # resident from here until the stream ends
         try:
-            slot = self._memory_worker(session).admit()
+            await self._resident(session)
+            assert session.memory is not None
+            tokenizer = self._models[session.model].loaded.tokenizer
+            document_id = "d-" + secrets.token_hex(6)
+            limit = self.config.ingest.max_document_tokens
+            document = await asyncio.to_thread(tokenize_document, tokenizer, document_id, name, text, limit)
+            estimate = session.memory.estimate_bytes(len(text), len(document.token_ids))
+            reservation = self.sessions.reserve(session, estimate)
+            held.append(reservation)
+            held.append(self._memory_worker(session).admit())
         except BaseException:
-            reservation.release()
+            for item in held:
+                item.release()
             raise
-        return EventStream(self._ingest_events(session, document, reservation), [slot, reservation])
+        return EventStream(self._ingest_events(session, document, reservation), held)
 
     def _committed(self, session: Session, document: DocumentInfo) -> None:
         """A document is in the memory: list it and save the session before `done` is sent."""
@@ -393,6 +422,19 @@ class Engine:
         if not messages or messages[-1].get("role") != "user" or not messages[-1].get("content", "").strip():
             raise InvalidRequestError("the last message must be a non-empty user message")
         session = self.sessions.get(session_id) if session_id else None
+        held: list[Releasable] = [Pin(session)] if session is not None else []
+        try:
+            events = await self._start_chat(messages, params, model, session, held)
+        except BaseException:
+            for item in held:
+                item.release()
+            raise
+        return EventStream(events, held)
+
+    async def _start_chat(
+        self, messages: Messages, params: GenerationParams, model: str | None, session: Session | None, held: list[Releasable]
+    ) -> AsyncIterator[GenerationEvent]:
+        """Check and admit a chat; what it holds (reservation, worker slot) is appended to `held`."""
         if session is not None:
             await self._resident(session)
         if session is not None and model is not None and model != session.model:
@@ -406,20 +448,20 @@ class Engine:
             context_tokens = len(prompt_ids) + params.max_tokens
             events = self._generate(runtime, prompt_ids, params)
         elif isinstance(session.memory, StreamMemory):
-            events = self._stream_events(runtime, session, session.memory, messages, params)
+            prompt_ids = await asyncio.to_thread(render, tokenizer, messages)
+            context_tokens = 0  # the answer grows the session's own state, reserved below
+            stream_growth = (len(prompt_ids) + params.max_tokens + 2) * session.memory.bytes_per_token()
+            held.append(self.sessions.reserve(session, stream_growth))
+            events = self._stream_events(runtime, session, session.memory, prompt_ids, params)
         else:
             overhead = await asyncio.to_thread(overhead_tokens, tokenizer, messages[:-1], messages[-1]["content"])
             self._check_context(runtime, overhead, params)
             budget = runtime.loaded.context_len - params.max_tokens - overhead
             events = self._chat_events(runtime, session, messages, params, budget)
         # the answer's key/value cache, at its largest, is reserved before it exists
-        reservation = self.sessions.reserve(None, context_tokens * runtime.loaded.kv_bytes_per_token)
-        try:
-            slot = runtime.worker.admit()
-        except BaseException:
-            reservation.release()
-            raise
-        return EventStream(events, [slot, reservation])
+        held.append(self.sessions.reserve(None, context_tokens * runtime.loaded.kv_bytes_per_token, transient=True))
+        held.append(runtime.worker.admit())
+        return events
 
     def _check_context(self, runtime: ModelRuntime, prompt_tokens: int, params: GenerationParams) -> None:
         context_len = runtime.loaded.context_len
@@ -464,7 +506,7 @@ class Engine:
             self._save(session)
 
     async def _stream_events(
-        self, runtime: ModelRuntime, session: Session, memory: StreamMemory, messages: Messages, params: GenerationParams
+        self, runtime: ModelRuntime, session: Session, memory: StreamMemory, prompt_ids: list[int], params: GenerationParams
     ) -> AsyncIterator[GenerationEvent]:
         """Generate after the session's documents, in the model's own state. Answering feeds that
         state (and rolls it back), so it waits for ingestion and other answers of the session."""
@@ -472,7 +514,6 @@ class Engine:
         try:
             async with session.ingest_lock:
                 yield Retrieval(memory.kind, (), 0.0)
-                prompt_ids = await asyncio.to_thread(render, runtime.loaded.tokenizer, messages)
                 steps = memory.answer_steps(runtime.loaded.tokenizer, prompt_ids, params, runtime.stop_tokens)
                 async for event in runtime.worker.iterate(steps):
                     yield event

@@ -61,3 +61,9 @@ class SnapshotUnreadableError(LongdocError):
     """A session saved on disk cannot be read back (a fault of the server's storage, not the request)."""
 
     kind = "snapshot_unreadable"
+
+
+class StorageError(LongdocError):
+    """The server could not save a session (its disk is full or failing); the session stays in RAM."""
+
+    kind = "insufficient_storage"

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 FORMAT = "longdoc-session-v1"
 MANIFEST = "session.json"
 SESSION_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-")
+INLINE_TEXT_CHARS = 256  # longer strings (documents) go to the tensors file, not the manifest
 
 
 class SnapshotError(Exception):
@@ -53,6 +54,9 @@ def pack(value: Any, tensors: dict[str, torch.Tensor], path: str = "s") -> Any:
         return {"dict": {str(k): pack(v, tensors, f"{path}.{k}") for k, v in value.items()}}
     if isinstance(value, (list, tuple)):
         return {"list": [pack(v, tensors, f"{path}.{i}") for i, v in enumerate(value)]}
+    if isinstance(value, str) and len(value) > INLINE_TEXT_CHARS:  # a document: bytes, covered by the checksum
+        tensors[path] = torch.frombuffer(bytearray(value.encode("utf-8")), dtype=torch.uint8)
+        return {"text": path}
     if value is None or isinstance(value, (str, int, float, bool)):
         return {"value": value}
     raise TypeError(f"cannot save a {type(value).__name__} at {path}")
@@ -63,6 +67,8 @@ def unpack(packed: Any, tensors: dict[str, torch.Tensor]) -> Any:
         return tensors[packed["tensor"]]
     if "array" in packed:
         return tensors[packed["array"]].numpy()
+    if "text" in packed:
+        return bytes(tensors[packed["text"]].numpy()).decode("utf-8")
     if "dict" in packed:
         return {k: unpack(v, tensors) for k, v in packed["dict"].items()}
     if "list" in packed:
@@ -110,7 +116,9 @@ class SnapshotStore:
     def write(self, snapshot: Snapshot) -> int:
         """Write a snapshot atomically; returns the bytes written."""
         folder = self.folder(snapshot.session["id"])
-        folder.mkdir(parents=True, exist_ok=True)
+        if not folder.is_dir():
+            folder.mkdir(parents=True)
+            _fsync(self.root)  # the new folder's entry is durable too
         tensors: dict[str, torch.Tensor] = {}
         state = pack(snapshot.state, tensors)
         generation = self._generation(folder) + 1

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import threading
 import time
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from engine.config import SessionLimits
@@ -34,6 +36,8 @@ class Session:
     reserved: int = 0  # bytes reserved for this session's work in flight
     owner: str | None = None
     saved_cache: CacheInfo | None = None  # the memory's stats as last saved, shown while on disk
+    dirty: bool = False  # RAM holds changes its snapshot lacks (a save failed): never evicted
+    save_lock: threading.Lock = field(default_factory=threading.Lock)  # one save or delete of its files at a time
 
     @property
     def resident(self) -> bool:
@@ -82,29 +86,44 @@ class Session:
         )
 
 
+class Pin:
+    """Keeps a session resident (never evicted) while a request uses it; released once."""
+
+    def __init__(self, session: Session) -> None:
+        self._session: Session | None = session
+        session.busy += 1
+
+    def release(self) -> None:
+        if self._session is not None:
+            self._session.busy -= 1
+            self._session = None
+
+
 class Reservation:
     """Bytes promised to work in flight (a memory being made, a document being staged) before
     they are allocated. Released when the work ends; what was committed is then counted by the
     memories themselves."""
 
-    def __init__(self, store: SessionStore, session: Session | None, nbytes: int) -> None:
-        self._store, self.session, self.nbytes = store, session, nbytes
+    def __init__(self, store: SessionStore, session: Session | None, nbytes: int, transient: bool = False) -> None:
+        self._store, self.session, self.nbytes, self.transient = store, session, nbytes, transient
 
     def grow_to(self, nbytes: int) -> None:
         """Ask for more, under the same budgets; raises like `SessionStore.reserve`."""
-        if nbytes > self.nbytes:
-            self._store._check(self.session, nbytes - self.nbytes)
-            self._add(nbytes - self.nbytes)
+        with self._store.lock:
+            if nbytes > self.nbytes:
+                self._store._check(self.session, nbytes - self.nbytes, self.transient)
+                self._add(nbytes - self.nbytes)
 
     def release(self) -> None:
         """Give the bytes back; releasing twice is harmless."""
         self._add(-self.nbytes)
 
     def _add(self, nbytes: int) -> None:
-        self.nbytes += nbytes
-        self._store._reserved += nbytes
-        if self.session is not None:
-            self.session.reserved += nbytes
+        with self._store.lock:
+            self.nbytes += nbytes
+            self._store._reserved += nbytes
+            if self.session is not None:
+                self.session.reserved += nbytes
 
     def __del__(self) -> None:  # a request dropped before it ran must not keep its bytes
         self.release()
@@ -130,6 +149,9 @@ class SessionStore:
         self._sessions: dict[str, Session] = {}
         self._reserved = 0  # bytes of every live Reservation
         self.keep_on_disk = keep_on_disk
+        # the event loop and the workers' threads (a growing ingestion) both reach the books
+        self.lock = threading.RLock()
+        self.on_drop: Callable[[Session], None] | None = None  # told of sessions dropped for good (their files)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -155,12 +177,14 @@ class SessionStore:
             last_used_at=now,
             owner=owner,
         )
-        self._sessions[session.id] = session
+        with self.lock:
+            self._sessions[session.id] = session
         return session
 
     def add(self, session: Session) -> None:
         """Hold a session found on disk (not resident)."""
-        self._sessions[session.id] = session
+        with self.lock:
+            self._sessions[session.id] = session
 
     def get(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
@@ -169,38 +193,55 @@ class SessionStore:
         session.last_used_at = self._clock()
         return session
 
-    def delete(self, session_id: str) -> None:
-        session = self._sessions.pop(session_id, None)
+    def delete(self, session_id: str) -> Session:
+        with self.lock:
+            session = self._sessions.pop(session_id, None)
         if session is None:
             raise NotFoundError(f"no session {session_id!r}")
         session.deleted = True
+        return session
 
     def list(self) -> list[Session]:
-        return list(self._sessions.values())
+        with self.lock:
+            return list(self._sessions.values())
 
-    def evict_idle(self) -> list[str]:
-        """Sessions idle longer than the TTL with nothing in flight leave RAM: to disk, or dropped."""
-        deadline = self._clock() - self.limits.idle_ttl_seconds
-        idle = [s for s in self._sessions.values() if s.last_used_at < deadline and s.busy == 0 and s.reserved == 0]
-        if self.keep_on_disk:
-            idle = [s for s in idle if s.resident]
-        for session in idle:
-            self._evict(session)
-        return [s.id for s in idle]
+    def _evictable(self, session: Session) -> bool:
+        return session.resident and session.busy == 0 and session.reserved == 0 and not session.dirty
+
+    def evict_idle(self) -> list[Session]:
+        """Sessions idle longer than the TTL leave RAM: for disk with `keep_on_disk`, else they are
+        dropped; sessions on disk unused for `saved_ttl_seconds` are dropped. Returns the dropped
+        ones (marked deleted; `on_drop` is told, to remove their files)."""
+        now, dropped = self._clock(), []
+        with self.lock:
+            for session in list(self._sessions.values()):
+                if self._evictable(session) and session.last_used_at < now - self.limits.idle_ttl_seconds:
+                    self._evict(session)
+                elif not session.resident and session.busy == 0 and session.last_used_at < now - self.limits.saved_ttl_seconds:
+                    self._drop(session)
+                if session.deleted:
+                    dropped.append(session)
+        if self.on_drop is not None:
+            for session in dropped:
+                self.on_drop(session)
+        return dropped
+
+    def _drop(self, session: Session) -> None:
+        self._sessions.pop(session.id)
+        session.deleted = True
 
     def _evict(self, session: Session) -> None:
         if self.keep_on_disk:
             session.saved_cache, session.memory = session.cache(), None
         else:
-            self._sessions.pop(session.id).deleted = True
+            self._drop(session)
 
     def evict_for(self, nbytes: int, keep: Session | None = None) -> None:
         """Move least recently used idle sessions to disk until `nbytes` more fit the server budget."""
         if not self.keep_on_disk:
             return
         candidates = sorted(
-            (s for s in self._sessions.values() if s.resident and s.busy == 0 and s.reserved == 0 and s is not keep),
-            key=lambda s: s.last_used_at,
+            (s for s in self._sessions.values() if self._evictable(s) and s is not keep), key=lambda s: s.last_used_at
         )
         for session in candidates:
             if self.used_bytes() + nbytes <= self.limits.server_memory_bytes:
@@ -211,15 +252,17 @@ class SessionStore:
 
     def used_bytes(self) -> int:
         """Committed bytes of every session's memory, plus every reservation."""
-        return sum(s.memory_bytes for s in self._sessions.values()) + self._reserved
+        with self.lock:
+            return sum(s.memory_bytes for s in self._sessions.values()) + self._reserved
 
     @property
     def reserved_bytes(self) -> int:
         return self._reserved
 
-    def reserve(self, session: Session | None, nbytes: int) -> Reservation:
-        """Promise `nbytes` to work for `session` (None: a session being made, or a generation's
-        key/value cache, which belongs to no session's memory but to the server's).
+    def reserve(self, session: Session | None, nbytes: int, *, transient: bool = False) -> Reservation:
+        """Promise `nbytes` to work for `session` (None: a session being made). A `transient`
+        reservation (a generation's key/value cache) is the server's, not a session memory's: only
+        the server's budget applies to it.
 
         Raises:
             TooLargeError (413): `nbytes` alone is over the per-session or the server budget, so
@@ -228,21 +271,22 @@ class SessionStore:
                 server's memory holds too much now (clear a cache, delete sessions, or wait for
                 idle ones to expire).
         """
-        self._check(session, nbytes)
-        reservation = Reservation(self, session, 0)
-        reservation._add(nbytes)
+        with self.lock:
+            self._check(session, nbytes, transient)
+            reservation = Reservation(self, session, 0, transient)
+            reservation._add(nbytes)
         return reservation
 
-    def _check(self, session: Session | None, nbytes: int) -> None:
+    def _check(self, session: Session | None, nbytes: int, transient: bool = False) -> None:
         per_session, server = self.limits.memory_budget_bytes, self.limits.server_memory_bytes
-        if nbytes > per_session:
+        if nbytes > per_session and not transient:
             raise TooLargeError(
                 f"this needs {nbytes} bytes of session memory; a session may hold {per_session} "
                 "(LONGDOC_SESSION_MEMORY_BYTES)"
             )
         if nbytes > server:
             raise TooLargeError(f"this needs {nbytes} bytes; all sessions together may hold {server} (LONGDOC_MAX_MEMORY_BYTES)")
-        if session is not None:
+        if session is not None and not transient:
             held = session.memory_bytes + session.reserved
             if held + nbytes > per_session:
                 raise BudgetExceededError(

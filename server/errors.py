@@ -15,6 +15,7 @@ from starlette.types import Scope
 from engine.errors import (
     ConflictError,
     SnapshotUnreadableError,
+    StorageError,
     InvalidRequestError,
     LongdocError,
     NotFoundError,
@@ -30,6 +31,7 @@ STATUS_BY_ERROR: dict[type[LongdocError], int] = {
     NotFoundError: 404,
     ConflictError: 409,
     SnapshotUnreadableError: 500,
+    StorageError: 507,
     TooLargeError: 413,
     RetryLaterError: 429,
     NotReadyError: 503,

@@ -47,7 +47,8 @@ class Settings(BaseSettings):
     max_document_bytes: int = Field(32 * 1024**2, gt=0)
     max_document_tokens: int = Field(2_000_000, gt=0)
     max_sessions: int = Field(1000, gt=0, description="sessions held, in RAM or on disk; more get 429")
-    session_ttl_seconds: float = Field(3600.0, gt=0)
+    session_ttl_seconds: float = Field(3600.0, gt=0, description="idle sessions leave RAM (for disk when saved, else dropped)")
+    saved_session_ttl_seconds: float = Field(30 * 24 * 3600.0, gt=0, description="sessions on disk unused this long are deleted")
     session_memory_bytes: int = Field(512 * 1024**2, gt=0, description="what one session's memory may hold")
     max_memory_bytes: int | None = Field(
         None, gt=0, description="what all sessions' memories may hold together; default half the machine's RAM (or cgroup limit)"
@@ -108,6 +109,7 @@ class Settings(BaseSettings):
             sessions=SessionLimits(
                 max_sessions=self.max_sessions,
                 idle_ttl_seconds=self.session_ttl_seconds,
+                saved_ttl_seconds=self.saved_session_ttl_seconds,
                 memory_budget_bytes=self.session_memory_bytes,
                 server_memory_bytes=self.max_memory_bytes or default_server_memory_bytes(),
             ),

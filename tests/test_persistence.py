@@ -108,3 +108,63 @@ def test_idle_sessions_leave_ram_for_disk(make_client, tmp_path):
         time.sleep(0.05)
     assert not session.resident and engine.sessions.used_bytes() == 0
     assert client.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).json()["answer"] == answer
+
+
+def test_a_session_in_use_is_never_evicted_for_its_own_answer(make_client, tmp_path):
+    kv_bytes = 4096 * 256  # the tiny model's full-context key/value cache
+    client = make_client(data_dir=tmp_path / "a", max_memory_bytes=kv_bytes + 15_000)
+    a, b = new_session(client, memory="text"), new_session(client, memory="text")
+    for session_id in (a, b):
+        client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT})
+    assert client.post(f"/v1/sessions/{a}/ask", json=QUESTION).status_code == 200  # b made room
+    resident = {s["id"]: s["resident"] for s in client.get("/v1/sessions").json()["data"]}
+    assert resident == {a: True, b: False}
+    # alone and still too big with its answer's cache: 429, not a 500 from evicting itself
+    tight = make_client(data_dir=tmp_path / "b", max_memory_bytes=kv_bytes + 5_000)
+    session_id = new_session(tight, memory="text")
+    tight.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT})
+    response = tight.post(f"/v1/sessions/{session_id}/ask", json=QUESTION)
+    assert response.status_code == 429 and response.json()["error"]["type"] == "memory_budget_exceeded"
+    assert tight.get(f"/v1/sessions/{session_id}").json()["resident"] is True
+
+
+def test_a_session_deleted_while_it_is_saved_stays_deleted(make_client, tmp_path):
+    from tests.test_api_races import Hold, in_thread
+
+    client = make_client(data_dir=tmp_path / "sessions")
+    session_id = new_session(client, memory="text")
+    memory = client.app.state.engine.sessions.get(session_id).memory
+    hold = Hold(after=2)
+    memory.add_segment = hold.wrap(memory.add_segment)
+    thread, result = in_thread(lambda: client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT}))
+    assert hold.reached.wait(60)
+    assert client.delete(f"/v1/sessions/{session_id}").status_code == 204
+    hold.released.set()
+    thread.join(60)
+    assert result[0].status_code == 404
+    assert not (tmp_path / "sessions" / session_id).exists()
+    client.__exit__(None, None, None)
+    assert make_client(data_dir=tmp_path / "sessions").get("/v1/sessions").json()["data"] == []
+
+
+def test_a_full_disk_is_507_and_keeps_the_session_in_ram(make_client, tmp_path, monkeypatch):
+    import errno
+
+    client = make_client(data_dir=tmp_path / "sessions", session_ttl_seconds=0.2)
+    session_id = new_session(client, memory="text")
+    store = client.app.state.engine.snapshots
+
+    def full(snapshot):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store, "write", full)
+    error = client.post("/v1/sessions", json={"memory": "text"})
+    assert error.status_code == 507 and error.json()["error"]["type"] == "insufficient_storage"
+    assert [s["id"] for s in client.get("/v1/sessions").json()["data"]] == [session_id]  # the failed one is gone
+    assert client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT}).status_code == 507
+    time.sleep(1.0)  # idle past its TTL: a session with unsaved changes stays in RAM
+    session = next(s for s in client.app.state.engine.sessions.list() if s.id == session_id)
+    assert session.resident and session.dirty
+    monkeypatch.undo()
+    assert client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT}).status_code == 201
+    assert not session.dirty

@@ -97,7 +97,7 @@ def test_idle_sessions_are_evicted_but_busy_ones_stay(memory_factory):
     clock.now += 50
     store.get(fresh.id)
     clock.now += 20
-    assert store.evict_idle() == [idle.id]
+    assert [s.id for s in store.evict_idle()] == [idle.id]
     assert {s.id for s in store.list()} == {busy.id, fresh.id}
     with pytest.raises(NotFoundError):
         store.get(idle.id)

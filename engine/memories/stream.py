@@ -41,6 +41,7 @@ class StreamMemory(Memory):
         self.state = StreamState(self.model)
         self._documents: list[str] = []
         self._staged: tuple[str, Mark, int] | None = None  # (document id, mark, bytes before it)
+        self._committed_bytes = self.state.nbytes  # what stats count: not a staged document, not an answer in flight
 
     def begin_document(self, document_id: str, text: str) -> None:
         self._staged = (document_id, self.state.mark(), self.state.nbytes)
@@ -64,6 +65,7 @@ class StreamMemory(Memory):
         assert self._staged is not None, "begin_document first"
         self._documents.append(self._staged[0])
         self._staged = None
+        self._committed_bytes = self.state.nbytes
 
     def abort_document(self) -> None:
         if self._staged is not None:
@@ -95,7 +97,7 @@ class StreamMemory(Memory):
         return CacheInfo(
             memory=self.kind,
             entries=self.state.length,
-            bytes=self.state.nbytes,
+            bytes=self._committed_bytes,
             capacity=0,  # unbounded: the session's byte budget is the limit
             documents=len(self._documents),
         )
@@ -103,6 +105,7 @@ class StreamMemory(Memory):
     def reset(self) -> None:
         self.state = StreamState(self.model)
         self._documents, self._staged = [], None
+        self._committed_bytes = self.state.nbytes
 
     def state_dict(self) -> dict[str, Any]:
         return {"documents": list(self._documents), "state": self.state.state_dict()}
@@ -111,3 +114,4 @@ class StreamMemory(Memory):
         self.reset()
         self.state.load_state_dict(state["state"])
         self._documents = list(state["documents"])
+        self._committed_bytes = self.state.nbytes
