@@ -54,6 +54,16 @@ def session_of(client, session_id: str):
     return client.app.state.engine.sessions.get(session_id)
 
 
+def ingest_held(client, session_id: str) -> tuple[Hold, threading.Thread, list]:
+    """Start ingesting DOCUMENT in a thread and hold it at its second segment."""
+    memory = session_of(client, session_id).memory
+    hold = Hold(after=2)
+    memory.add_segment = hold.wrap(memory.add_segment)
+    thread, result = in_thread(lambda: client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT}))
+    assert hold.reached.wait(TIMEOUT)
+    return hold, thread, result
+
+
 def model_of(client):
     return next(iter(client.app.state.engine._models.values())).loaded.model
 
@@ -61,11 +71,7 @@ def model_of(client):
 def test_clear_during_ingestion_is_409_and_the_document_lands(make_client):
     client = make_client()
     session_id = new_session(client, memory="text")
-    memory = session_of(client, session_id).memory
-    hold = Hold(after=2)
-    memory.add_segment = hold.wrap(memory.add_segment)
-    thread, result = in_thread(lambda: client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT}))
-    assert hold.reached.wait(TIMEOUT)
+    hold, thread, result = ingest_held(client, session_id)
     assert_error(client.delete(f"/v1/sessions/{session_id}/cache"), 409, "conflict")
     hold.released.set()
     thread.join(TIMEOUT)
@@ -79,10 +85,7 @@ def test_delete_during_ingestion_stops_it_and_frees_its_bytes(make_client):
     engine = client.app.state.engine
     session_id = new_session(client, memory="text")
     memory = session_of(client, session_id).memory
-    hold = Hold(after=2)
-    memory.add_segment = hold.wrap(memory.add_segment)
-    thread, result = in_thread(lambda: client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT}))
-    assert hold.reached.wait(TIMEOUT)
+    hold, thread, result = ingest_held(client, session_id)
     assert engine.sessions.reserved_bytes > 0
     assert client.delete(f"/v1/sessions/{session_id}").status_code == 204
     hold.released.set()

@@ -129,15 +129,11 @@ def test_a_session_in_use_is_never_evicted_for_its_own_answer(make_client, tmp_p
 
 
 def test_a_session_deleted_while_it_is_saved_stays_deleted(make_client, tmp_path):
-    from tests.test_api_races import Hold, in_thread
+    from tests.test_api_races import ingest_held
 
     client = make_client(data_dir=tmp_path / "sessions")
     session_id = new_session(client, memory="text")
-    memory = client.app.state.engine.sessions.get(session_id).memory
-    hold = Hold(after=2)
-    memory.add_segment = hold.wrap(memory.add_segment)
-    thread, result = in_thread(lambda: client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT}))
-    assert hold.reached.wait(60)
+    hold, thread, result = ingest_held(client, session_id)
     assert client.delete(f"/v1/sessions/{session_id}").status_code == 204
     hold.released.set()
     thread.join(60)

@@ -2,42 +2,22 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 import socket
-import subprocess
-import sys
 import time
 
-import httpx
 import pytest
 
+from scripts.drills.server import Server
 from tests.conftest import CACHE_DIR
-from tests.test_e2e import free_port
 
 
 @pytest.fixture(scope="module")
 def server(tiny_dir):
-    port = free_port()
-    env = {**os.environ, "LONGDOC_CACHE_DIR": str(CACHE_DIR), "LONGDOC_DATA_DIR": tempfile.mkdtemp(prefix="longdoc-sessions-"), "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "clients.cli", "serve", "--port", str(port), "--log-level", "warning",
-           "--model", str(tiny_dir), "--dtype", "float32", "--body-read-timeout-seconds", "1",
-           "--max-request-bytes", "100000"]
-    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert process.poll() is None, process.stdout.read()
-        try:
-            if httpx.get(f"{url}/readyz").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "server did not become ready"
-        time.sleep(0.25)
-    yield port
-    process.terminate()
-    process.communicate(timeout=30)
+    args = ["--model", str(tiny_dir), "--dtype", "float32", "--cache-dir", str(CACHE_DIR),
+            "--body-read-timeout-seconds", "1", "--max-request-bytes", "100000"]
+    server = Server(args).start(timeout=120)
+    yield server.port
+    server.stop()
 
 
 def exchange(port: int, head: bytes, body_parts: list[bytes], pause: float = 0.0) -> str:
