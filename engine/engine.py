@@ -34,6 +34,8 @@ from engine.interface import (
     GenerationDone,
     GenerationEvent,
     GenerationParams,
+    MAX_TEMPERATURE,
+    SEED_RANGE,
     IngestEvent,
     ModelInfo,
     Retrieval,
@@ -48,7 +50,7 @@ from engine.os_memory import return_free_memory
 from engine.persistence import Snapshot, SnapshotError, SnapshotStore
 from engine.prompts import Messages, history_tokens, overhead_tokens, render, with_context
 from engine.sessions import Pin, Reservation, Session, SessionStore
-from engine.worker import EventStream, Releasable, SerialWorker
+from engine.worker import EventStream, Releasable, SerialWorker, released_on_error
 
 log = logging.getLogger(__name__)
 
@@ -341,8 +343,8 @@ class Engine:
         session = self.sessions.get(session_id)
         if not text.strip():
             raise InvalidRequestError("the document is empty")
-        held: list[Releasable] = [Pin(session)]  # resident from here until the stream ends
-        try:
+        held: list[Releasable] = [Pin(session)]  # resident and busy until the stream ends
+        with released_on_error(held):
             await self._resident(session)
             assert session.memory is not None
             tokenizer = self._models[session.model].loaded.tokenizer
@@ -353,10 +355,6 @@ class Engine:
             reservation = self.sessions.reserve(session, estimate)
             held.append(reservation)
             held.append(self._memory_worker(session).admit())
-        except BaseException:
-            for item in held:
-                item.release()
-            raise
         return EventStream(self._ingest_events(session, document, reservation), held)
 
     def _committed(self, session: Session, document: DocumentInfo) -> None:
@@ -365,25 +363,23 @@ class Engine:
         self._save(session)
 
     async def _ingest_events(self, session: Session, document: Any, reservation: Reservation) -> AsyncIterator[IngestEvent]:
-        with reservation:
-            async with session.ingest_lock:
-                session.busy += 1
-                try:
-                    steps = ingest_steps(
-                        session.memory,
-                        document,
-                        segment_len=self.config.ingest.segment_len,
-                        reserve=reservation.grow_to,
-                        on_commit=functools.partial(self._committed, session),
-                    )
-                    async for event in self._memory_worker(session).iterate(steps):
-                        if session.deleted:
-                            raise NotFoundError(f"session {session.id} was deleted during ingestion")
-                        yield event
-                finally:
-                    session.busy -= 1
-                    session.last_used_at = time.time()
-                    return_free_memory()
+        """The stream's holder releases the pin and the reservation when it ends."""
+        async with session.ingest_lock:
+            try:
+                steps = ingest_steps(
+                    session.memory,
+                    document,
+                    segment_len=self.config.ingest.segment_len,
+                    reserve=reservation.grow_to,
+                    on_commit=functools.partial(self._committed, session),
+                )
+                async for event in self._memory_worker(session).iterate(steps):
+                    if session.deleted:
+                        raise NotFoundError(f"session {session.id} was deleted during ingestion")
+                    yield event
+            finally:
+                session.last_used_at = time.time()
+                return_free_memory()
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -393,12 +389,12 @@ class Engine:
         limits = self.config.generation
         if not 1 <= params.max_tokens <= limits.max_new_tokens:
             raise InvalidRequestError(f"max_tokens must be between 1 and {limits.max_new_tokens}")
-        if not 0.0 <= params.temperature <= 2.0:  # also false for NaN
-            raise InvalidRequestError("temperature must be between 0 and 2")
+        if not 0.0 <= params.temperature <= MAX_TEMPERATURE:  # also false for NaN
+            raise InvalidRequestError(f"temperature must be between 0 and {MAX_TEMPERATURE:g}")
         if not 0.0 < params.top_p <= 1.0:
             raise InvalidRequestError("top_p must be above 0 and at most 1")
-        if params.seed is not None and not -(2**63) <= params.seed < 2**64:
-            raise InvalidRequestError("seed must be between -2**63 and 2**64 - 1")
+        if params.seed is not None and not SEED_RANGE[0] <= params.seed <= SEED_RANGE[1]:
+            raise InvalidRequestError(f"seed must be between {SEED_RANGE[0]} and {SEED_RANGE[1]}")
         return dataclasses.replace(params, max_seconds=limits.max_generation_seconds)
 
     def _check_prompt_chars(self, messages: Messages) -> None:
@@ -423,12 +419,8 @@ class Engine:
             raise InvalidRequestError("the last message must be a non-empty user message")
         session = self.sessions.get(session_id) if session_id else None
         held: list[Releasable] = [Pin(session)] if session is not None else []
-        try:
+        with released_on_error(held):
             events = await self._start_chat(messages, params, model, session, held)
-        except BaseException:
-            for item in held:
-                item.release()
-            raise
         return EventStream(events, held)
 
     async def _start_chat(
@@ -474,8 +466,8 @@ class Engine:
     async def _chat_events(
         self, runtime: ModelRuntime, session: Session, messages: Messages, params: GenerationParams, budget: int
     ) -> AsyncIterator[GenerationEvent]:
-        """Retrieve up to `budget` tokens of context for the last user turn, then generate."""
-        session.busy += 1
+        """Retrieve up to `budget` tokens of context for the last user turn, then generate (the
+        request's pin keeps the session busy)."""
         try:
             question = messages[-1]["content"]
             started = time.perf_counter()
@@ -497,7 +489,6 @@ class Engine:
                         await self._memory_worker(session).run(self._remember, session, binding, epoch, earlier)
                 yield event
         finally:
-            session.busy -= 1
             session.last_used_at = time.time()
 
     def _remember(self, session: Session, binding: Any, epoch: int, earlier: int) -> None:
@@ -510,7 +501,6 @@ class Engine:
     ) -> AsyncIterator[GenerationEvent]:
         """Generate after the session's documents, in the model's own state. Answering feeds that
         state (and rolls it back), so it waits for ingestion and other answers of the session."""
-        session.busy += 1
         try:
             async with session.ingest_lock:
                 yield Retrieval(memory.kind, (), 0.0)
@@ -518,7 +508,6 @@ class Engine:
                 async for event in runtime.worker.iterate(steps):
                     yield event
         finally:
-            session.busy -= 1
             session.last_used_at = time.time()
 
     async def _generate(

@@ -10,6 +10,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 
+MAX_TEMPERATURE = 2.0
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
 @dataclass(frozen=True)
 class GenerationParams:
     max_tokens: int = 256

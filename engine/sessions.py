@@ -243,9 +243,11 @@ class SessionStore:
         candidates = sorted(
             (s for s in self._sessions.values() if self._evictable(s) and s is not keep), key=lambda s: s.last_used_at
         )
+        used = self.used_bytes()
         for session in candidates:
-            if self.used_bytes() + nbytes <= self.limits.server_memory_bytes:
+            if used + nbytes <= self.limits.server_memory_bytes:
                 return
+            used -= session.memory_bytes
             self._evict(session)
 
     # ---- memory budgets ----------------------------------------------------------------------

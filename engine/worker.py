@@ -8,6 +8,7 @@ interleave step by step and a closed stream stops after the step in flight.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
@@ -75,6 +76,17 @@ class SerialWorker:
 
 class Releasable(Protocol):
     def release(self) -> None: ...
+
+
+@contextlib.contextmanager
+def released_on_error(held: list[Releasable]) -> Iterator[list[Releasable]]:
+    """Release what a request holds (slots, reservations, pins) if it fails before it streams."""
+    try:
+        yield held
+    except BaseException:
+        for item in held:
+            item.release()
+        raise
 
 
 class EventStream:

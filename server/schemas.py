@@ -6,9 +6,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from engine.interface import MAX_TEMPERATURE, SEED_RANGE
+
 MAX_STOP_STRINGS = 8  # OpenAI allows 4; a few more cost nothing
 MAX_STOP_CHARS = 256
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 def _valid_unicode(text: str) -> str:
@@ -24,7 +25,7 @@ def _valid_unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 Flag = Annotated[bool, Field(strict=True)]
 TokenCount = Annotated[int, Field(strict=True, ge=1, le=2**31 - 1)]
-Temperature = Annotated[float, Field(strict=True, ge=0.0, le=2.0, allow_inf_nan=False)]
+Temperature = Annotated[float, Field(strict=True, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)]
 TopP = Annotated[float, Field(strict=True, gt=0.0, le=1.0, allow_inf_nan=False)]
 Seed = Annotated[int, Field(strict=True, ge=SEED_RANGE[0], le=SEED_RANGE[1])]
 StopString = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]

@@ -80,6 +80,7 @@ class TextMemory(Memory):
         self._index = faiss.IndexFlatIP(self._embedder.dim)  # the chunks' vectors live here only
         self._chunks = _Chunks.empty()
         self._documents: list[tuple[str, str]] = []  # (id, text) of each committed document
+        self._text_bytes = 0  # their texts' size in RAM: kept, as stats run on every budget check and scrape
         self._staged: _Staged | None = None
 
     def begin_document(self, document_id: str, text: str) -> None:
@@ -88,21 +89,19 @@ class TextMemory(Memory):
     def add_segment(self, segment: Segment) -> None:
         assert self._staged is not None, "begin_document first"
         staged, step = self._staged, self.options.chunk_tokens
-        spans = [
-            (segment.token_spans[start][0], segment.token_spans[min(start + step, len(segment.token_ids)) - 1][1])
-            for start in range(0, len(segment.token_ids), step)
-        ]
-        if len(self._chunks) + len(staged.spans) + len(spans) > self.options.max_chunks:
+        pieces = [segment.token_spans[start : start + step] for start in range(0, len(segment.token_ids), step)]
+        if len(self._chunks) + len(staged.spans) + len(pieces) > self.options.max_chunks:
             raise BudgetExceededError(f"text memory holds at most {self.options.max_chunks} chunks")
+        spans = [(piece[0][0], piece[-1][1]) for piece in pieces]
         staged.vectors.append(self._embedder.encode([staged.text[a:b] for a, b in spans]))
         staged.spans += spans
-        staged.tokens += [min(step, len(segment.token_ids) - start) for start in range(0, len(segment.token_ids), step)]
+        staged.tokens += [len(piece) for piece in pieces]
 
-    def _bytes(self, chunks: int, texts: list[str]) -> int:
-        return chunks * (4 * self._embedder.dim + _CHUNK_BYTES) + sum(sys.getsizeof(text) for text in texts)
+    def _bytes(self, chunks: int, text_bytes: int) -> int:
+        return chunks * (4 * self._embedder.dim + _CHUNK_BYTES) + text_bytes
 
     def staged_bytes(self) -> int:
-        return 0 if self._staged is None else self._bytes(len(self._staged.spans), [self._staged.text])
+        return 0 if self._staged is None else self._bytes(len(self._staged.spans), sys.getsizeof(self._staged.text))
 
     def commit_document(self) -> None:
         assert self._staged is not None, "begin_document first"
@@ -112,6 +111,7 @@ class TextMemory(Memory):
             number = len(self._documents)
             self._chunks = self._chunks.extend(_Chunks.of([number] * len(staged.spans), staged.spans, staged.tokens))
         self._documents.append((staged.document_id, staged.text))
+        self._text_bytes += sys.getsizeof(staged.text)
         self._staged = None
 
     def abort_document(self) -> None:
@@ -145,7 +145,7 @@ class TextMemory(Memory):
         return CacheInfo(
             memory=self.kind,
             entries=int(self._index.ntotal),
-            bytes=self._bytes(len(self._chunks), [text for _, text in self._documents]),
+            bytes=self._bytes(len(self._chunks), self._text_bytes),
             capacity=self.options.max_chunks,
             documents=len(self._documents),
         )
@@ -153,7 +153,7 @@ class TextMemory(Memory):
     def reset(self) -> None:
         self._index.reset()
         self._chunks = _Chunks.empty()
-        self._documents, self._staged = [], None
+        self._documents, self._staged, self._text_bytes = [], None, 0
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -168,5 +168,6 @@ class TextMemory(Memory):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.reset()
         self._documents = list(zip(state["documents"], state["document_texts"], strict=True))
+        self._text_bytes = sum(sys.getsizeof(text) for _, text in self._documents)
         self._chunks = _Chunks.of(state["chunk_documents"], state["chunk_spans"], state["chunk_tokens"])
         self._index.add(np.ascontiguousarray(state["vectors"], np.float32).reshape(-1, self._embedder.dim))
