@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,8 @@ class Row:
     correct: int
     asked: int
     sdk_correct: int
+    streams: int = 1
+    batched_tps: float = float("nan")  # output tokens/s of all streams together, asked at once
 
 
 def free_port() -> int:
@@ -88,7 +91,7 @@ def timed_ask(client: LongdocClient, session: str, question: str, max_tokens: in
     return first - started, decode, done["usage"]["prompt_tokens"], "".join(text)
 
 
-def bench_memory(base_url: str, memory: str, text: str, repeats: int, max_tokens: int) -> Row:
+def bench_memory(base_url: str, memory: str, text: str, repeats: int, max_tokens: int, streams: int) -> Row:
     client = LongdocClient(base_url)
     session = client.create_session(memory=memory)["id"]
     started = time.perf_counter()
@@ -104,11 +107,22 @@ def bench_memory(base_url: str, memory: str, text: str, repeats: int, max_tokens
         correct += expected.lower() in answer.lower()
         print(f"  [{memory}] {question} -> {answer.strip()!r}", flush=True)
     sdk_correct = openai_answers(base_url, session, max_tokens)
+    batched = concurrent_tps(client, session, streams, max_tokens) if streams > 1 else float("nan")
     client.delete_session(session)
     return Row(
         memory, document["tokens"], ingest_seconds, statistics.median(ttfts), statistics.median(decodes),
-        int(statistics.median(prompts)), correct, repeats, sdk_correct,
+        int(statistics.median(prompts)), correct, repeats, sdk_correct, streams, batched,
     )
+
+
+def concurrent_tps(client: LongdocClient, session: str, streams: int, max_tokens: int) -> float:
+    """`streams` questions asked at once on one session: all output tokens / wall time."""
+    questions = [MIDDLE_QUESTIONS[i % len(MIDDLE_QUESTIONS)][0] for i in range(streams)]
+    started = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        results = list(pool.map(lambda q: client.ask(session, q, max_tokens=max_tokens), questions))
+    wall = time.perf_counter() - started
+    return sum(r["usage"]["completion_tokens"] for r in results) / wall
 
 
 def openai_answers(base_url: str, session: str, max_tokens: int) -> int:
@@ -136,13 +150,16 @@ def table(rows: list[Row]) -> str:
     base = rows[0]
     lines = [
         "| memory | document tokens | ingest tok/s | TTFT median (s) | decode tok/s median | prompt tokens | "
-        "middle-of-book answers correct (REST) | (openai SDK) | TTFT vs truncate | decode vs truncate |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "middle-of-book answers correct (REST) | (openai SDK) | TTFT vs truncate | decode vs truncate | "
+        "output tok/s, streams at once |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        batched = f"{r.batched_tps:.1f} ({r.streams} streams)" if r.streams > 1 else "not measured"
         lines.append(
             f"| {r.memory} | {r.tokens} | {r.tokens / r.ingest_seconds:,.0f} | {r.ttft:.2f} | {r.decode_tps:.1f} | "
-            f"{r.prompt_tokens} | {r.correct}/{r.asked} | {r.sdk_correct}/{len(MIDDLE_QUESTIONS)} | {r.ttft / base.ttft:.2f}x | {r.decode_tps / base.decode_tps:.2f}x |"
+            f"{r.prompt_tokens} | {r.correct}/{r.asked} | {r.sdk_correct}/{len(MIDDLE_QUESTIONS)} | {r.ttft / base.ttft:.2f}x | "
+            f"{r.decode_tps / base.decode_tps:.2f}x | {batched} |"
         )
     return "\n".join(lines)
 
@@ -153,6 +170,7 @@ def main() -> None:
     parser.add_argument("--memories", nargs="+", default=["truncate", "text"])
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--streams", type=int, default=1, help="also ask this many questions at once (1: skip)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     args = parser.parse_args()
     document = args.document or fetch(ROOT / "data" / "corpus") / "plrabn12.txt"
@@ -161,16 +179,16 @@ def main() -> None:
     server = start_server(port)
     try:
         base_url = f"http://127.0.0.1:{port}"
-        rows = [bench_memory(base_url, m, text, args.repeats, args.max_tokens) for m in args.memories]
+        rows = [bench_memory(base_url, m, text, args.repeats, args.max_tokens, args.streams) for m in args.memories]
     finally:
         server.terminate()
         server.wait(30)
     result = table(rows)
     print(result)
     command = "make bench  # .venv/bin/python bench/bench_memories.py " + " ".join(sys.argv[1:])
-    machine = f"{os.cpu_count()} CPU cores, no GPU"
+    machine, where = machine_description()
     section = (
-        "## Memory modes on the default model (SmolLM2-135M-Instruct)\n\n"
+        f"## Memory modes on the default model (SmolLM2-135M-Instruct){where}\n\n"
         f"Document: `{document.name}`. Machine: {machine}. Command:\n\n```\n{command.strip()}\n```\n\n"
         f"{result}\n\nTTFT is measured by the client from sending the question to the first streamed text; "
         "decode tokens/s = (output tokens - 1) / (E2E - TTFT). Medians over warm runs (one warm-up "
@@ -180,6 +198,16 @@ def main() -> None:
     )
     old = args.out.read_text() if args.out.exists() else "# Benchmarks\n"
     args.out.write_text(replace_section(old, section))
+
+
+def machine_description() -> tuple[str, str]:
+    """(the machine in words, a heading suffix: empty on CPU so the CPU section keeps its place)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"{os.cpu_count()} CPU cores, no GPU", ""
+    name = torch.cuda.get_device_name()
+    return f"{name}, torch {torch.__version__}, {os.cpu_count()} CPU cores", f", on GPU ({name})"
 
 
 def replace_section(document: str, section: str) -> str:

@@ -19,6 +19,18 @@ from server.settings import Settings
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CACHE_DIR = Path(os.environ.get("LONGDOC_CACHE_DIR", "~/.cache/longdoc")).expanduser()
+# `LONGDOC_TEST_DEVICE=cuda pytest` runs the suite with CUDA as the default device of every test and
+# of the test servers' engines (scripts/gpu/check.sh); CI leaves it unset, on CPU.
+TEST_DEVICE = os.environ.get("LONGDOC_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _test_device() -> Iterator[None]:
+    if TEST_DEVICE == "cpu":
+        yield
+        return
+    with torch.device(TEST_DEVICE):
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -85,7 +97,7 @@ def fail_on_third_segment(memory) -> None:
 
 def tiny_settings(tiny_dir: Path, **overrides) -> Settings:
     values = dict(
-        model=[str(tiny_dir)], cache_dir=CACHE_DIR, dtype="float32", device="cpu", segment_len=64,
+        model=[str(tiny_dir)], cache_dir=CACHE_DIR, dtype="float32", device=TEST_DEVICE, segment_len=64,
         data_dir=Path(tempfile.mkdtemp(prefix="longdoc-sessions-")),  # never the user's saved sessions
     )
     values.update(overrides)

@@ -33,7 +33,7 @@ def model_for(name: str, seed: int = 0):
 def test_changing_token_t_never_moves_earlier_outputs(name, seed):
     model = model_for(name, seed)
     cfg = model.config
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(seed)
     ids = torch.randint(0, 50, (2, T), generator=generator)
     with torch.no_grad():
         base = model(ids)
@@ -74,7 +74,7 @@ def test_selection_never_picks_a_segment_ending_inside_or_after_the_group():
     from engine.models.segments import select_segments, segment_ends
 
     S, p = 8, 4
-    ends = segment_ends(S, 4, 0, torch.device("cpu"))  # 3, 7, 11, ...
+    ends = segment_ends(S, 4, 0, torch.get_default_device())  # 3, 7, 11, ...
     scores = torch.rand(1, 1, 8, S) + 1.0  # even if later segments score highest
     scores[..., -3:] = 100.0
     for u in (1, 2, 3):
@@ -116,7 +116,7 @@ def test_flex_kernel_equals_plain_tensor_path(name, length):
     """The fused path (blocks merged by log-sum-exp) computes the same softmax; on CPU flex runs
     unfused, so this checks its arithmetic; CUDA compiles the same code into one kernel."""
     model = model_for(name)
-    ids = torch.randint(0, 50, (2, length), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, 50, (2, length), generator=torch.Generator(torch.get_default_device()).manual_seed(5))
     with torch.inference_mode():
         plain = model.use_kernel("math")(ids)
         fused = model.use_kernel("flex")(ids)
@@ -133,7 +133,7 @@ def test_compiled_flex_kernel_equals_plain_tensor_path():
     from engine.models import flex
 
     model = model_for("cf-both-p8")
-    ids = torch.randint(0, 50, (2, 64), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, 50, (2, 64), generator=torch.Generator(torch.get_default_device()).manual_seed(5))
     flex.compile_kernels()
     try:
         with torch.inference_mode():

@@ -17,7 +17,7 @@ def test_greedy_takes_argmax():
 def test_top_p_keeps_only_the_nucleus():
     logits = torch.log(torch.tensor([0.6, 0.3, 0.05, 0.05]))
     params = GenerationParams(temperature=1.0, top_p=0.5)
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(0)
     picks = {sample_next(logits, params, generator) for _ in range(200)}
     assert picks == {0}
     params = GenerationParams(temperature=1.0, top_p=0.85)
@@ -30,7 +30,7 @@ def test_seed_makes_sampling_repeatable():
     params = GenerationParams(temperature=1.0)
 
     def draw(seed: int) -> list[int]:
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator(torch.get_default_device()).manual_seed(seed)
         return [sample_next(logits, params, generator) for _ in range(20)]
 
     assert draw(7) == draw(7)

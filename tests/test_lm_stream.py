@@ -40,7 +40,7 @@ def streamed(model, ids: torch.Tensor, sizes: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("chunking", list(CHUNKINGS))
 def test_streaming_in_chunks_equals_one_pass(name, chunking):
     model = model_for(name)
-    ids = torch.randint(0, 50, (70,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 50, (70,), generator=torch.Generator(torch.get_default_device()).manual_seed(1))
     with torch.no_grad():
         full = model(ids[None])[0]
     torch.testing.assert_close(streamed(model, ids, CHUNKINGS[chunking]), full, rtol=1e-4, atol=1e-4)
@@ -48,7 +48,7 @@ def test_streaming_in_chunks_equals_one_pass(name, chunking):
 
 def test_stream_goes_past_the_training_length():
     model = model_for("cf-both-p8")
-    ids = torch.randint(0, 50, (300,), generator=torch.Generator().manual_seed(2))  # max_seq_len is 128
+    ids = torch.randint(0, 50, (300,), generator=torch.Generator(torch.get_default_device()).manual_seed(2))  # max_seq_len is 128
     with pytest.raises(ValueError, match="at most 128"):
         model(ids[None])
     logits = streamed(model, ids, [100, 100, 100])
@@ -59,7 +59,7 @@ def test_stream_goes_past_the_training_length():
 @pytest.mark.parametrize("name", ["long-short", "cf-both-p8"])
 def test_rollback_forgets_what_was_fed_after_the_mark(name):
     model = model_for(name)
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(3)
     prefix, detour, suffix = (torch.randint(0, 50, (n,), generator=gen) for n in (37, 23, 11))
     state = StreamState(model)
     feed(model, state, prefix)
@@ -81,7 +81,7 @@ def test_a_plain_transformer_is_refused():
 
 def test_saved_state_restores_to_the_same_continuation():
     model = model_for("cf-both-p8")
-    gen = torch.Generator().manual_seed(4)
+    gen = torch.Generator(torch.get_default_device()).manual_seed(4)
     prefix, suffix = torch.randint(0, 50, (45,), generator=gen), torch.randint(0, 50, (9,), generator=gen)
     state = StreamState(model)
     feed(model, state, prefix)

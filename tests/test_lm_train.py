@@ -83,6 +83,6 @@ def test_init_starts_from_a_checkpoint_at_a_longer_length(corpus_dir, tmp_path):
                            init=tmp_path / "a" / "checkpoint", device="cpu")
     model = initial_model(longer)
     assert model.config.max_seq_len == 64 and model.config.cache_top_k == 2  # the checkpoint's settings
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), start.state_dict().values(), strict=True))
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(model.state_dict().values(), start.state_dict().values(), strict=True))
     with pytest.raises(ValueError, match="holds a cacheformer model"):
         initial_model(LMTrainConfig(arch="long-short", init=tmp_path / "a" / "checkpoint"))

@@ -25,7 +25,7 @@ def test_pack_round_trips_nested_states():
     back = unpack(json.loads(json.dumps(pack(state, tensors))), tensors)
     assert back["n"] == 7 and back["f"] == 0.5 and back["s"] == ["a", "b"] and back["none"] is None
     np.testing.assert_array_equal(back["ids"][0], state["ids"][0])
-    assert back["ids"][1].shape == (0, 2) and back["t"].dtype == torch.bfloat16 and torch.equal(back["deep"]["x"]["y"], torch.tensor([1]))
+    assert back["ids"][1].shape == (0, 2) and back["t"].dtype == torch.bfloat16 and back["deep"]["x"]["y"].tolist() == [1]
 
 
 def test_snapshots_replace_each_other_and_bad_ones_are_refused(tmp_path):
@@ -34,7 +34,7 @@ def test_snapshots_replace_each_other_and_bad_ones_are_refused(tmp_path):
         store.write(Snapshot({"id": "s-1", "n": generation}, {"v": torch.full((4,), float(generation))}))
     assert store.list() == ["s-1"]
     snapshot = store.read("s-1")
-    assert snapshot.session["n"] == 2 and torch.equal(snapshot.state["v"], torch.full((4,), 2.0))
+    assert snapshot.session["n"] == 2 and snapshot.state["v"].tolist() == [2.0] * 4
     assert [p.name for p in (tmp_path / "s-1").glob("state-*")] == ["state-3.safetensors"]  # older ones removed
     (tmp_path / "s-1" / ".state-4.safetensors.tmp").write_bytes(b"half written")  # a crash mid-write
     assert store.read("s-1").session["n"] == 2

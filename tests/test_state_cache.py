@@ -27,8 +27,8 @@ def test_retrieval_equals_numpy_brute_force(backend):
     cache.add(states, document=0)
     queries = torch.randn(32, 16)
     got = cache.search(queries, k=8)
-    expected = brute_force(states.numpy(), queries.numpy(), 8)
-    np.testing.assert_allclose(got.states.numpy(), states.numpy()[expected], rtol=0, atol=0)
+    expected = brute_force(states.cpu().numpy(), queries.cpu().numpy(), 8)
+    np.testing.assert_allclose(got.states.cpu().numpy(), states.cpu().numpy()[expected], rtol=0, atol=0)
     assert got.mask.all()
 
 
@@ -52,12 +52,14 @@ def test_bfloat16_cache_search_equals_brute_force_over_its_stored_values(capacit
     stored = cache.states[:100].float()
     queries = torch.randn(n_queries, 16)
     got = cache.search(queries, k=9)
-    expected = brute_force(stored.numpy(), queries.numpy(), 9)
+    expected = brute_force(stored.cpu().numpy(), queries.cpu().numpy(), 9)
     assert got.states.dtype == torch.bfloat16
-    np.testing.assert_array_equal(got.states.float().numpy(), stored.numpy()[expected])
+    np.testing.assert_array_equal(got.states.float().cpu().numpy(), stored.cpu().numpy()[expected])
     distances, _ = cache.nearest(queries, 9)
     reference = ((queries[:, None, :] - stored[None]) ** 2).sum(-1).sort(dim=1).values[:, :9]
-    torch.testing.assert_close(distances, reference, rtol=1e-5, atol=1e-5)
+    # FAISS's AVX-512 scanner (seen on the GPU machine's CPU) returns these distances at about
+    # bfloat16 precision (0.4% off); the neighbours above are exact on every CPU
+    torch.testing.assert_close(distances, reference, rtol=2**-7, atol=1e-3)
     assert cache.nbytes == capacity * 16 * 2 + 2 * capacity * 8
 
 

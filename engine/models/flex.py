@@ -14,6 +14,10 @@ in its softmax; twice the same key is the key once with ln 2 added to its score,
 Flex attention has no backward pass on CPU and runs unfused there unless compiled, so the default
 on CPU is the plain tensor path; `kernel="flex"` forces this one (tests check it equals the plain
 path, and bench/bench_lm_scaling.py times both).
+
+The compiled CUDA kernel needs heads of at least 16 numbers (torch 2.11 refuses 8 when lowering);
+smaller heads are padded with zeros, which changes no score (q·k) and adds only zero columns to
+the output, cut off again.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 KERNELS = ("auto", "math", "flex")
+MIN_HEAD_DIM = 16
 
 _compiled: dict[str, Any] = {}
 
@@ -66,4 +71,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, copies: Mod, scale
         return score + torch.log(copies(b, h, q_idx, kv_idx).clamp_min(1).to(score.dtype))
 
     block_mask = create_block_mask(mask_mod, B, H, L, k.shape[2], device=q.device, _compile=q.is_cuda)
-    return _kernel(q.device)(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
+    head_dim, pad = q.shape[-1], max(0, MIN_HEAD_DIM - q.shape[-1])
+    if pad:
+        q, k, v = (torch.nn.functional.pad(t, (0, pad)) for t in (q, k, v))
+    out = _kernel(q.device)(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
+    return out[..., :head_dim] if pad else out

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# On the GPU machine (device tool), after scripts/gpu/stage.sh's parts are in /tmp/stage:
+#   bash scripts/gpu/check.sh tests   # CUDA-vs-CPU tests, then the whole suite with CUDA as default device
+#   bash scripts/gpu/check.sh bench   # serving speed per memory on a 100K+ token book
+# Logs and the benchmark table go to $OUT (what the device tool brings back).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if [ ! -d /tmp/site ]; then
+  mkdir -p /tmp/payload && cat /tmp/stage/part-* | tar x -C /tmp/payload || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    /tmp/payload/whl/*.whl || exit 1
+fi
+export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 LONGDOC_CACHE_DIR=/tmp/longdoc-cache
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+case "${1:-tests}" in
+  tests)
+    python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_state_cache.py 2>&1 | tee "$OUT/pytest-cuda-vs-cpu.log"
+    LONGDOC_TEST_DEVICE=cuda timeout 420 python3 -m pytest -q -rf -p no:cacheprovider --timeout 240 \
+      --deselect tests/test_cuda.py 2>&1 | tee "$OUT/pytest-cuda-default.log" | tail -60
+    ;;
+  bench)
+    cp docs/benchmarks.md "$OUT/benchmarks.md"
+    python3 bench/bench_memories.py --document /tmp/payload/plrabn12.txt --memories truncate text neurocache \
+      --repeats 4 --streams 8 --out "$OUT/benchmarks.md" 2>&1 | tee "$OUT/bench.log"
+    ;;
+esac
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv

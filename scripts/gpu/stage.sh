@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Stage what the GPU machine lacks (wheels, the model wheels, the held-out book) as parts that fit
+# the device tool's 64 MiB working-tree limit beside the repo: .gpu/p1 ... .gpu/pN.
+#   scripts/gpu/stage.sh   then, per part k, a device run carrying .gpu/pk:
+#     mkdir -p /tmp/stage && cp .gpu/pk/* /tmp/stage/       (the last one adds: && bash scripts/gpu/check.sh)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PART_MIB=${PART_MIB:-44}
+rm -rf .gpu && mkdir -p .gpu/payload/whl
+grep -v '^#' scripts/gpu/wheels.txt | xargs python3 -m pip download -q --no-deps --only-binary=:all: \
+  --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/payload/whl
+.venv/bin/python -c "from engine.training.corpus import fetch; print(fetch())" >/dev/null
+cp data/corpus/plrabn12.txt .gpu/payload/
+tar cf .gpu/payload.tar -C .gpu/payload .
+split -b "${PART_MIB}M" -d -a 2 .gpu/payload.tar .gpu/part-
+rm -rf .gpu/payload .gpu/payload.tar
+k=0
+for part in .gpu/part-*; do k=$((k + 1)); mkdir -p ".gpu/p$k"; mv "$part" ".gpu/p$k/"; done
+echo "staged $k parts:"; du -sh .gpu/p*
