@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clients.client import LongdocClient  # noqa: E402
+from engine.evals.docs import write_section  # noqa: E402
 from engine.training.corpus import fetch  # noqa: E402
 
 # Questions about passages 36-43% of the way into Paradise Lost, with the word a correct answer names.
@@ -196,8 +197,7 @@ def main() -> None:
         "passages 36% and 43% into the book (Raphael sent to warn Adam; the seraph Abdiel); an answer "
         "counts as correct when it names them. The answers are printed while the benchmark runs.\n"
     )
-    old = args.out.read_text() if args.out.exists() else "# Benchmarks\n"
-    args.out.write_text(replace_section(old, section))
+    write_section(args.out, section)
 
 
 def machine_description() -> tuple[str, str]:
@@ -208,18 +208,6 @@ def machine_description() -> tuple[str, str]:
         return f"{os.cpu_count()} CPU cores, no GPU", ""
     name = torch.cuda.get_device_name()
     return f"{name}, torch {torch.__version__}, {os.cpu_count()} CPU cores", f", on GPU ({name})"
-
-
-def replace_section(document: str, section: str) -> str:
-    """`document` with its section of the same `## ` heading replaced by `section` (appended if absent);
-    every other section is kept as it is."""
-    heading = section.split("\n", 1)[0]
-    start = document.find(heading + "\n")
-    if start < 0:
-        return document.rstrip("\n") + "\n\n" + section
-    end = document.find("\n## ", start + len(heading))
-    rest = document[end + 1 :] if end >= 0 else ""
-    return document[:start] + section + ("\n" + rest if rest else "")
 
 
 if __name__ == "__main__":

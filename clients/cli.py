@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shlex
+
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -245,14 +248,43 @@ def eval_passkey(
 def eval_qa(
     model: str = "smollm2-135m-instruct",
     adapter: AdapterOption = None,
-    memory: Annotated[list[str], typer.Option(help="memories to compare")] = ["truncate", "text", "neurocache"],
-    capacity: CapacityOption = None,
+    memory: Annotated[list[str], typer.Option(help='a memory, "oracle" (the gold passage alone), or a memory and its JSON options: \'text {"retrieval": "dense"}\'')] = ["oracle", "text", "truncate"],
+    limit: Annotated[int | None, typer.Option(help="ask only the first N questions of each text")] = None,
+    device: str = "auto",
+    write: Annotated[Path | None, typer.Option(help="also write the table into this Markdown file (docs/benchmarks.md)")] = None,
+) -> None:
+    """The QA benchmark: 110 questions about five held-out texts, per memory, with the oracle row."""
+    from engine.evals.qa import bench, section, table
+
+    runs = [(m.split(" ", 1)[0], json.loads(m.split(" ", 1)[1]) if " " in m else {}) for m in memory]
+    rows = bench(_setup(model, adapter, device), runs, limit=limit)
+    typer.echo(table(rows))
+    for row in rows:
+        typer.echo(f"{row.memory} {row.options or ''} missed: " + "; ".join(row.missed))
+    if write:
+        from engine.evals.docs import write_section
+
+        write_section(write, section(rows, "longdoc eval qa " + shlex.join(sys.argv[3:])))
+
+
+@eval_app.command("needles")
+def eval_needles(
+    model: str = "smollm2-135m-instruct",
+    adapter: AdapterOption = None,
+    memory: Annotated[list[str], typer.Option(help="a memory, or a memory and its JSON options")] = ["text"],
+    length: Annotated[list[int], typer.Option(help="document lengths in tokens")] = [8192, 32768, 131072],
+    seeds: Annotated[int, typer.Option(help="documents per length, each with six needles")] = 3,
     device: str = "auto",
 ) -> None:
-    """Single-fact questions about held-out books, contains-match, memories side by side."""
-    from engine.training.evaluate import markdown, qa
+    """Invented facts of six kinds placed in held-out filler, asked about per memory and length."""
+    from engine.evals.needles import bench
+    from engine.evals.qa import table
 
-    typer.echo(markdown(qa(_setup(model, adapter, device), memories=tuple(memory), capacity=capacity)))
+    runs = [(m.split(" ", 1)[0], json.loads(m.split(" ", 1)[1]) if " " in m else {}) for m in memory]
+    rows = bench(_setup(model, adapter, device), runs, list(length), seeds)
+    typer.echo(table(rows))
+    for row in rows:
+        typer.echo(f"{row.memory} {row.options or ''} missed: " + "; ".join(row.missed))
 
 
 @eval_app.command("lm")

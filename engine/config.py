@@ -107,5 +107,5 @@ class EngineConfig:
     sessions: SessionLimits = field(default_factory=SessionLimits)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     generation: GenerationLimits = field(default_factory=GenerationLimits)
-    default_memory: str = "auto"  # "auto": neurocache where the model has an adapter, else text
+    default_memory: str = "auto"  # "auto": stream for a streaming LM, else the model's manifest (engine/models/manifest.py)
     data_dir: Path | None = None  # sessions are saved here as they change; None: kept in RAM only

@@ -44,6 +44,7 @@ from engine.interface import (
 from engine.memories import MEMORIES, ContextPiece, Memory, MemoryContext, StreamMemory, build_memory, memory_type
 from engine.memories.neurocache import NeurocacheMemory
 from engine.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from engine.models.manifest import FALLBACK_MEMORY, default_memory_of
 from engine.models.neurocache import Neurocache
 from engine.models.neurocache_io import load_adapter
 from engine.os_memory import return_free_memory
@@ -278,7 +279,11 @@ class Engine:
             return self.config.default_memory
         if runtime.loaded.streaming:
             return "stream"
-        return "neurocache" if runtime.neurocache is not None else "text"
+        kind = default_memory_of(runtime.loaded.name, runtime.loaded.source)
+        if kind not in runtime.memories:
+            log.warning("model %s: its manifest's default memory %r is not usable here; using %r", runtime.loaded.name, kind, FALLBACK_MEMORY)
+            return FALLBACK_MEMORY
+        return kind
 
     def _memory_worker(self, session: Session) -> SerialWorker:
         """Memories that run the language model share its worker; the others use the embedder's."""

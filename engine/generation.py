@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -34,6 +35,53 @@ def sample_next(logits: torch.Tensor, params: GenerationParams, generator: torch
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@functools.lru_cache(maxsize=8)
+def word_tokens(tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
+    """bool [vocabulary]: tokens holding a letter. Only these may be banned by the n-gram guard:
+    numbers are spelt a digit a token by many tokenizers (SmolLM2's "1,000,000" is 1 , 0 0 0 , 0 0 0),
+    so banning a repeated digit n-gram would make such numbers impossible to write."""
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else int(tokenizer.vocab_size)
+    if hasattr(tokenizer, "convert_ids_to_tokens"):  # Hugging Face: one call for the whole vocabulary
+        texts = [tokenizer.convert_tokens_to_string([p]) for p in tokenizer.convert_ids_to_tokens(list(range(size)))]
+    else:  # engine/models/byte_tokenizer.py: a byte a token
+        texts = [tokenizer.decode([i]) for i in range(size)]
+    return torch.tensor([any(c.isalpha() for c in text) for text in texts], dtype=torch.bool)
+
+
+class RepetitionGuard:
+    """Keeps an answer from looping: bans the word token that would repeat an n-gram the answer
+    already holds (no_repeat_ngram_size; digits and punctuation are never banned) and divides
+    positive logits of tokens it already holds by the penalty (negative ones multiplied), as
+    Hugging Face does. Only the answer's own tokens count. Each step costs the same however long
+    the answer is."""
+
+    def __init__(self, params: GenerationParams, bannable: torch.Tensor | None = None) -> None:
+        self.n, self.penalty = params.no_repeat_ngram_size, params.repetition_penalty
+        self.bannable = bannable  # bool [vocabulary]; None: every token
+        self.answer: list[int] = []
+        self._next: dict[tuple[int, ...], set[int]] = {}  # (n-1)-token prefix -> tokens that followed it
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.penalty != 1.0 and self.answer:
+            seen = torch.tensor(sorted(set(self.answer)), dtype=torch.long)
+            values = logits[seen]
+            logits[seen] = torch.where(values > 0, values / self.penalty, values * self.penalty)
+        if self.n and len(self.answer) >= self.n - 1:
+            banned = [t for t in self._next.get(tuple(self.answer[len(self.answer) - self.n + 1 :]), ()) if self._may_ban(t)]
+            if banned and len(banned) < logits.numel():
+                logits[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")
+        return logits
+
+    def _may_ban(self, token: int) -> bool:
+        return self.bannable is None or token >= len(self.bannable) or bool(self.bannable[token])
+
+    def add(self, token: int) -> None:
+        self.answer.append(token)
+        if self.n and len(self.answer) >= self.n:
+            gram = self.answer[-self.n :]
+            self._next.setdefault(tuple(gram[:-1]), set()).add(gram[-1])
 
 
 class TextAssembler:
@@ -140,12 +188,14 @@ def decode_steps(
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     assembler = TextAssembler(tokenizer, params.stop)
+    guard = RepetitionGuard(params, word_tokens(tokenizer) if params.no_repeat_ngram_size else None)
     ids = list(prompt_ids)
     ttft = 0.0
     finish_reason = "length"
     produced = 0
     for produced in range(1, params.max_tokens + 1):
-        token = sample_next(forward(ids).float().cpu(), params, generator)
+        token = sample_next(guard.apply(forward(ids).float().cpu()), params, generator)
+        guard.add(token)
         if produced == 1:
             ttft = time.perf_counter() - started
         if token in stop_tokens.ids:

@@ -103,6 +103,7 @@ def ingest_steps(
     started = time.perf_counter()
     total_tokens = len(document.token_ids)
     n_segments = -(-total_tokens // segment_len)
+    dropped_before = memory.dropped_tokens()
     memory.begin_document(document.id, document.text)
     committed = False
     try:
@@ -121,9 +122,22 @@ def ingest_steps(
             tokens=total_tokens,
             segments=n_segments,
             seconds=time.perf_counter() - started,
+            warning=_dropped_warning(memory, memory.dropped_tokens() - dropped_before, total_tokens),
         )
         on_commit(info)
         yield IngestDone(info)
     finally:
         if not committed:
             memory.abort_document()
+
+
+def _dropped_warning(memory: Memory, dropped: int, tokens: int) -> str | None:
+    """What a user must know when the memory could not keep everything it was given."""
+    if dropped <= 0:
+        return None
+    stats = memory.stats()
+    return (
+        f"the {memory.kind} memory holds at most {stats.capacity:,} tokens and this document has {tokens:,}: adding it "
+        f"pushed out {dropped:,} tokens of this session's documents, the oldest first, and answers cannot use them. "
+        "Make the session with a larger capacity, or with memory 'text', which keeps every document whole."
+    )

@@ -12,6 +12,12 @@ from typing import Any, Protocol
 
 MAX_TEMPERATURE = 2.0
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+# The repetition guard's defaults and bounds; it looks at the answer's own tokens only, so copying
+# a phrase from the document or the question is never penalised.
+NO_REPEAT_NGRAM_SIZE = 4  # an answer never says the same 4 tokens twice (0: off)
+MAX_NO_REPEAT_NGRAM_SIZE = 64
+REPETITION_PENALTY = 1.0  # logits of tokens already in the answer divided by this (1: off)
+MAX_REPETITION_PENALTY = 2.0
 
 
 @dataclass(frozen=True)
@@ -22,6 +28,8 @@ class GenerationParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     max_seconds: float | None = None  # wall-clock cap on decoding; the engine sets it from its limits
+    no_repeat_ngram_size: int = NO_REPEAT_NGRAM_SIZE
+    repetition_penalty: float = REPETITION_PENALTY
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class DocumentInfo:
     tokens: int
     segments: int
     seconds: float
+    warning: str | None = None  # set when the memory could not keep all of this document
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,7 @@ class CacheInfo:
     capacity: int
     documents: int
     turns: int = 0  # answered turns written to the memory (neurocache with "remember")
+    dropped_tokens: int = 0  # tokens of its documents the memory took but no longer holds (over capacity)
 
 
 @dataclass(frozen=True)

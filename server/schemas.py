@@ -6,7 +6,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from engine.interface import MAX_TEMPERATURE, SEED_RANGE
+from engine.interface import (
+    MAX_NO_REPEAT_NGRAM_SIZE,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    NO_REPEAT_NGRAM_SIZE,
+    REPETITION_PENALTY,
+    SEED_RANGE,
+)
 
 MAX_STOP_STRINGS = 8  # OpenAI allows 4; a few more cost nothing
 MAX_STOP_CHARS = 256
@@ -28,6 +35,8 @@ TokenCount = Annotated[int, Field(strict=True, ge=1, le=2**31 - 1)]
 Temperature = Annotated[float, Field(strict=True, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)]
 TopP = Annotated[float, Field(strict=True, gt=0.0, le=1.0, allow_inf_nan=False)]
 Seed = Annotated[int, Field(strict=True, ge=SEED_RANGE[0], le=SEED_RANGE[1])]
+NoRepeatNgram = Annotated[int, Field(strict=True, ge=0, le=MAX_NO_REPEAT_NGRAM_SIZE, description="the answer never repeats an n-gram of its own of this many tokens (0: off)")]
+RepetitionPenalty = Annotated[float, Field(strict=True, ge=1.0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False, description="logits of tokens already in the answer divided by this (1: off)")]
 StopString = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 
@@ -47,6 +56,7 @@ class DocumentPublic(BaseModel):
     tokens: int
     segments: int
     seconds: float
+    warning: str | None = Field(None, description="set when the session's memory could not keep all of the document (a window or a full cache)")
 
 
 class CachePublic(BaseModel):
@@ -56,6 +66,7 @@ class CachePublic(BaseModel):
     capacity: int
     documents: int
     turns: int = 0
+    dropped_tokens: int = Field(0, description="tokens of the session's documents the memory no longer holds")
 
 
 class SessionPublic(BaseModel):
@@ -96,6 +107,8 @@ class AskRequest(BaseModel):
     top_p: TopP = 1.0
     seed: Seed | None = None
     stop: Stop | None = None
+    no_repeat_ngram_size: NoRepeatNgram = NO_REPEAT_NGRAM_SIZE
+    repetition_penalty: RepetitionPenalty = REPETITION_PENALTY
     stream: Flag = False
 
 
@@ -156,6 +169,8 @@ class ChatCompletionRequest(BaseModel):
     top_p: TopP = 1.0
     seed: Seed | None = None
     stop: Stop | None = None
+    no_repeat_ngram_size: NoRepeatNgram = Field(NO_REPEAT_NGRAM_SIZE, description="longdoc extension (as in vLLM's extra parameters)")
+    repetition_penalty: RepetitionPenalty = Field(REPETITION_PENALTY, description="longdoc extension (as in vLLM's extra parameters)")
     n: int = Field(1, strict=True, ge=1, le=1, description="only 1 is supported")
     stream: Flag = False
     stream_options: StreamOptions | None = None

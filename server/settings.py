@@ -65,7 +65,7 @@ class Settings(BaseSettings):
     max_queue: int = Field(16, gt=0, description="requests admitted per model worker before 429")
     max_new_tokens: int = Field(1024, gt=0)
     default_max_tokens: int = Field(256, gt=0)
-    default_memory: str = Field("auto", description="'auto' (stream for a CacheFormer/Long-Short checkpoint, neurocache where the model has an adapter, else text), 'text', 'truncate', 'neurocache' or 'stream'")
+    default_memory: str = Field("auto", description="'auto' (stream for a CacheFormer/Long-Short checkpoint, else the memory the model's manifest names, measured on the QA benchmark; text without one), 'text', 'truncate', 'neurocache' or 'stream'")
     adapter_dir: Annotated[list[Path], NoDecode] = Field(
         default_factory=list,
         description="extra folders searched for <model name>/adapter.json (Neurocache adapters), before the shipped ones",

@@ -37,7 +37,7 @@ def test_session_lifecycle(client):
     session_id = new_session(client, memory="truncate", options={"window_tokens": 256})
     info = client.get(f"/v1/sessions/{session_id}").json()
     assert info["memory"] == "truncate" and info["options"] == {"window_tokens": 256}
-    assert info["cache"] == {"memory": "truncate", "entries": 0, "bytes": 0, "capacity": 256, "documents": 0, "turns": 0}
+    assert info["cache"] == {"memory": "truncate", "entries": 0, "bytes": 0, "capacity": 256, "documents": 0, "turns": 0, "dropped_tokens": 0}
     assert [s["id"] for s in client.get("/v1/sessions").json()["data"]] == [session_id]
     assert client.delete(f"/v1/sessions/{session_id}").status_code == 204
     assert client.get(f"/v1/sessions/{session_id}").status_code == 404
@@ -169,3 +169,28 @@ def test_metrics_after_traffic(client):
     assert session_id not in text
     prompt = [line for line in text.splitlines() if line.startswith('longdoc_prompt_tokens_total{endpoint="ask"}')]
     assert prompt and float(prompt[0].split()[-1]) > 100
+
+
+def test_the_same_document_and_question_give_the_same_excerpts_and_greedy_answer(make_client):
+    """Across sessions and across server starts: retrieval ties break by chunk number, decoding is greedy."""
+    answers = []
+    for _ in range(2):
+        client = make_client()
+        for _ in range(2):
+            session_id = new_session(client, memory="text")
+            client.post(f"/v1/sessions/{session_id}/documents", json={"text": TEXT})
+            body = client.post(f"/v1/sessions/{session_id}/ask", json={"question": "What did the White Rabbit take out of its waistcoat-pocket?", "max_tokens": 12}).json()
+            items = [{k: v for k, v in item.items() if k != "document_id"} for item in body["retrieval"]["items"]]  # ids are per upload
+            answers.append((body["answer"], items))
+    assert all(a == answers[0] for a in answers) and answers[0][1]
+
+
+def test_a_memory_that_cannot_keep_the_whole_document_says_so(client):
+    session_id = new_session(client, memory="truncate", options={"window_tokens": 256})
+    document = client.post(f"/v1/sessions/{session_id}/documents", json={"text": TEXT}).json()
+    assert document["warning"] and f"this document has {document['tokens']:,}" in document["warning"]
+    cache = client.get(f"/v1/sessions/{session_id}/cache").json()
+    assert cache["dropped_tokens"] == document["tokens"] - 256 and cache["entries"] == 256
+    whole = new_session(client, memory="text")
+    assert client.post(f"/v1/sessions/{whole}/documents", json={"text": TEXT}).json()["warning"] is None
+    assert client.get(f"/v1/sessions/{whole}/cache").json()["dropped_tokens"] == 0

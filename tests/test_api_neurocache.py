@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -27,12 +30,22 @@ def adapter_dir(tmp_path_factory, tiny_dir):
     return folder
 
 
-def test_neurocache_is_the_default_where_an_adapter_exists(make_client, adapter_dir, tiny_dir):
+def test_the_default_memory_is_the_one_the_model_manifest_names(make_client, adapter_dir, tiny_dir, tmp_path):
+    """Measured defaults live in the model's manifest (longdoc.json), not in the code; unmeasured: text."""
     client = make_client(adapter_dir=[str(adapter_dir)])
     assert "neurocache" in client.get("/v1/models").json()["data"][0]["memories"]
+    assert client.post("/v1/sessions", json={}).json()["memory"] == "text"
+    measured = tmp_path / tiny_dir.name
+    shutil.copytree(tiny_dir, measured)
+    (measured / "longdoc.json").write_text(json.dumps({"default_memory": "neurocache"}))
+    client = make_client(model=[str(measured)], adapter_dir=[str(adapter_dir)])
     session = client.post("/v1/sessions", json={}).json()
     assert session["memory"] == "neurocache"
     assert session["cache"]["capacity"] == 4096 and session["cache"]["entries"] == 0
+    # a manifest naming a memory the model cannot run (no adapter here), or an unreadable one: text
+    assert make_client(model=[str(measured)]).post("/v1/sessions", json={}).json()["memory"] == "text"
+    (measured / "longdoc.json").write_text("{not json")
+    assert make_client(model=[str(measured)], adapter_dir=[str(adapter_dir)]).post("/v1/sessions", json={}).json()["memory"] == "text"
 
 
 def test_without_adapter_neurocache_is_refused(client):
@@ -81,7 +94,7 @@ def test_remembered_turns_are_written_after_the_answer(make_client, adapter_dir)
     """With "remember", an answered turn's states (the prompt's and each fed answer token's) join
     the cache as a block of their own; without it the cache stays read-only (test above)."""
     client = make_client(adapter_dir=[str(adapter_dir)])
-    session = client.post("/v1/sessions", json={"options": {"remember": True}}).json()["id"]
+    session = client.post("/v1/sessions", json={"memory": "neurocache", "options": {"remember": True}}).json()["id"]
     doc = client.post(f"/v1/sessions/{session}/documents", json={"text": TEXT[:3000]}).json()
     body = {"question": "Where did the rabbit go?", "max_tokens": 6, "temperature": 1.0, "seed": 0}
     first = client.post(f"/v1/sessions/{session}/ask", json=body).json()
@@ -106,7 +119,7 @@ def test_remembered_turns_are_written_after_the_answer(make_client, adapter_dir)
 def test_a_remembered_chat_turn_leaves_out_the_earlier_turns_sent_along(make_client, adapter_dir, tiny_tokenizer):
     """OpenAI-style chat sends the whole conversation each time; only the new turn is written."""
     client = make_client(adapter_dir=[str(adapter_dir)])
-    session = client.post("/v1/sessions", json={"options": {"remember": True}}).json()["id"]
+    session = client.post("/v1/sessions", json={"memory": "neurocache", "options": {"remember": True}}).json()["id"]
     history = [{"role": "user", "content": "Who went down the rabbit-hole?"}, {"role": "assistant", "content": "Alice did."}]
     messages = [*history, {"role": "user", "content": "And then?"}]
     body = {"messages": messages, "session_id": session, "max_tokens": 5, "temperature": 1.0, "seed": 0}
@@ -133,5 +146,14 @@ def test_history_tokens_counts_only_a_rendered_prefix(tiny_tokenizer):
 
 def test_remember_must_be_a_boolean(make_client, adapter_dir):
     client = make_client(adapter_dir=[str(adapter_dir)])
-    response = client.post("/v1/sessions", json={"options": {"remember": "yes"}})
-    assert response.status_code == 400 and "remember" in response.json()["error"]["message"]
+    response = client.post("/v1/sessions", json={"memory": "neurocache", "options": {"remember": "yes"}})
+    assert response.status_code == 400 and "remember: Input should be a valid boolean" in response.json()["error"]["message"]
+
+
+def test_a_full_cache_says_what_it_dropped(make_client, adapter_dir):
+    client = make_client(adapter_dir=[str(adapter_dir)])
+    small = client.post("/v1/sessions", json={"memory": "neurocache", "options": {"capacity": 512}}).json()["id"]
+    doc = client.post(f"/v1/sessions/{small}/documents", json={"text": TEXT}).json()
+    assert doc["tokens"] > 512 and "512" in doc["warning"]
+    cache = client.get(f"/v1/sessions/{small}/cache").json()
+    assert cache["entries"] == 512 and cache["dropped_tokens"] == doc["tokens"] - 512

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -77,7 +78,7 @@ def test_cached_decoding_equals_full_recomputation(tiny_dir, tiny_tokenizer):
         for _ in range(12):  # greedy without any cache: a full forward pass per token
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     expected = tiny_tokenizer.decode(ids[len(prompt) :], skip_special_tokens=True)
-    text, done = _run(model, tiny_tokenizer, prompt, GenerationParams(max_tokens=12))
+    text, done = _run(model, tiny_tokenizer, prompt, GenerationParams(max_tokens=12, no_repeat_ngram_size=0))
     assert text == expected
     assert done.finish_reason == "length" and done.completion_tokens == 12 and done.prompt_tokens == len(prompt)
 
@@ -97,3 +98,83 @@ def test_seeded_sampling_is_repeatable_end_to_end(tiny_dir, tiny_tokenizer):
     prompt = tiny_tokenizer("Seeds", add_special_tokens=False)["input_ids"]
     params = GenerationParams(max_tokens=8, temperature=1.0, seed=123)
     assert _run(model, tiny_tokenizer, prompt, params)[0] == _run(model, tiny_tokenizer, prompt, params)[0]
+
+
+def _loop_forward(vocab: int = 8):
+    """A 'model' that always prefers the token after the last one, cycling 1, 2, 3, 1, 2, 3, ...
+    with token 5 a close second: greedy decoding loops forever unless something stops it."""
+
+    def forward(ids: list[int]) -> torch.Tensor:
+        logits = torch.zeros(vocab)
+        logits[ids[-1] % 3 + 1] = 2.0
+        logits[5] = 1.0
+        return logits
+
+    return forward
+
+
+def _decode(params: GenerationParams, tiny_tokenizer) -> list[int]:
+    from engine.generation import RepetitionGuard
+
+    forward, guard, ids = _loop_forward(), RepetitionGuard(params), [3]
+    for _ in range(params.max_tokens):
+        token = sample_next(guard.apply(forward(ids)), params, None)
+        guard.add(token)
+        ids.append(token)
+    return ids[1:]
+
+
+def test_without_the_guard_greedy_decoding_loops(tiny_tokenizer):
+    answer = _decode(GenerationParams(max_tokens=12, no_repeat_ngram_size=0), tiny_tokenizer)
+    assert answer == [1, 2, 3] * 4
+
+
+def test_no_repeat_ngram_guard_never_repeats_an_ngram_of_the_answer(tiny_tokenizer):
+    for n in (2, 3, 4):
+        answer = _decode(GenerationParams(max_tokens=24, no_repeat_ngram_size=n), tiny_tokenizer)
+        grams = [tuple(answer[i : i + n]) for i in range(len(answer) - n + 1)]
+        assert len(grams) == len(set(grams)), (n, answer)
+        assert answer[:n] == [1, 2, 3, 1][:n]  # nothing changes before a repeat would happen
+
+
+def test_repetition_penalty_demotes_tokens_the_answer_already_holds(tiny_tokenizer):
+    from engine.generation import RepetitionGuard
+
+    guard = RepetitionGuard(GenerationParams(no_repeat_ngram_size=0, repetition_penalty=2.5))
+    guard.add(1), guard.add(3)
+    logits = guard.apply(torch.tensor([0.0, 2.0, 1.0, -1.0]))
+    assert logits.tolist() == pytest.approx([0.0, 0.8, 1.0, -2.5]) and int(torch.argmax(logits)) == 2
+
+
+def test_the_guard_ignores_the_prompt_and_never_bans_digits(tiny_tokenizer):
+    """Copying from the document is what answers are made of: a prompt holding the n-gram bans
+    nothing; and numbers spelt a digit a token ("7 7 7 7 7") can always be written."""
+    from engine.generation import decode_steps, word_tokens
+
+    seven, word = tiny_tokenizer.convert_tokens_to_ids("7"), tiny_tokenizer(" river", add_special_tokens=False).input_ids[0]
+    assert not word_tokens(tiny_tokenizer)[seven] and word_tokens(tiny_tokenizer)[word]
+
+    def run(token: int, prompt: list[int]) -> list[int]:
+        fed: list[list[int]] = []
+
+        def forward(ids: list[int]) -> torch.Tensor:  # always wants `token`; sees each chosen token next
+            fed.append(ids)
+            logits = torch.zeros(len(tiny_tokenizer))
+            logits[token] = 5.0
+            return logits
+
+        params = GenerationParams(max_tokens=9, no_repeat_ngram_size=2)
+        list(decode_steps(forward, tiny_tokenizer, prompt, params, StopTokens(frozenset())))
+        return [ids[0] for ids in fed[1:]]  # the first 8 tokens chosen
+
+    assert run(seven, [seven] * 6) == [seven] * 8  # digits: never banned, whatever the prompt
+    words = run(word, [word] * 6)
+    assert words[:2] == [word, word] and words[2] != word  # a word: free until the answer itself would repeat a bigram
+
+
+def test_word_tokens_of_the_byte_tokenizer():
+    from engine.generation import word_tokens
+    from engine.models.byte_tokenizer import ByteTokenizer
+
+    words = word_tokens(ByteTokenizer())
+    assert words.shape == (256,) and words[ord("a")] and not words[ord("7")] and not words[ord(" ")]

@@ -87,8 +87,11 @@ def test_text_memory_finds_the_fact_and_points_at_it(context, tiny_tokenizer):
 def test_text_retrieval_respects_the_token_budget(context, tiny_tokenizer):
     memory = build_memory("text", context, {"chunk_tokens": 32, "top_k": 4})
     ingest(memory, tiny_tokenizer, "book", filler(100))
-    assert len(memory.retrieve("river", max_tokens=70)) == 2
-    assert memory.retrieve("river", max_tokens=10) == []
+    pieces = memory.retrieve("river", max_tokens=70)
+    tokens = sum(len(tiny_tokenizer(p.text, add_special_tokens=False)["input_ids"]) for p in pieces)
+    assert 32 < tokens <= 70  # two chunks of 32 (merged into one excerpt when they touch)
+    small = memory.retrieve("river", max_tokens=10)  # no full chunk fits; only the short last one may
+    assert sum(len(tiny_tokenizer(p.text, add_special_tokens=False)["input_ids"]) for p in small) <= 10
 
 
 @pytest.mark.parametrize("kind", ["truncate", "text"])
@@ -173,3 +176,37 @@ def test_tokenization_stops_soon_after_the_token_limit(tiny_tokenizer):
         with pytest.raises(TooLargeError, match="more than 1000 tokens"):
             tokenize_document(tiny_tokenizer, "d", "d", text, max_tokens=1000)
     assert len(calls) == 1 < len(list(piece_bounds(text)))
+
+
+RARE = "Maintenance of the Z80 bootloader was handed to Quennell Ardmore in the spring."
+
+
+@pytest.mark.parametrize("retrieval", ["hybrid", "lexical"])
+def test_words_find_a_rare_name_among_look_alike_chunks(context, tiny_tokenizer, retrieval):
+    """Every chunk reads alike to MiniLM; the rare name is found by BM25, alone or fused."""
+    memory = build_memory("text", context, {"chunk_tokens": 32, "top_k": 2, "retrieval": retrieval})
+    text = filler(150) + " " + RARE + " " + filler(150)
+    ingest(memory, tiny_tokenizer, "book", text)
+    pieces = memory.retrieve("Who was handed the Z80 bootloader, Quennell Ardmore?", max_tokens=1000)
+    assert any("Quennell" in p.text for p in pieces), [p.text for p in pieces]
+
+
+def test_hybrid_retrieval_is_deterministic_and_merges_touching_chunks(context, tiny_tokenizer):
+    text = filler(80) + " " + FACT + " " + RARE + " " + filler(80)
+    runs = []
+    for _ in range(2):
+        memory = build_memory("text", context, {"chunk_tokens": 16, "top_k": 6, "context_tokens": 96})
+        ingest(memory, tiny_tokenizer, "book", text)
+        runs.append(memory.retrieve("Velmora lighthouse colour and the Z80 bootloader's Quennell", max_tokens=1000))
+    assert runs[0] == runs[1]
+    spans = [(p.item.char_start, p.item.char_end) for p in runs[0]]
+    assert spans == sorted(spans)  # document order
+    assert all(a_end < b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))  # touching chunks were merged
+    assert any(len(tiny_tokenizer(p.text, add_special_tokens=False)["input_ids"]) > 16 for p in runs[0])  # and some did touch
+    assert all(text[a:b] == p.text for (a, b), p in zip(spans, runs[0], strict=True))
+
+
+def test_bad_retrieval_options_are_user_errors(context):
+    for options in ({"retrieval": "magic"}, {"context_tokens": 8}, {"rrf_k": 0}):
+        with pytest.raises(InvalidRequestError):
+            build_memory("text", context, options)

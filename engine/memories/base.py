@@ -116,6 +116,10 @@ class Memory(ABC):
     def retrieve(self, query: str, max_tokens: int) -> list[ContextPiece]:
         """What to put before `query`, at most `max_tokens` tokens, in document order."""
 
+    def dropped_tokens(self) -> int:
+        """Tokens of committed documents the memory no longer holds (a window or a full cache)."""
+        return 0
+
     @abstractmethod
     def stats(self) -> CacheInfo:
         """Entries, bytes, capacity and documents of what is committed."""

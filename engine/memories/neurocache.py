@@ -113,7 +113,11 @@ class NeurocacheMemory(Memory):
             capacity=self.cache.capacity,
             documents=len(self._documents),
             turns=self._turns,
+            dropped_tokens=self.dropped_tokens(),
         )
+
+    def dropped_tokens(self) -> int:
+        return self.cache.written - self.cache.size  # one state a token, the oldest overwritten first
 
     def reset(self) -> None:
         self.cache.reset()

@@ -1,4 +1,11 @@
-"""Text retrieval baseline: chunk embeddings in a per-session FAISS index, top-k chunks before the question."""
+"""Text retrieval: a session's documents cut into chunks, found by meaning and by words.
+
+Each chunk has a MiniLM vector (a per-session FAISS inner-product index) and BM25 terms
+(engine/memories/lexical.py). A question ranks the chunks both ways; the two rankings are fused by
+reciprocal rank fusion (score = sum of 1 / (rrf_k + rank)), the prompt is filled in fused order up
+to `context_tokens`, chunks that touch are merged, and the excerpts are placed in document order.
+Ties break by chunk number, so the same documents and question always give the same excerpts.
+"""
 
 from __future__ import annotations
 
@@ -13,14 +20,21 @@ from engine.embedder import Embedder
 from engine.errors import BudgetExceededError
 from engine.interface import CacheInfo, RetrievedItem
 from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment, parse_options
+from engine.memories.lexical import LexicalIndex
 
 _CHUNK_BYTES = 2 * 8 + 4 + 4  # a chunk's span (two int64), token count and document number (int32)
+
+
+RETRIEVALS = ("hybrid", "dense", "lexical")
 
 
 @dataclass(frozen=True)
 class TextOptions:
     chunk_tokens: int = 128
-    top_k: int = 4
+    top_k: int = 4  # at most this many chunks
+    context_tokens: int = 512  # and at most this many tokens of them (needles: docs/benchmarks.md)
+    retrieval: str = "hybrid"
+    rrf_k: int = 60
     max_chunks: int = 200_000
 
     def __post_init__(self) -> None:
@@ -28,6 +42,12 @@ class TextOptions:
             raise ValueError("chunk_tokens must be between 16 and 512")
         if not 1 <= self.top_k <= 64:
             raise ValueError("top_k must be between 1 and 64")
+        if not self.chunk_tokens <= self.context_tokens <= 32_768:
+            raise ValueError("context_tokens must be between chunk_tokens and 32768")
+        if self.retrieval not in RETRIEVALS:
+            raise ValueError(f"retrieval must be one of {list(RETRIEVALS)}")
+        if not 1 <= self.rrf_k <= 1000:
+            raise ValueError("rrf_k must be between 1 and 1000")
         if self.max_chunks < 1:
             raise ValueError("max_chunks must be positive")
 
@@ -78,6 +98,7 @@ class TextMemory(Memory):
             raise ValueError("text memory needs an embedder")
         self._embedder: Embedder = context.embedder
         self._index = faiss.IndexFlatIP(self._embedder.dim)  # the chunks' vectors live here only
+        self._lexical = LexicalIndex()
         self._chunks = _Chunks.empty()
         self._documents: list[tuple[str, str]] = []  # (id, text) of each committed document
         self._text_bytes = 0  # their texts' size in RAM: kept, as stats run on every budget check and scrape
@@ -97,61 +118,99 @@ class TextMemory(Memory):
         staged.spans += spans
         staged.tokens += [len(piece) for piece in pieces]
 
-    def _bytes(self, chunks: int, text_bytes: int) -> int:
-        return chunks * (4 * self._embedder.dim + _CHUNK_BYTES) + text_bytes
+    def _chunk_bytes(self) -> int:
+        """Upper estimate per chunk: its vector, span and count, and its BM25 terms."""
+        return 4 * self._embedder.dim + _CHUNK_BYTES + LexicalIndex.bytes_per_chunk(self.options.chunk_tokens)
 
     def staged_bytes(self) -> int:
-        return 0 if self._staged is None else self._bytes(len(self._staged.spans), sys.getsizeof(self._staged.text))
+        if self._staged is None:
+            return 0
+        return len(self._staged.spans) * self._chunk_bytes() + sys.getsizeof(self._staged.text)
 
     def commit_document(self) -> None:
         assert self._staged is not None, "begin_document first"
         staged = self._staged
+        lexical = self._lexical.build(self._chunk_texts() + [staged.text[a:b] for a, b in staged.spans])  # may fail: nothing changed yet
         if staged.vectors:
             self._index.add(np.concatenate(staged.vectors))
             number = len(self._documents)
             self._chunks = self._chunks.extend(_Chunks.of([number] * len(staged.spans), staged.spans, staged.tokens))
         self._documents.append((staged.document_id, staged.text))
         self._text_bytes += sys.getsizeof(staged.text)
-        self._staged = None
+        self._staged, self._lexical = None, lexical
+
+    def _chunk_texts(self) -> list[str]:
+        texts = [text for _, text in self._documents]
+        return [texts[d][a:b] for d, (a, b) in zip(self._chunks.documents.tolist(), self._chunks.spans.tolist(), strict=True)]
 
     def abort_document(self) -> None:
         self._staged = None
 
     def estimate_bytes(self, chars: int, tokens: int) -> int:
         n_chunks = -(-tokens // self.options.chunk_tokens) + 1
-        return n_chunks * (4 * self._embedder.dim + _CHUNK_BYTES) + 4 * chars + 80  # 4 bytes a character at worst
+        return n_chunks * self._chunk_bytes() + 4 * chars + 80  # 4 bytes a character at worst
 
     def retrieve(self, query: str, max_tokens: int) -> list[ContextPiece]:
         if self._index.ntotal == 0:
             return []
-        k = min(self.options.top_k, self._index.ntotal)
-        scores, rows = self._index.search(self._embedder.encode([query]), k)
-        chosen: list[tuple[int, float]] = []
-        budget = max_tokens
-        for row, score in zip(rows[0].tolist(), scores[0].tolist(), strict=True):
-            if row >= 0 and self._chunks.tokens[row] <= budget:
-                chosen.append((row, score))
+        scores = self._ranked(query)
+        chosen: dict[int, float] = {}
+        budget = min(max_tokens, self.options.context_tokens)
+        for row, score in scores:
+            if len(chosen) == self.options.top_k or budget < 1:
+                break
+            if self._chunks.tokens[row] <= budget:
+                chosen[row] = score
                 budget -= int(self._chunks.tokens[row])
-        chosen.sort()  # document order reads better than score order
-        return [self._piece(row, score) for row, score in chosen]
+        return [self._piece(run, chosen) for run in self._runs(sorted(chosen))]
 
-    def _piece(self, row: int, score: float) -> ContextPiece:
-        document_id, text = self._documents[self._chunks.documents[row]]
-        start, end = (int(x) for x in self._chunks.spans[row])
-        item = RetrievedItem(chunk_id=row, document_id=document_id, char_start=start, char_end=end, score=score)
+    def _ranked(self, query: str) -> list[tuple[int, float]]:
+        """(chunk, score) best first: fused ranks, or one ranking alone (options.retrieval)."""
+        n, retrieval = self._index.ntotal, self.options.retrieval
+        depth = min(n, max(50, 4 * self.options.top_k))
+        rankings: list[list[int]] = []
+        if retrieval in ("hybrid", "dense"):
+            _, rows = self._index.search(self._embedder.encode([query]), depth)
+            rankings.append([r for r in rows[0].tolist() if r >= 0])
+        if retrieval in ("hybrid", "lexical"):
+            lexical = self._lexical.scores(query)
+            order = np.argsort(-lexical, kind="stable")[:depth]
+            rankings.append([r for r in order.tolist() if lexical[r] > 0])
+        fused: dict[int, float] = {}
+        for ranking in rankings:
+            for rank, row in enumerate(ranking):
+                fused[row] = fused.get(row, 0.0) + 1.0 / (self.options.rrf_k + rank + 1)
+        return sorted(fused.items(), key=lambda item: (-item[1], item[0]))
+
+    def _runs(self, rows: list[int]) -> list[list[int]]:
+        """Chosen chunks in document order, consecutive chunks of one document as one run."""
+        runs: list[list[int]] = []
+        for row in rows:
+            if runs and row == runs[-1][-1] + 1 and self._chunks.documents[row] == self._chunks.documents[runs[-1][-1]]:
+                runs[-1].append(row)
+            else:
+                runs.append([row])
+        return runs
+
+    def _piece(self, run: list[int], scores: dict[int, float]) -> ContextPiece:
+        document_id, text = self._documents[self._chunks.documents[run[0]]]
+        start, end = int(self._chunks.spans[run[0]][0]), int(self._chunks.spans[run[-1]][1])
+        score = max(scores[row] for row in run)
+        item = RetrievedItem(chunk_id=run[0], document_id=document_id, char_start=start, char_end=end, score=score)
         return ContextPiece(text[start:end], item)
 
     def stats(self) -> CacheInfo:
         return CacheInfo(
             memory=self.kind,
             entries=int(self._index.ntotal),
-            bytes=self._bytes(len(self._chunks), self._text_bytes),
+            bytes=len(self._chunks) * (4 * self._embedder.dim + _CHUNK_BYTES) + self._lexical.nbytes + self._text_bytes,
             capacity=self.options.max_chunks,
             documents=len(self._documents),
         )
 
     def reset(self) -> None:
         self._index.reset()
+        self._lexical = LexicalIndex()
         self._chunks = _Chunks.empty()
         self._documents, self._staged, self._text_bytes = [], None, 0
 
@@ -171,3 +230,4 @@ class TextMemory(Memory):
         self._text_bytes = sum(sys.getsizeof(text) for _, text in self._documents)
         self._chunks = _Chunks.of(state["chunk_documents"], state["chunk_spans"], state["chunk_tokens"])
         self._index.add(np.ascontiguousarray(state["vectors"], np.float32).reshape(-1, self._embedder.dim))
+        self._lexical = self._lexical.build(self._chunk_texts())

@@ -31,15 +31,18 @@ class TruncateMemory(Memory):
         self._doc_ids: list[str] = []  # committed documents, in order
         self._tail: list[tuple[str, np.ndarray, np.ndarray]] = []  # (document id, ids [n], spans [n, 2])
         self._staged: tuple[str, list[int], list[tuple[int, int]]] | None = None
+        self._staged_tokens = 0
+        self._fed = 0  # tokens of all committed documents
 
     def begin_document(self, document_id: str, text: str) -> None:
-        self._staged = (document_id, [], [])
+        self._staged, self._staged_tokens = (document_id, [], []), 0
 
     def add_segment(self, segment: Segment) -> None:
         assert self._staged is not None, "begin_document first"
         _, ids, spans = self._staged
         ids.extend(segment.token_ids)
         spans.extend(segment.token_spans)
+        self._staged_tokens += len(segment.token_ids)
         keep = self.options.window_tokens
         del ids[:-keep], spans[:-keep]
 
@@ -53,7 +56,7 @@ class TruncateMemory(Memory):
         if ids:
             self._tail.append((document_id, np.asarray(ids, np.int32), np.asarray(spans, np.int32).reshape(-1, 2)))
         self._trim()
-        self._staged = None
+        self._staged, self._fed = None, self._fed + self._staged_tokens
 
     def abort_document(self) -> None:
         self._staged = None
@@ -95,10 +98,14 @@ class TruncateMemory(Memory):
             bytes=entries * _BYTES_PER_TOKEN,
             capacity=self.options.window_tokens,
             documents=len(self._doc_ids),
+            dropped_tokens=self.dropped_tokens(),
         )
 
+    def dropped_tokens(self) -> int:
+        return self._fed - sum(len(ids) for _, ids, _ in self._tail)
+
     def reset(self) -> None:
-        self._doc_ids, self._tail, self._staged = [], [], None
+        self._doc_ids, self._tail, self._staged, self._fed = [], [], None, 0
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -106,6 +113,7 @@ class TruncateMemory(Memory):
             "tail_documents": [d for d, _, _ in self._tail],
             "tail_ids": [ids.copy() for _, ids, _ in self._tail],
             "tail_spans": [spans.copy() for _, _, spans in self._tail],
+            "fed": self._fed,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -115,3 +123,4 @@ class TruncateMemory(Memory):
             for d, i, s in zip(state["tail_documents"], state["tail_ids"], state["tail_spans"], strict=True)
         ]
         self._staged = None
+        self._fed = int(state.get("fed", sum(len(ids) for _, ids, _ in self._tail)))

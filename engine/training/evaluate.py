@@ -1,9 +1,9 @@
-"""`longdoc eval ppl|passkey|qa`: Neurocache against the baselines, on held-out text only.
+"""`longdoc eval ppl|passkey`: Neurocache against the baselines, on held-out text only (`eval qa`: engine/evals/qa.py).
 
 - ppl: held-out documents streamed in segments of n tokens; the base model with its local window
   only (each segment alone, positions restarting) against the same segments with the Neurocache
   cache of everything before them, at two cache sizes.
-- passkey and qa go through the real engine (ingestion, retrieval, generation) per memory mode.
+- passkey goes through the real engine (ingestion, retrieval, generation) per memory mode.
 """
 
 from __future__ import annotations
@@ -27,21 +27,6 @@ from engine.models.neurocache_io import load_adapter
 from engine.training.corpus import DEFAULT_DIR, fetch, split
 
 PASSKEY_QUESTION = "What is the pass key? Answer with the number."
-
-# Questions about single facts in the held-out books, with a word the answer must contain.
-QA_SET: dict[str, tuple[tuple[str, str], ...]] = {
-    "alice29.txt": (
-        ("What were the names of the three little sisters in the Dormouse's story?", "Elsie"),
-        ("What did the three little sisters in the Dormouse's story live on?", "treacle"),
-        ("What was written on the little bottle Alice found?", "DRINK ME"),
-        ("What did the Caterpillar sit on?", "mushroom"),
-    ),
-    "plrabn12.txt": (
-        ("Which angel did Heaven's King send to converse with Adam and warn him?", "Raphael"),
-        ("Which seraph stayed faithful to God among the rebel angels?", "Abdiel"),
-    ),
-}
-
 
 @dataclass(frozen=True)
 class EvalSetup:
@@ -196,28 +181,6 @@ def passkey(
         return rows
 
     return run_with_engine(setup, max(lengths), body)
-
-
-def qa(setup: EvalSetup, *, memories: tuple[str, ...], capacity: int | None = None) -> list[dict[str, Any]]:
-    """Contains-match accuracy on the QA set's held-out books, per memory."""
-    folder = fetch(setup.corpus_dir)
-
-    async def body(engine: Engine) -> list[dict[str, Any]]:
-        rows = []
-        for memory in memories:
-            hits, total, missed = 0, 0, []
-            for book, questions in QA_SET.items():
-                answers = await _answers(engine, memory, (folder / book).read_text(), [q for q, _ in questions], capacity)
-                for (_, expected), answer in zip(questions, answers, strict=True):
-                    total += 1
-                    if expected.lower() in answer.lower():
-                        hits += 1
-                    else:
-                        missed.append(f"{expected}: answered {_gist(answer)!r}")
-            rows.append({"memory": memory, "correct": hits, "questions": total, "missed": "; ".join(missed) or "-"})
-        return rows
-
-    return run_with_engine(setup, 200_000, body)
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

@@ -58,6 +58,8 @@ async def ask(
         top_p=body.top_p,
         seed=body.seed,
         stop=stop_tuple(body.stop),
+        no_repeat_ngram_size=body.no_repeat_ngram_size,
+        repetition_penalty=body.repetition_penalty,
     )
     events = await engine.ask(session_id, body.question, params)
     if body.stream:

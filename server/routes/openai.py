@@ -50,6 +50,8 @@ async def chat_completions(
         top_p=body.top_p,
         seed=body.seed,
         stop=stop_tuple(body.stop),
+        no_repeat_ngram_size=body.no_repeat_ngram_size,
+        repetition_penalty=body.repetition_penalty,
     )
     messages = [m.model_dump() for m in body.messages]
     events = await engine.chat(messages, params, body.model, body.session_id)

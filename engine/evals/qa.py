@@ -1,0 +1,201 @@
+"""The QA benchmark: questions about held-out books (engine/evals/qa.jsonl), asked through the real
+engine, per memory, beside an oracle row (the same model handed only the gold passage).
+
+An answer is correct when it contains one of the question's accepted keywords as a word (a plural
+"s" allowed), case aside. Gold recall@k: the share of questions where what the memory put in the
+prompt overlaps the gold passage's characters.
+
+    longdoc eval qa --memory oracle --memory text --memory truncate --write docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.engine import Engine
+from engine.evals import texts
+from engine.interface import GenerationDone, GenerationEvent, GenerationParams, IngestDone, Retrieval, RetrievedItem, TokenDelta
+from engine.memories import ContextPiece
+from engine.prompts import with_context
+from engine.training.evaluate import EvalSetup, run_with_engine
+
+QUESTIONS = Path(__file__).with_name("qa.jsonl")
+ORACLE = "oracle"
+ANSWER_TOKENS = 48
+
+
+@dataclass(frozen=True)
+class Question:
+    id: str
+    text: str
+    question: str
+    answers: tuple[str, ...]
+    start: int
+    end: int
+    passage: str
+
+
+def load_questions(path: Path = QUESTIONS, qa_dir: Path = texts.QA_DIR) -> list[Question]:
+    """The questions, each checked against its text: the gold span must still hold the passage."""
+    questions = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        question = Question(**{**row, "answers": tuple(row["answers"])})
+        if texts.load(question.text, qa_dir)[question.start : question.end] != question.passage:
+            raise ValueError(f"{question.id}: the gold span no longer holds its passage; was the text fetched differently?")
+        questions.append(question)
+    return questions
+
+
+def is_correct(answer: str, keywords: Iterable[str]) -> bool:
+    # a word: no letter or digit right before or after (an underscore, as in _Porcus_, may be)
+    patterns = (r"\s+".join(re.escape(word) for word in k.split()) for k in keywords)  # any spacing between words
+    return any(re.search(rf"(?<![^\W_]){p}(?:s|es)?(?![^\W_])", answer, re.IGNORECASE) for p in patterns)
+
+
+def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion."""
+    if n == 0:
+        return 0.0, 1.0
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass
+class Row:
+    memory: str
+    options: dict[str, Any]
+    correct: int = 0
+    asked: int = 0
+    recalled: int | None = None  # questions whose prompt held the gold passage (retrieving memories)
+    ingest_tokens: int = 0
+    ingest_seconds: float = 0.0
+    ttfts: list[float] = field(default_factory=list)
+    decode_rates: list[float] = field(default_factory=list)
+    retrieval_seconds: list[float] = field(default_factory=list)
+    missed: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        low, high = wilson(self.correct, self.asked)
+        return {
+            "memory": self.memory + (f" {json.dumps(self.options)}" if self.options else ""),
+            "accuracy": f"{self.correct}/{self.asked} = {self.correct / max(1, self.asked):.2f} [{low:.2f}, {high:.2f}]",
+            "gold recall": "-" if self.recalled is None else f"{self.recalled / max(1, self.asked):.2f}",
+            "ingest tok/s": f"{self.ingest_tokens / self.ingest_seconds:,.0f}" if self.ingest_seconds else "-",
+            "TTFT median (s)": f"{statistics.median(self.ttfts):.2f}" if self.ttfts else "-",
+            "decode tok/s median": f"{statistics.median(self.decode_rates):.1f}" if self.decode_rates else "-",
+            "retrieval ms median": f"{1000 * statistics.median(self.retrieval_seconds):.0f}" if self.retrieval_seconds else "-",
+        }
+
+
+def overlaps(items: Iterable[RetrievedItem], start: int, end: int) -> bool:
+    return any(item.char_start < end and start < item.char_end for item in items)
+
+
+async def score(row: Row, events: AsyncIterator[GenerationEvent], gold: tuple[int, int], answers: Iterable[str], label: str) -> None:
+    """Read one answer's events into `row`: recall of the gold span, timings, and whether it is right."""
+    parts: list[str] = []
+    async for event in events:
+        if isinstance(event, Retrieval) and row.recalled is not None:
+            row.recalled += overlaps(event.items, *gold)
+            row.retrieval_seconds.append(event.seconds)
+        elif isinstance(event, TokenDelta):
+            parts.append(event.text)
+        elif isinstance(event, GenerationDone):
+            row.ttfts.append(event.ttft_seconds)
+            if event.completion_tokens > 1 and event.total_seconds > event.ttft_seconds:
+                row.decode_rates.append((event.completion_tokens - 1) / (event.total_seconds - event.ttft_seconds))
+    answer = "".join(parts)
+    row.asked += 1
+    if is_correct(answer, answers):
+        row.correct += 1
+    else:
+        row.missed.append(f"{label}: {' '.join(answer.split())[:80]!r}")
+
+
+async def _ask(engine: Engine, row: Row, question: Question, session_id: str | None, oracle: bool) -> None:
+    params = GenerationParams(max_tokens=ANSWER_TOKENS)
+    if oracle:
+        item = RetrievedItem(chunk_id=0, document_id=question.text, char_start=question.start, char_end=question.end, score=1.0)
+        content = with_context(question.question, [ContextPiece(question.passage, item)])
+        events = await engine.chat([{"role": "user", "content": content}], params, None, None)
+    else:
+        events = await engine.ask(session_id, question.question, params)  # type: ignore[arg-type]
+    await score(row, events, (question.start, question.end), question.answers, question.id)
+
+
+async def run_memory(engine: Engine, memory: str, options: dict[str, Any], questions: list[Question], qa_dir: Path) -> Row:
+    row = Row(memory, options, recalled=0 if memory == "text" else None)
+    by_text: dict[str, list[Question]] = {}
+    for question in questions:
+        by_text.setdefault(question.text, []).append(question)
+    for name, asked in by_text.items():
+        if memory == ORACLE:
+            for question in asked:
+                await _ask(engine, row, question, None, oracle=True)
+            continue
+        session = engine.create_session(None, memory, options)
+        try:
+            started = time.perf_counter()
+            async for event in await engine.ingest(session.id, texts.load(name, qa_dir), name):
+                if isinstance(event, IngestDone):
+                    row.ingest_tokens += event.document.tokens
+            row.ingest_seconds += time.perf_counter() - started
+            for question in asked:
+                await _ask(engine, row, question, session.id, oracle=False)
+        finally:
+            engine.delete_session(session.id)
+        print(f"  {memory} {name}: {row.correct}/{row.asked} correct so far", flush=True)
+    return row
+
+
+def bench(
+    setup: EvalSetup, runs: list[tuple[str, dict[str, Any]]], *, limit: int | None = None, qa_dir: Path = texts.QA_DIR,
+    questions_path: Path = QUESTIONS,
+) -> list[Row]:
+    """One row per (memory, options); `limit` asks only the first questions of each text."""
+    questions = load_questions(questions_path, qa_dir)
+    if limit:
+        counts: dict[str, int] = {}
+        questions = [q for q in questions if (counts.__setitem__(q.text, counts.get(q.text, 0) + 1) or counts[q.text]) <= limit]
+
+    async def body(engine: Engine) -> list[Row]:
+        return [await run_memory(engine, memory, options, questions, qa_dir) for memory, options in runs]
+
+    return run_with_engine(setup, 200_000, body)
+
+
+def table(rows: list[Row]) -> str:
+    summaries = [row.summary() for row in rows]
+    keys = list(summaries[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(s[k]) for k in keys) + " |" for s in summaries]
+    return "\n".join(lines)
+
+
+def section(rows: list[Row], command: str) -> str:
+    import os
+
+    import torch
+
+    machine = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{os.cpu_count()} CPU cores, no GPU"
+    names = ", ".join(f"{t.name} ({t.genre})" for t in texts.TEXTS)
+    return (
+        f"## QA benchmark ({machine})\n\n"
+        f"{rows[0].asked} questions about {len(texts.TEXTS)} held-out texts: {names}; "
+        "engine/evals/qa.jsonl, texts by engine/evals/texts.py. Greedy answers of at most "
+        f"{ANSWER_TOKENS} tokens; correct when an accepted keyword appears as a word. Accuracy with its 95% "
+        "Wilson interval; gold recall: the share of questions whose prompt held (part of) the gold passage. "
+        "The oracle row hands the model the gold passage alone: the ceiling retrieval can reach with it. Command:\n\n"
+        f"```\n{command}\n```\n\n{table(rows)}\n"
+    )

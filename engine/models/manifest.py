@@ -1,0 +1,38 @@
+"""A served model's measured defaults: `engine/models/manifests/<model name>.json` for the models
+longdoc ships, or `longdoc.json` in a local model folder.
+
+    {"default_memory": "text", "chosen_by": "<the command>", "qa_accuracy": {"text": 0.41, ...}}
+
+The default memory of a session made without one is the manifest's, chosen on the QA benchmark
+(docs/benchmarks.md), never written into the code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SHIPPED_MANIFESTS = Path(__file__).resolve().parent / "manifests"
+FALLBACK_MEMORY = "text"  # a model nobody has measured: exact excerpts, no adapter needed
+
+
+def manifest_of(name: str, source: str) -> dict:
+    """The model folder's own manifest, else the shipped one, else {} (an unreadable one is logged)."""
+    folder = Path(source).expanduser()
+    for path in ([folder / "longdoc.json"] if folder.is_dir() else []) + [SHIPPED_MANIFESTS / f"{name}.json"]:
+        if path.is_file():
+            try:
+                manifest = json.loads(path.read_text())
+                if isinstance(manifest, dict):
+                    return manifest
+            except (OSError, ValueError):
+                pass
+            log.warning("ignoring the unreadable model manifest %s", path)
+    return {}
+
+
+def default_memory_of(name: str, source: str) -> str:
+    return str(manifest_of(name, source).get("default_memory", FALLBACK_MEMORY))

@@ -1,0 +1,94 @@
+"""The QA benchmark and the fact needles: scoring, intervals, gold spans, and a run on the tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.evals import needles, texts
+from engine.evals.qa import bench, is_correct, load_questions, overlaps, wilson
+from engine.interface import RetrievedItem
+from engine.training.evaluate import EvalSetup
+from tests.conftest import CACHE_DIR
+
+
+def test_an_answer_is_correct_when_a_keyword_appears_as_a_word():
+    assert is_correct("It was Elsie.", ["elsie", "lacie"])
+    assert is_correct("Conger eels taught them", ["eel"])  # a plural counts
+    assert not is_correct("I feel nothing", ["eel"])  # inside another word does not
+    assert not is_correct("the Sultanate of Zanzibar", ["Sultana"])
+    assert is_correct("ZQ-2208 opens it", ["ZQ-2208"]) and not is_correct("ZQ-22089", ["ZQ-2208"])
+
+
+def test_wilson_interval():
+    assert wilson(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert wilson(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    assert wilson(110, 110)[1] == 1.0
+
+
+def test_the_shipped_questions_are_well_formed():
+    rows = [json.loads(line) for line in texts.Path(__file__).parents[1].joinpath("engine/evals/qa.jsonl").read_text().splitlines()]
+    assert len(rows) >= 80 and len({r["id"] for r in rows}) == len(rows)
+    assert {r["text"] for r in rows} == {t.name for t in texts.TEXTS}
+    for r in rows:
+        assert r["end"] - r["start"] == len(r["passage"]) and r["answers"]
+        assert is_correct(r["passage"], r["answers"]), r["id"]  # the gold passage holds an accepted answer
+        assert not is_correct(r["question"], r["answers"]), r["id"]  # the question does not give it away
+
+
+def _tiny_set(tmp_path):
+    qa_dir = tmp_path / "qa"
+    qa_dir.mkdir()
+    body = "The weather was mild. " * 200
+    text = body + "The ferryman of the lake was called Quennell Ardmore. " + body
+    for spec in texts.TEXTS:
+        (qa_dir / f"{spec.name}.txt").write_text(text)
+    start = text.index("The ferryman")
+    passage = text[start : start + 53]
+    question = {"id": "alice-01", "text": "alice", "question": "Who was the ferryman of the lake?", "answers": ["Quennell"],
+                "start": start, "end": start + len(passage), "passage": passage}
+    path = tmp_path / "qa.jsonl"
+    path.write_text(json.dumps(question) + "\n")
+    return qa_dir, path, question
+
+
+def test_a_gold_span_that_no_longer_holds_its_passage_is_refused(tmp_path):
+    qa_dir, path, _ = _tiny_set(tmp_path)
+    (qa_dir / "alice.txt").write_text("something else entirely " * 100)
+    with pytest.raises(ValueError, match="gold span"):
+        load_questions(path, qa_dir)
+
+
+def test_recall_counts_retrieved_spans_that_touch_the_gold_passage(tmp_path):
+    item = lambda a, b: RetrievedItem(chunk_id=0, document_id="d", char_start=a, char_end=b, score=None)  # noqa: E731
+    assert overlaps([item(0, 101)], 100, 200) and overlaps([item(199, 300)], 100, 200)
+    assert not overlaps([item(0, 100), item(200, 300)], 100, 200)
+
+
+def test_the_benchmark_runs_every_memory_and_the_oracle_on_the_tiny_model(tiny_dir, tmp_path):
+    qa_dir, path, _ = _tiny_set(tmp_path)
+    setup = EvalSetup(model=str(tiny_dir), cache_dir=CACHE_DIR, device="cpu")
+    rows = bench(setup, [("oracle", {}), ("text", {"top_k": 2}), ("truncate", {})], qa_dir=qa_dir, questions_path=path)
+    assert [r.memory for r in rows] == ["oracle", "text", "truncate"] and all(r.asked == 1 for r in rows)
+    oracle, text, truncate = rows
+    assert text.recalled == 1  # BM25 finds the rare name
+    assert oracle.recalled is None and truncate.recalled is None and oracle.ingest_seconds == 0
+    assert text.ingest_tokens > 0 and len(text.ttfts) == 1
+    assert len(text.missed) == 1 - text.correct  # a random tiny model: whatever it missed is listed
+    assert text.summary()["accuracy"].startswith(f"{text.correct}/1 = ")
+
+
+def test_needles_are_placed_once_each_at_spread_depths(tiny_tokenizer, tmp_path):
+    (tmp_path / "jargon-d-z.txt").write_text("   A hacker wrote a program.\n\n" * 3000)
+    text, placed = needles.document(2000, tiny_tokenizer, seed=1, qa_dir=tmp_path)
+    assert sorted(n.kind for n in placed) == sorted(needles.KINDS) and len(needles.KINDS) >= 6
+    positions = [text.index(n.fact) for n in placed]
+    assert positions == sorted(positions) and all(text.count(n.fact) == 1 for n in placed)
+    assert [int(n.depth * len(placed)) for n in placed] == list(range(len(placed)))  # one in each sixth
+    for n in placed:
+        assert is_correct(n.fact, n.answers) and not is_correct(n.question, n.answers)
+    again, _ = needles.document(2000, tiny_tokenizer, seed=1, qa_dir=tmp_path)
+    other, _ = needles.document(2000, tiny_tokenizer, seed=2, qa_dir=tmp_path)
+    assert again == text and other != text
+    assert all(len(phrasings) >= 3 for phrasings, _ in needles.KINDS.values())
