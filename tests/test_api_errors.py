@@ -110,7 +110,7 @@ def test_429_queue_full_with_retry_after(make_client):
 
 
 def test_memory_budget_refusals_keep_earlier_documents(make_client):
-    client = make_client(session_memory_bytes=120_000)
+    client = make_client(session_memory_bytes=170_000)
     session_id = new_session(client, memory="text")
     url = f"/v1/sessions/{session_id}/documents"
     kept = client.post(url, json={"text": "word " * 1000}).json()

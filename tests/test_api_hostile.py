@@ -57,7 +57,9 @@ def test_lone_surrogates_are_422_everywhere(client):
 @pytest.mark.parametrize(
     "fields",
     [{"stream": 0}, {"stream": "true"}, {"seed": False}, {"temperature": False}, {"max_tokens": True},
-     {"max_tokens": 2.5}, {"temperature": "0.5"}, {"stop": ["x"] * 9}, {"stop": "x" * 257}],
+     {"max_tokens": 2.5}, {"temperature": "0.5"}, {"stop": ["x"] * 9}, {"stop": "x" * 257},
+     {"no_repeat_ngram_size": -1}, {"no_repeat_ngram_size": 65}, {"no_repeat_ngram_size": 1.5}, {"no_repeat_ngram_size": True},
+     {"repetition_penalty": 0.5}, {"repetition_penalty": 2.5}, {"repetition_penalty": "1.1"}],
 )
 def test_strict_scalars(client, fields):
     assert_error(client.post(CHAT, json=chat(**fields)), 422, "validation_error")

@@ -122,10 +122,17 @@ class TextMemory(Memory):
         """Upper estimate per chunk: its vector, span and count, and its BM25 terms."""
         return 4 * self._embedder.dim + _CHUNK_BYTES + LexicalIndex.bytes_per_chunk(self.options.chunk_tokens)
 
+    def _rebuild_bytes(self, new_chunks: int, new_text_bytes: int) -> int:
+        """What rebuilding BM25 at the commit holds for a moment beside the old index: a copy of
+        every chunk's text and bm25s's token lists (an estimate of 16 bytes a token)."""
+        chunks = len(self._chunks) + new_chunks
+        return self._text_bytes + new_text_bytes + 16 * self.options.chunk_tokens * chunks
+
     def staged_bytes(self) -> int:
         if self._staged is None:
             return 0
-        return len(self._staged.spans) * self._chunk_bytes() + sys.getsizeof(self._staged.text)
+        text_bytes = sys.getsizeof(self._staged.text)
+        return len(self._staged.spans) * self._chunk_bytes() + text_bytes + self._rebuild_bytes(len(self._staged.spans), text_bytes)
 
     def commit_document(self) -> None:
         assert self._staged is not None, "begin_document first"
@@ -148,7 +155,8 @@ class TextMemory(Memory):
 
     def estimate_bytes(self, chars: int, tokens: int) -> int:
         n_chunks = -(-tokens // self.options.chunk_tokens) + 1
-        return n_chunks * self._chunk_bytes() + 4 * chars + 80  # 4 bytes a character at worst
+        text_bytes = 4 * chars + 80  # 4 bytes a character at worst
+        return n_chunks * self._chunk_bytes() + text_bytes + self._rebuild_bytes(n_chunks, text_bytes)
 
     def retrieve(self, query: str, max_tokens: int) -> list[ContextPiece]:
         if self._index.ntotal == 0:
