@@ -244,6 +244,19 @@ def eval_passkey(
     typer.echo(markdown(rows))
 
 
+def _memory_runs(memory: list[str]) -> list[tuple[str, dict]]:
+    """'text {"top_k": 2}' -> ("text", {"top_k": 2}); a bare name has no options."""
+    return [(m.split(" ", 1)[0], json.loads(m.split(" ", 1)[1]) if " " in m else {}) for m in memory]
+
+
+def _echo_rows(rows: list) -> None:
+    from engine.evals.qa import table
+
+    typer.echo(table(rows))
+    for row in rows:
+        typer.echo(f"{row.memory} {row.options or ''} missed: " + "; ".join(row.missed))
+
+
 @eval_app.command("qa")
 def eval_qa(
     model: str = "smollm2-135m-instruct",
@@ -254,13 +267,11 @@ def eval_qa(
     write: Annotated[Path | None, typer.Option(help="also write the table into this Markdown file (docs/benchmarks.md)")] = None,
 ) -> None:
     """The QA benchmark: 110 questions about five held-out texts, per memory, with the oracle row."""
-    from engine.evals.qa import bench, section, table
+    from engine.evals.qa import bench, section
 
-    runs = [(m.split(" ", 1)[0], json.loads(m.split(" ", 1)[1]) if " " in m else {}) for m in memory]
+    runs = _memory_runs(memory)
     rows = bench(_setup(model, adapter, device), runs, limit=limit)
-    typer.echo(table(rows))
-    for row in rows:
-        typer.echo(f"{row.memory} {row.options or ''} missed: " + "; ".join(row.missed))
+    _echo_rows(rows)
     if write:
         from engine.evals.docs import write_section
 
@@ -278,13 +289,10 @@ def eval_needles(
 ) -> None:
     """Invented facts of six kinds placed in held-out filler, asked about per memory and length."""
     from engine.evals.needles import bench
-    from engine.evals.qa import table
 
-    runs = [(m.split(" ", 1)[0], json.loads(m.split(" ", 1)[1]) if " " in m else {}) for m in memory]
+    runs = _memory_runs(memory)
     rows = bench(_setup(model, adapter, device), runs, list(length), seeds)
-    typer.echo(table(rows))
-    for row in rows:
-        typer.echo(f"{row.memory} {row.options or ''} missed: " + "; ".join(row.missed))
+    _echo_rows(rows)
 
 
 @eval_app.command("lm")

@@ -65,6 +65,11 @@ class ModelRuntime:
     stop_tokens: StopTokens
     neurocache: Neurocache | None = None
 
+    @functools.cached_property
+    def manifest_memory(self) -> str:
+        """The default memory the model's manifest names (read once)."""
+        return default_memory_of(self.loaded.name, self.loaded.source)
+
     @property
     def memories(self) -> tuple[str, ...]:
         usable = {"neurocache": self.neurocache is not None, "stream": self.loaded.streaming}
@@ -279,7 +284,7 @@ class Engine:
             return self.config.default_memory
         if runtime.loaded.streaming:
             return "stream"
-        kind = default_memory_of(runtime.loaded.name, runtime.loaded.source)
+        kind = runtime.manifest_memory
         if kind not in runtime.memories:
             log.warning("model %s: its manifest's default memory %r is not usable here; using %r", runtime.loaded.name, kind, FALLBACK_MEMORY)
             return FALLBACK_MEMORY
@@ -325,8 +330,10 @@ class Engine:
 
     def stats(self) -> EngineStats:
         memory_bytes: dict[str, int] = {kind: 0 for kind in MEMORIES}
+        on_disk = 0
         for session in self.sessions.list():
             memory_bytes[session.kind] += session.memory_bytes
+            on_disk += not session.resident
         depth = {runtime.worker.name: runtime.worker.depth for runtime in self._models.values()}
         depth[self._embed_worker.name] = self._embed_worker.depth
         return EngineStats(
@@ -336,7 +343,7 @@ class Engine:
             queue_depth=depth,
             memory_limit_bytes=self.config.sessions.server_memory_bytes,
             memory_reserved_bytes=self.sessions.reserved_bytes,
-            sessions_on_disk=sum(not s.resident for s in self.sessions.list()),
+            sessions_on_disk=on_disk,
             snapshot_failures=self.snapshot_failures,
         )
 

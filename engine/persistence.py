@@ -113,8 +113,8 @@ class SnapshotStore:
         """Ids of the sessions with a manifest on disk."""
         return sorted(p.parent.name for p in self.root.glob(f"*/{MANIFEST}") if set(p.parent.name) <= SESSION_ID_CHARS)
 
-    def write(self, snapshot: Snapshot) -> int:
-        """Write a snapshot atomically; returns the bytes written."""
+    def write(self, snapshot: Snapshot) -> None:
+        """Write a snapshot atomically."""
         folder = self.folder(snapshot.session["id"])
         if not folder.is_dir():
             folder.mkdir(parents=True)
@@ -135,7 +135,6 @@ class SnapshotStore:
         for old in folder.glob("state-*.safetensors"):
             if old.name != tensors_name:
                 old.unlink(missing_ok=True)
-        return (folder / tensors_name).stat().st_size + (folder / MANIFEST).stat().st_size
 
     def read_session(self, session_id: str) -> dict[str, Any]:
         """The session's metadata alone (no tensors read): for listing sessions at start."""

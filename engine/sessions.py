@@ -236,19 +236,21 @@ class SessionStore:
         else:
             self._drop(session)
 
-    def evict_for(self, nbytes: int, keep: Session | None = None) -> None:
-        """Move least recently used idle sessions to disk until `nbytes` more fit the server budget."""
+    def evict_for(self, nbytes: int, keep: Session | None = None, used: int | None = None) -> int:
+        """Move least recently used idle sessions to disk until `nbytes` more fit the server budget;
+        returns the bytes held after (`used`: held before, if the caller has just summed them)."""
+        used = self.used_bytes() if used is None else used
         if not self.keep_on_disk:
-            return
+            return used
         candidates = sorted(
             (s for s in self._sessions.values() if self._evictable(s) and s is not keep), key=lambda s: s.last_used_at
         )
-        used = self.used_bytes()
         for session in candidates:
             if used + nbytes <= self.limits.server_memory_bytes:
-                return
+                return used
             used -= session.memory_bytes
             self._evict(session)
+        return used
 
     # ---- memory budgets ----------------------------------------------------------------------
 
@@ -296,9 +298,9 @@ class SessionStore:
                     f"{per_session}-byte budget are left (clear its cache or use a new session)",
                     60.0,
                 )
-        if self.used_bytes() + nbytes > server:
-            self.evict_for(nbytes, keep=session)
         used = self.used_bytes()
+        if used + nbytes > server:
+            used = self.evict_for(nbytes, keep=session, used=used)
         if used + nbytes > server:
             raise BudgetExceededError(
                 f"the server's session memory is full: {used} of {server} bytes held, {nbytes} more needed "

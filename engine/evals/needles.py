@@ -11,15 +11,14 @@ model knows them beforehand.
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engine.engine import Engine
 from engine.evals import texts
-from engine.evals.qa import ANSWER_TOKENS, Row, score
-from engine.interface import GenerationParams, IngestDone
+from engine.evals.qa import ANSWER_TOKENS, Row, ingested, score
+from engine.interface import GenerationParams
 from engine.training.evaluate import EvalSetup, run_with_engine
 
 FILLER = texts.QaText("jargon-d-z", "filler", texts.BY_NAME["jargon"].source, start="   :daemon:")
@@ -105,17 +104,9 @@ async def _run(engine: Engine, memory: str, options: dict[str, Any], length: int
     row = Row(f"{memory} @{length // 1024}K", options, recalled=0 if memory == "text" else None)
     for seed in seeds:
         text, needles = document(length, engine.tokenizer(), seed, qa_dir)
-        session = engine.create_session(None, memory, options)
-        try:
-            started = time.perf_counter()
-            async for event in await engine.ingest(session.id, text, "needles"):
-                if isinstance(event, IngestDone):
-                    row.ingest_tokens += event.document.tokens
-            row.ingest_seconds += time.perf_counter() - started
+        async with ingested(engine, row, memory, options, text, "needles") as session_id:
             for needle in needles:
-                await _ask(engine, row, session.id, needle, text)
-        finally:
-            engine.delete_session(session.id)
+                await _ask(engine, row, session_id, needle, text)
     return row
 
 

@@ -10,6 +10,7 @@ prompt overlaps the gold passage's characters.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -134,6 +135,21 @@ async def _ask(engine: Engine, row: Row, question: Question, session_id: str | N
     await score(row, events, (question.start, question.end), question.answers, question.id)
 
 
+@contextlib.asynccontextmanager
+async def ingested(engine: Engine, row: Row, memory: str, options: dict[str, Any], text: str, name: str) -> AsyncIterator[str]:
+    """A new session holding `text`, its ingestion timed into `row`; deleted afterwards."""
+    session = engine.create_session(None, memory, options)
+    try:
+        started = time.perf_counter()
+        async for event in await engine.ingest(session.id, text, name):
+            if isinstance(event, IngestDone):
+                row.ingest_tokens += event.document.tokens
+        row.ingest_seconds += time.perf_counter() - started
+        yield session.id
+    finally:
+        engine.delete_session(session.id)
+
+
 async def run_memory(engine: Engine, memory: str, options: dict[str, Any], questions: list[Question], qa_dir: Path) -> Row:
     row = Row(memory, options, recalled=0 if memory == "text" else None)
     by_text: dict[str, list[Question]] = {}
@@ -144,17 +160,9 @@ async def run_memory(engine: Engine, memory: str, options: dict[str, Any], quest
             for question in asked:
                 await _ask(engine, row, question, None, oracle=True)
             continue
-        session = engine.create_session(None, memory, options)
-        try:
-            started = time.perf_counter()
-            async for event in await engine.ingest(session.id, texts.load(name, qa_dir), name):
-                if isinstance(event, IngestDone):
-                    row.ingest_tokens += event.document.tokens
-            row.ingest_seconds += time.perf_counter() - started
+        async with ingested(engine, row, memory, options, texts.load(name, qa_dir), name) as session_id:
             for question in asked:
-                await _ask(engine, row, question, session.id, oracle=False)
-        finally:
-            engine.delete_session(session.id)
+                await _ask(engine, row, question, session_id, oracle=False)
         print(f"  {memory} {name}: {row.correct}/{row.asked} correct so far", flush=True)
     return row
 
@@ -166,8 +174,8 @@ def bench(
     """One row per (memory, options); `limit` asks only the first questions of each text."""
     questions = load_questions(questions_path, qa_dir)
     if limit:
-        counts: dict[str, int] = {}
-        questions = [q for q in questions if (counts.__setitem__(q.text, counts.get(q.text, 0) + 1) or counts[q.text]) <= limit]
+        ranks = [sum(p.text == q.text for p in questions[:i]) for i, q in enumerate(questions)]
+        questions = [q for q, rank in zip(questions, ranks, strict=True) if rank < limit]
 
     async def body(engine: Engine) -> list[Row]:
         return [await run_memory(engine, memory, options, questions, qa_dir) for memory, options in runs]

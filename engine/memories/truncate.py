@@ -61,8 +61,11 @@ class TruncateMemory(Memory):
     def abort_document(self) -> None:
         self._staged = None
 
+    def _held(self) -> int:
+        return sum(len(ids) for _, ids, _ in self._tail)
+
     def _trim(self) -> None:
-        excess = sum(len(ids) for _, ids, _ in self._tail) - self.options.window_tokens
+        excess = self._held() - self.options.window_tokens
         while excess > 0:
             document_id, ids, spans = self._tail[0]
             if len(ids) <= excess:
@@ -91,18 +94,18 @@ class TruncateMemory(Memory):
         return pieces
 
     def stats(self) -> CacheInfo:
-        entries = sum(len(ids) for _, ids, _ in self._tail)
+        entries = self._held()
         return CacheInfo(
             memory=self.kind,
             entries=entries,
             bytes=entries * _BYTES_PER_TOKEN,
             capacity=self.options.window_tokens,
             documents=len(self._doc_ids),
-            dropped_tokens=self.dropped_tokens(),
+            dropped_tokens=self._fed - entries,
         )
 
     def dropped_tokens(self) -> int:
-        return self._fed - sum(len(ids) for _, ids, _ in self._tail)
+        return self._fed - self._held()
 
     def reset(self) -> None:
         self._doc_ids, self._tail, self._staged, self._fed = [], [], None, 0
@@ -123,4 +126,4 @@ class TruncateMemory(Memory):
             for d, i, s in zip(state["tail_documents"], state["tail_ids"], state["tail_spans"], strict=True)
         ]
         self._staged = None
-        self._fed = int(state.get("fed", sum(len(ids) for _, ids, _ in self._tail)))
+        self._fed = int(state.get("fed", self._held()))
