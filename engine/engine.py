@@ -41,15 +41,15 @@ from engine.interface import (
     Retrieval,
     SessionInfo,
 )
-from engine.memories import MEMORIES, ContextPiece, Memory, MemoryContext, StreamMemory, build_memory, memory_type
-from engine.memories.neurocache import NeurocacheMemory
+from engine.memories import MEMORIES, ContextPiece, Memory, MemoryContext, build_memory, memory_type
+from engine.memories.base import AnswerRequest, MemoryWrite
 from engine.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.models.manifest import FALLBACK_MEMORY, default_memory_of
 from engine.models.neurocache import Neurocache
 from engine.models.neurocache_io import load_adapter
 from engine.os_memory import return_free_memory
 from engine.persistence import Snapshot, SnapshotError, SnapshotStore
-from engine.prompts import Messages, history_tokens, overhead_tokens, render, with_context
+from engine.prompts import Messages, overhead_tokens, render
 from engine.sessions import Pin, Reservation, Session, SessionStore
 from engine.worker import EventStream, Releasable, SerialWorker, released_on_error
 
@@ -70,10 +70,22 @@ class ModelRuntime:
         """The default memory the model's manifest names (read once)."""
         return default_memory_of(self.loaded.name, self.loaded.source)
 
-    @property
+    def memory_context(self, embedder: Embedder | None) -> MemoryContext:
+        loaded = self.loaded
+        return MemoryContext(
+            tokenizer=loaded.tokenizer,
+            embedder=embedder,
+            neurocache=self.neurocache,
+            stream_model=loaded.model if loaded.streaming else None,
+            model=None if loaded.streaming else loaded.model,
+            context_len=loaded.context_len,
+        )
+
+    @functools.cached_property
     def memories(self) -> tuple[str, ...]:
-        usable = {"neurocache": self.neurocache is not None, "stream": self.loaded.streaming}
-        return tuple(kind for kind in MEMORIES if usable.get(kind, True))
+        """The memories a session on this model can use."""
+        context = self.memory_context(None)
+        return tuple(kind for kind, memory in MEMORIES.items() if memory.available(context))
 
     def info(self) -> ModelInfo:
         return ModelInfo(
@@ -199,13 +211,7 @@ class Engine:
         return session.info()
 
     def _memory_context(self, runtime: ModelRuntime) -> MemoryContext:
-        loaded = runtime.loaded
-        return MemoryContext(
-            tokenizer=loaded.tokenizer,
-            embedder=self._embedder,
-            neurocache=runtime.neurocache,
-            stream_model=loaded.model if loaded.streaming else None,
-        )
+        return runtime.memory_context(self._embedder)
 
     # ---- sessions on disk ------------------------------------------------------------------
 
@@ -445,82 +451,69 @@ class Engine:
             raise InvalidRequestError(f"session {session.id} uses model {session.model!r}, not {model!r}")
         runtime = self._runtime(session.model if session else model)
         tokenizer = runtime.loaded.tokenizer
-        context_tokens = runtime.loaded.context_len  # a session's prompt is filled up to the context
+        context_len, kv_bytes = runtime.loaded.context_len, runtime.loaded.kv_bytes_per_token
         if session is None:
             prompt_ids = await asyncio.to_thread(render, tokenizer, messages)
-            self._check_context(runtime, len(prompt_ids), params)
-            context_tokens = len(prompt_ids) + params.max_tokens
+            self._check_context(context_len, len(prompt_ids), params)
+            transient = (len(prompt_ids) + params.max_tokens) * kv_bytes
             events = self._generate(runtime, prompt_ids, params)
-        elif isinstance(session.memory, StreamMemory):
-            prompt_ids = await asyncio.to_thread(render, tokenizer, messages)
-            context_tokens = 0  # the answer grows the session's own state, reserved below
-            stream_growth = (len(prompt_ids) + params.max_tokens + 2) * session.memory.bytes_per_token()
-            held.append(self.sessions.reserve(session, stream_growth))
-            events = self._stream_events(runtime, session, session.memory, prompt_ids, params)
         else:
+            memory = session.memory
+            assert memory is not None
             overhead = await asyncio.to_thread(overhead_tokens, tokenizer, messages[:-1], messages[-1]["content"])
-            self._check_context(runtime, overhead, params)
-            budget = runtime.loaded.context_len - params.max_tokens - overhead
+            room = memory.answer_room(context_len)
+            if room is not None:
+                self._check_context(room, overhead, params)
+            budget = (context_len if room is None else room) - params.max_tokens - overhead
+            kept, transient = memory.answer_bytes(overhead, params.max_tokens, context_len, kv_bytes)
+            if kept:
+                held.append(self.sessions.reserve(session, kept))
             events = self._chat_events(runtime, session, messages, params, budget)
-        # the answer's key/value cache, at its largest, is reserved before it exists
-        held.append(self.sessions.reserve(None, context_tokens * runtime.loaded.kv_bytes_per_token, transient=True))
+        # what the answer allocates at its largest is reserved before it exists
+        held.append(self.sessions.reserve(None, transient, transient=True))
         held.append(runtime.worker.admit())
         return events
 
-    def _check_context(self, runtime: ModelRuntime, prompt_tokens: int, params: GenerationParams) -> None:
-        context_len = runtime.loaded.context_len
-        if prompt_tokens + params.max_tokens > context_len:
+    def _check_context(self, room: int, prompt_tokens: int, params: GenerationParams) -> None:
+        if prompt_tokens + params.max_tokens > room:
             raise InvalidRequestError(
                 f"the prompt has {prompt_tokens} tokens and max_tokens is {params.max_tokens}; "
-                f"together they exceed the model's context of {context_len} tokens"
+                f"together they exceed the {room} tokens of context the model can take here"
             )
 
     async def _chat_events(
         self, runtime: ModelRuntime, session: Session, messages: Messages, params: GenerationParams, budget: int
     ) -> AsyncIterator[GenerationEvent]:
-        """Retrieve up to `budget` tokens of context for the last user turn, then generate (the
-        request's pin keeps the session busy)."""
+        """Retrieve up to `budget` tokens of context for the last user turn, then let the memory
+        answer on the model's worker (the request's pin keeps the session busy)."""
+        memory = session.memory
+        assert memory is not None
         try:
-            question = messages[-1]["content"]
             started = time.perf_counter()
-            memory = session.memory
-            pieces: list[ContextPiece] = await self._memory_worker(session).run(memory.retrieve, question, budget)
-            yield Retrieval(memory.kind, tuple(p.item for p in pieces), time.perf_counter() - started)
-            turn = {"role": "user", "content": with_context(question, pieces)}
-            prompt_ids = await asyncio.to_thread(render, runtime.loaded.tokenizer, [*messages[:-1], turn])
-            step_context, binding, epoch = None, None, 0
-            if isinstance(memory, NeurocacheMemory):
-                binding, epoch = memory.binding(), memory.epoch
-                step_context = functools.partial(runtime.neurocache.active, binding)  # type: ignore[union-attr]
-            async for event in self._generate(runtime, prompt_ids, params, step_context):
-                if isinstance(event, GenerationDone) and binding is not None and binding.record:
-                    # a remembered turn is written before `done`, so the next question can use it;
-                    # earlier turns sent along (chat) are not written again
-                    earlier = await asyncio.to_thread(history_tokens, runtime.loaded.tokenizer, messages[:-1], prompt_ids)
-                    async with session.ingest_lock:
-                        await self._memory_worker(session).run(self._remember, session, binding, epoch, earlier)
-                yield event
+            pieces: list[ContextPiece] = await self._memory_worker(session).run(memory.retrieve, messages[-1]["content"], budget)
+            loaded = runtime.loaded
+            request = AnswerRequest(
+                loaded.model, loaded.tokenizer, runtime.stop_tokens, messages, pieces, params, time.perf_counter() - started
+            )
+            lock = session.ingest_lock if memory.answer_holds_lock else contextlib.nullcontext()
+            async with lock:
+                async for event in runtime.worker.iterate(memory.answer_steps(request)):
+                    if isinstance(event, MemoryWrite):
+                        await self._write_answer(session, event, holding_lock=memory.answer_holds_lock)
+                    else:
+                        yield event
         finally:
             session.last_used_at = time.time()
 
-    def _remember(self, session: Session, binding: Any, epoch: int, earlier: int) -> None:
-        assert isinstance(session.memory, NeurocacheMemory)
-        if session.memory.remember(binding, epoch, earlier):
-            self._save(session)
+    async def _write_answer(self, session: Session, write: MemoryWrite, *, holding_lock: bool) -> None:
+        """Apply an answer's write to the memory on its worker, with no ingestion half-way, then save."""
 
-    async def _stream_events(
-        self, runtime: ModelRuntime, session: Session, memory: StreamMemory, prompt_ids: list[int], params: GenerationParams
-    ) -> AsyncIterator[GenerationEvent]:
-        """Generate after the session's documents, in the model's own state. Answering feeds that
-        state (and rolls it back), so it waits for ingestion and other answers of the session."""
-        try:
-            async with session.ingest_lock:
-                yield Retrieval(memory.kind, (), 0.0)
-                steps = memory.answer_steps(runtime.loaded.tokenizer, prompt_ids, params, runtime.stop_tokens)
-                async for event in runtime.worker.iterate(steps):
-                    yield event
-        finally:
-            session.last_used_at = time.time()
+        def apply() -> None:
+            if write.apply():
+                self._save(session)
+
+        async with contextlib.nullcontext() if holding_lock else session.ingest_lock:
+            await self._memory_worker(session).run(apply)
 
     async def _generate(
         self,

@@ -104,7 +104,7 @@ def ingest_steps(
     total_tokens = len(document.token_ids)
     n_segments = -(-total_tokens // segment_len)
     dropped_before = memory.dropped_tokens()
-    memory.begin_document(document.id, document.text)
+    memory.begin_document(document.id, document.text, total_tokens)
     committed = False
     try:
         done_tokens = 0

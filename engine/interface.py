@@ -63,6 +63,7 @@ class CacheInfo:
     documents: int
     turns: int = 0  # answered turns written to the memory (neurocache with "remember")
     dropped_tokens: int = 0  # tokens of its documents the memory took but no longer holds (over capacity)
+    bytes_per_token: int = 0  # what one more document token costs the memory (0: not reported)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class RetrievedItem:
     char_start: int
     char_end: int
     score: float | None = None
+    layers: int | None = None  # kvcache: in how many layers the prompt pass selected this segment
 
 
 @dataclass(frozen=True)

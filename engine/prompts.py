@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from transformers import PreTrainedTokenizerBase
 
-from engine.memories import ContextPiece
+if TYPE_CHECKING:  # engine.memories builds prompts with these helpers
+    from engine.memories.base import ContextPiece
 
 Messages = list[dict[str, str]]
 
@@ -15,7 +18,7 @@ def _format(question: str, excerpts: str) -> str:
     return f"Document excerpts:\n\n{excerpts}\n\n{INSTRUCTION}\nQuestion: {question}"
 
 
-def with_context(question: str, pieces: list[ContextPiece]) -> str:
+def with_context(question: str, pieces: list["ContextPiece"]) -> str:
     """One user turn: the retrieved excerpts in document order, then the question."""
     if not pieces:
         return question
@@ -42,3 +45,25 @@ def history_tokens(tokenizer: PreTrainedTokenizerBase, history: Messages, prompt
     text = tokenizer.apply_chat_template(history, add_generation_prompt=False, tokenize=False)
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return len(ids) if prompt_ids[: len(ids)] == ids else 0
+
+
+DOCUMENT_MARK = "\x00longdoc-document\x00"
+
+
+def document_frame(tokenizer: PreTrainedTokenizerBase) -> tuple[str, str]:
+    """The chat template around a document streamed into a model's own cache: (text before the
+    document, the template's end of a turn and the assistant's start). The document sits inside
+    the first user turn; the question follows it in the same turn (`after_document`)."""
+    turn = [{"role": "user", "content": f"Document:\n\n{DOCUMENT_MARK}"}]
+    text = tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+    before, after = text.split(DOCUMENT_MARK)
+    return before, after
+
+
+def after_document(tokenizer: PreTrainedTokenizerBase, history: Messages, question: str) -> str:
+    """What follows the streamed document: earlier turns as text, the instruction, the question,
+    then the end of the turn and the assistant's start."""
+    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in history if m.get("content")]
+    earlier = "Earlier in this conversation:\n" + "\n".join(lines) + "\n\n" if lines else ""
+    instruction = INSTRUCTION.replace("document excerpts", "document")
+    return f"\n\n{earlier}{instruction}\nQuestion: {question}" + document_frame(tokenizer)[1]

@@ -67,6 +67,7 @@ class CachePublic(BaseModel):
     documents: int
     turns: int = 0
     dropped_tokens: int = Field(0, description="tokens of the session's documents the memory no longer holds")
+    bytes_per_token: int = Field(0, description="bytes one more document token costs this memory (0: not reported)")
 
 
 class SessionPublic(BaseModel):
@@ -118,6 +119,7 @@ class RetrievedItemPublic(BaseModel):
     char_start: int
     char_end: int
     score: float | None = None
+    layers: int | None = Field(None, description="kvcache: in how many layers the prompt pass selected this segment")
 
 
 class RetrievalPublic(BaseModel):

@@ -37,7 +37,7 @@ def test_session_lifecycle(client):
     session_id = new_session(client, memory="truncate", options={"window_tokens": 256})
     info = client.get(f"/v1/sessions/{session_id}").json()
     assert info["memory"] == "truncate" and info["options"] == {"window_tokens": 256}
-    assert info["cache"] == {"memory": "truncate", "entries": 0, "bytes": 0, "capacity": 256, "documents": 0, "turns": 0, "dropped_tokens": 0}
+    assert info["cache"] == {"memory": "truncate", "entries": 0, "bytes": 0, "capacity": 256, "documents": 0, "turns": 0, "dropped_tokens": 0, "bytes_per_token": 12}
     assert [s["id"] for s in client.get("/v1/sessions").json()["data"]] == [session_id]
     assert client.delete(f"/v1/sessions/{session_id}").status_code == 204
     assert client.get(f"/v1/sessions/{session_id}").status_code == 404

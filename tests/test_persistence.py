@@ -50,7 +50,7 @@ def test_snapshots_replace_each_other_and_bad_ones_are_refused(tmp_path):
         store.folder("../etc")
 
 
-@pytest.mark.parametrize("memory", ["text", "truncate", "neurocache"])
+@pytest.mark.parametrize("memory", ["text", "truncate", "neurocache", "kvcache"])
 def test_sessions_come_back_after_a_restart(make_client, tmp_path, adapter_dir, memory):  # noqa: F811
     settings = dict(data_dir=tmp_path / "sessions", adapter_dir=[str(adapter_dir)])
     client = make_client(**settings)

@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.engine import Engine
 from engine.evals import texts
-from engine.evals.qa import ANSWER_TOKENS, Row, ingested, score
+from engine.evals.qa import ANSWER_TOKENS, RECALLING, Row, ingested, score
 from engine.interface import GenerationParams
 from engine.training.evaluate import EvalSetup, run_with_engine
 
@@ -101,7 +101,7 @@ def document(length_tokens: int, tokenizer: Any, seed: int, qa_dir: Path = texts
 
 
 async def _run(engine: Engine, memory: str, options: dict[str, Any], length: int, seeds: range, qa_dir: Path) -> Row:
-    row = Row(f"{memory} @{length // 1024}K", options, recalled=0 if memory == "text" else None)
+    row = Row(f"{memory} @{length // 1024}K", options, recalled=0 if memory in RECALLING else None)
     for seed in seeds:
         text, needles = document(length, engine.tokenizer(), seed, qa_dir)
         async with ingested(engine, row, memory, options, text, "needles") as session_id:

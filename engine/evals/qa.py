@@ -99,7 +99,16 @@ class Row:
         }
 
 
+RECALL_SEGMENTS = 24  # kvcache: the segments most layers selected that recall looks at (k·u by default)
+RECALLING = ("text", "kvcache")  # memories whose retrieval event names passages
+
+
 def overlaps(items: Iterable[RetrievedItem], start: int, end: int) -> bool:
+    """Whether the gold span meets a retrieved passage; for kvcache, one of the RECALL_SEGMENTS
+    segments selected in the most layers (each layer and head selects its own)."""
+    items = list(items)
+    if items and items[0].layers is not None:
+        items = sorted(items, key=lambda item: -(item.layers or 0))[:RECALL_SEGMENTS]
     return any(item.char_start < end and start < item.char_end for item in items)
 
 
@@ -151,7 +160,7 @@ async def ingested(engine: Engine, row: Row, memory: str, options: dict[str, Any
 
 
 async def run_memory(engine: Engine, memory: str, options: dict[str, Any], questions: list[Question], qa_dir: Path) -> Row:
-    row = Row(memory, options, recalled=0 if memory == "text" else None)
+    row = Row(memory, options, recalled=0 if memory in RECALLING else None)
     by_text: dict[str, list[Question]] = {}
     for question in questions:
         by_text.setdefault(question.text, []).append(question)

@@ -6,12 +6,13 @@ from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment
+from engine.memories.kvcache import KVCacheMemory
 from engine.memories.neurocache import NeurocacheMemory
 from engine.memories.stream import StreamMemory
 from engine.memories.text import TextMemory
 from engine.memories.truncate import TruncateMemory
 
-MEMORIES: dict[str, type[Memory]] = {cls.kind: cls for cls in (TruncateMemory, TextMemory, NeurocacheMemory, StreamMemory)}
+MEMORIES: dict[str, type[Memory]] = {cls.kind: cls for cls in (TruncateMemory, TextMemory, NeurocacheMemory, KVCacheMemory, StreamMemory)}
 
 
 def memory_type(kind: str) -> type[Memory]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -17,7 +18,9 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.embedder import Embedder
 from engine.errors import InvalidRequestError
-from engine.interface import CacheInfo, RetrievedItem
+from engine.generation import StopTokens, generate_steps
+from engine.interface import CacheInfo, GenerationEvent, GenerationParams, Retrieval, RetrievedItem
+from engine.prompts import Messages, render, with_context
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ class MemoryContext:
     embedder: Embedder | None = None
     neurocache: Any = None  # engine.models.neurocache.Neurocache when the model has an adapter
     stream_model: Any = None  # engine.models.lm_common.LanguageModel when the model streams (Long-Short, CacheFormer)
+    model: Any = None  # the served Hugging Face causal LM (None for a streaming research LM)
+    context_len: int = 0  # the served model's positions
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,32 @@ class ContextPiece:
 
     text: str
     item: RetrievedItem
+
+
+@dataclass(frozen=True)
+class AnswerRequest:
+    """What the engine hands a memory to answer the last user turn of `messages`."""
+
+    model: Any  # the served model
+    tokenizer: PreTrainedTokenizerBase
+    stop_tokens: StopTokens
+    messages: Messages
+    pieces: list[ContextPiece]  # what `retrieve` returned for the question
+    params: GenerationParams
+    retrieval_seconds: float
+
+    @property
+    def question(self) -> str:
+        return self.messages[-1]["content"]
+
+
+@dataclass(frozen=True)
+class MemoryWrite:
+    """Yielded by `answer_steps` when an answer should be written into the memory: the engine runs
+    `apply` on the memory's worker under the session's ingest lock (so no ingestion is half-way),
+    saves the session if it returns True, and does not pass the event on."""
+
+    apply: Callable[[], bool]
 
 
 def parse_options(options_type: type, options: dict[str, Any]) -> Any:
@@ -82,10 +113,11 @@ def validation_message(exc: ValidationError) -> str:
 class Memory(ABC):
     kind: ClassVar[str]
     runs_on_model: ClassVar[bool] = False  # ingestion needs the language model's worker
+    answer_holds_lock: ClassVar[bool] = False  # answering reads state ingestion writes: hold the session's ingest lock
 
     @abstractmethod
-    def begin_document(self, document_id: str, text: str) -> None:
-        """Start staging a document; only one may be staged at a time."""
+    def begin_document(self, document_id: str, text: str, tokens: int) -> None:
+        """Start staging a document of `tokens` tokens; only one may be staged at a time."""
 
     @abstractmethod
     def add_segment(self, segment: Segment) -> None:
@@ -104,6 +136,11 @@ class Memory(ABC):
         """Drop the staged document; the memory is as it was before `begin_document`."""
 
     @classmethod
+    def available(cls, context: MemoryContext) -> bool:
+        """Whether a session on the model behind `context` can use this memory."""
+        return True
+
+    @classmethod
     def initial_bytes(cls, context: MemoryContext, options: dict[str, Any]) -> int:
         """Bytes the memory allocates when made with these options (before any document)."""
         return 0
@@ -115,6 +152,32 @@ class Memory(ABC):
     @abstractmethod
     def retrieve(self, query: str, max_tokens: int) -> list[ContextPiece]:
         """What to put before `query`, at most `max_tokens` tokens, in document order."""
+
+    # ---- answering (the defaults: document text in the prompt, the plain model answers) ---------
+
+    def answer_room(self, context_len: int) -> int | None:
+        """Prompt and answer tokens the model can take beside what the memory puts in it; None: no limit."""
+        return context_len
+
+    def answer_bytes(self, overhead: int, max_tokens: int, context_len: int, kv_bytes_per_token: int) -> tuple[int, int]:
+        """At most how many bytes an answer adds to the session and, transiently, to the server.
+
+        Args:
+            overhead: prompt tokens besides any document text (question, earlier turns, template).
+            max_tokens: the answer's limit.
+            context_len: the served model's positions.
+            kv_bytes_per_token: a generation's key/value bytes per token.
+        Returns:
+            (bytes the session keeps, bytes freed when the answer ends).
+        """
+        return 0, context_len * kv_bytes_per_token  # the prompt is filled up to the context
+
+    def answer_steps(self, request: AnswerRequest) -> Iterator[GenerationEvent | MemoryWrite]:
+        """A blocking generator run on the model's worker: one `Retrieval`, text deltas, then done."""
+        turn = {"role": "user", "content": with_context(request.question, request.pieces)}
+        prompt_ids = render(request.tokenizer, [*request.messages[:-1], turn])
+        yield Retrieval(self.kind, tuple(p.item for p in request.pieces), request.retrieval_seconds)
+        yield from generate_steps(request.model, request.tokenizer, prompt_ids, request.params, request.stop_tokens)
 
     def dropped_tokens(self) -> int:
         """Tokens of committed documents the memory no longer holds (a window or a full cache)."""

@@ -10,14 +10,18 @@ retrieve earlier turns.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from engine.interface import CacheInfo
-from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment, parse_options
+from engine.generation import generate_steps
+from engine.interface import CacheInfo, GenerationDone, GenerationEvent, Retrieval
+from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, MemoryWrite, Segment, parse_options
 from engine.models.neurocache import CacheBinding
+from engine.prompts import history_tokens, render
 
 
 @dataclass(frozen=True)
@@ -49,12 +53,16 @@ class NeurocacheMemory(Memory):
         self.epoch = 0  # bumped when the cache is emptied or replaced
 
     @classmethod
+    def available(cls, context: MemoryContext) -> bool:
+        return context.neurocache is not None
+
+    @classmethod
     def initial_bytes(cls, context: MemoryContext, options: dict[str, Any]) -> int:
         if context.neurocache is None:
             return 0  # refused when made
         return context.neurocache.cache_bytes(parse_options(NeurocacheOptions, options).capacity)
 
-    def begin_document(self, document_id: str, text: str) -> None:
+    def begin_document(self, document_id: str, text: str, tokens: int) -> None:
         self.cache.begin()
         self._staged = (document_id, 0)
         self._blocks += 1
@@ -85,6 +93,20 @@ class NeurocacheMemory(Memory):
 
     def retrieve(self, query: str, max_tokens: int) -> list[ContextPiece]:
         return []  # retrieval happens inside the model, once per token
+
+    def answer_steps(self, request: AnswerRequest) -> Iterator[GenerationEvent | MemoryWrite]:
+        """The question alone in the prompt; every forward pass retrieves from the cache. With
+        `remember`, the answered turn is written after the answer (earlier turns sent along are not)."""
+        binding, epoch = self.binding(), self.epoch
+        prompt_ids = render(request.tokenizer, request.messages)
+        yield Retrieval(self.kind, (), request.retrieval_seconds)
+        step_context = functools.partial(self.neurocache.active, binding)
+        steps = generate_steps(request.model, request.tokenizer, prompt_ids, request.params, request.stop_tokens, step_context)
+        for event in steps:
+            if isinstance(event, GenerationDone) and binding.record:
+                earlier = history_tokens(request.tokenizer, request.messages[:-1], prompt_ids)
+                yield MemoryWrite(functools.partial(self.remember, binding, epoch, earlier))
+            yield event
 
     def binding(self) -> CacheBinding:
         """One answer's view of the cache; it records the answer's states when turns are remembered."""

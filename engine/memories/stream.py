@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
-from engine.generation import StopTokens, decode_steps
-from engine.interface import CacheInfo, GenerationDone, GenerationParams, TokenDelta
-from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment, parse_options
+from engine.generation import decode_steps
+from engine.interface import CacheInfo, GenerationEvent, Retrieval
+from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, MemoryWrite, Segment, parse_options
 from engine.models.lm_stream import Mark, StreamState, feed
+from engine.prompts import render
 
 SEPARATOR = "\n\n"
 
@@ -31,6 +32,7 @@ class StreamOptions:
 class StreamMemory(Memory):
     kind = "stream"
     runs_on_model = True
+    answer_holds_lock = True  # answering feeds the state (and rolls it back)
 
     def __init__(self, context: MemoryContext, options: dict[str, Any]) -> None:
         self.options: StreamOptions = parse_options(StreamOptions, options)
@@ -43,7 +45,11 @@ class StreamMemory(Memory):
         self._staged: tuple[str, Mark, int] | None = None  # (document id, mark, bytes before it)
         self._committed_bytes = self.state.nbytes  # what stats count: not a staged document, not an answer in flight
 
-    def begin_document(self, document_id: str, text: str) -> None:
+    @classmethod
+    def available(cls, context: MemoryContext) -> bool:
+        return context.stream_model is not None
+
+    def begin_document(self, document_id: str, text: str, tokens: int) -> None:
         self._staged = (document_id, self.state.mark(), self.state.nbytes)
         if self._documents:
             feed(self.model, self.state, self._separator)
@@ -78,18 +84,23 @@ class StreamMemory(Memory):
     def retrieve(self, query: str, max_tokens: int) -> list[ContextPiece]:
         return []  # the documents are in the model's state, not in the prompt
 
-    def answer_steps(
-        self, tokenizer: Any, prompt_ids: list[int], params: GenerationParams, stop_tokens: StopTokens
-    ) -> Iterator[TokenDelta | GenerationDone]:
+    def answer_room(self, context_len: int) -> int | None:
+        return None  # the state streams on; the answer grows it, reserved in answer_bytes
+
+    def answer_bytes(self, overhead: int, max_tokens: int, context_len: int, kv_bytes_per_token: int) -> tuple[int, int]:
+        return (overhead + max_tokens + len(self._separator)) * self.bytes_per_token(), 0
+
+    def answer_steps(self, request: AnswerRequest) -> Iterator[GenerationEvent | MemoryWrite]:
         """Generate after the documents; whatever the answer fed is forgotten when it ends."""
+        yield Retrieval(self.kind, (), 0.0)
         mark = self.state.mark()
-        prompt = (self._separator if self._documents else []) + list(prompt_ids)
+        prompt = (self._separator if self._documents else []) + render(request.tokenizer, request.messages)
 
         def forward(ids: list[int]) -> torch.Tensor:
             return feed(self.model, self.state, ids)[-1]
 
         try:
-            yield from decode_steps(forward, tokenizer, prompt, params, stop_tokens)
+            yield from decode_steps(forward, request.tokenizer, prompt, request.params, request.stop_tokens)
         finally:
             self.state.rollback(mark)
 

@@ -104,7 +104,7 @@ class TextMemory(Memory):
         self._text_bytes = 0  # their texts' size in RAM: kept, as stats run on every budget check and scrape
         self._staged: _Staged | None = None
 
-    def begin_document(self, document_id: str, text: str) -> None:
+    def begin_document(self, document_id: str, text: str, tokens: int) -> None:
         self._staged = _Staged(document_id, text)
 
     def add_segment(self, segment: Segment) -> None:

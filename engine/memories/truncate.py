@@ -34,7 +34,7 @@ class TruncateMemory(Memory):
         self._staged_tokens = 0
         self._fed = 0  # tokens of all committed documents
 
-    def begin_document(self, document_id: str, text: str) -> None:
+    def begin_document(self, document_id: str, text: str, tokens: int) -> None:
         self._staged, self._staged_tokens = (document_id, [], []), 0
 
     def add_segment(self, segment: Segment) -> None:
@@ -102,6 +102,7 @@ class TruncateMemory(Memory):
             capacity=self.options.window_tokens,
             documents=len(self._doc_ids),
             dropped_tokens=self._fed - entries,
+            bytes_per_token=_BYTES_PER_TOKEN,
         )
 
     def dropped_tokens(self) -> int:

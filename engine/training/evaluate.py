@@ -138,7 +138,9 @@ def _gist(answer: str) -> str:
 def _engine(setup: EvalSetup, max_tokens: int) -> Engine:
     spec = ModelSpec(sources=(setup.model,), device=setup.device, cache_dir=setup.cache_dir, adapter_dirs=_adapter_dirs(setup))
     config = EngineConfig(models=spec)
-    config = replace(config, ingest=replace(config.ingest, max_document_tokens=max_tokens * 2))
+    # one session may use the server's whole budget: a kvcache session of a book is gigabytes
+    sessions = replace(config.sessions, memory_budget_bytes=config.sessions.server_memory_bytes)
+    config = replace(config, ingest=replace(config.ingest, max_document_tokens=max_tokens * 2), sessions=sessions)
     return Engine(config)
 
 

@@ -1,0 +1,205 @@
+"""kvcache memory: the session's documents as the served model's own keys and values, attended by
+segment selection (engine/models/kv_select.py). No training; the document stays exact.
+
+The stream a session keeps: the chat template's start and "Document:", the first document, then
+each later document after a blank line. Answering continues that stream with the question (the
+rest of the user turn) and generates; the store is read-only while answering.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from engine.generation import decode_steps
+from engine.interface import CacheInfo, GenerationEvent, Retrieval, RetrievedItem
+from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, MemoryWrite, Segment, parse_options
+from engine.models.kv_select import ARCHITECTURES, SelectConfig, SelectiveAnswer, SelectiveModel
+from engine.models.kv_store import KVStore
+from engine.prompts import after_document, document_frame
+
+SEPARATOR = "\n\n"
+_SPAN_BYTES = 12  # per token: its document (int32) and its characters (2 × int32)
+
+
+@dataclass(frozen=True)
+class KVCacheOptions:
+    segment_len: int = 64  # l: tokens per selectable segment
+    top_k: int = 8  # k: segments each layer and key/value head selects
+    neighbours: int = 3  # u: segments taken per pick, centred on it
+    window: int = 1024  # local window, tokens
+    sinks: int = 64  # attention-sink tokens (the start of the stream)
+    query_chunk: int = 64  # p: prompt rows sharing one selection
+    ingest_selection: bool = True  # document chunks attend to selected earlier segments too
+    summary: Literal["mean", "representative"] = "mean"
+    representatives: int = 4  # keys kept per segment for the "representative" summary
+    storage: Literal["bfloat16", "int8", "float32"] = "bfloat16"
+
+    def __post_init__(self) -> None:
+        bounds = {"segment_len": (8, 1024), "top_k": (1, 256), "neighbours": (1, 9), "window": (16, 65536),
+                  "sinks": (0, 4096), "query_chunk": (1, 4096), "representatives": (1, 64)}
+        for name, (low, high) in bounds.items():
+            if not low <= getattr(self, name) <= high:
+                raise ValueError(f"{name} must be between {low} and {high}")
+        if self.window < self.segment_len:
+            raise ValueError("window must be at least segment_len")
+        if self.representatives > self.segment_len:
+            raise ValueError("representatives must be at most segment_len")
+
+    def select_config(self) -> SelectConfig:
+        fields = asdict(self)
+        fields.pop("storage")
+        return SelectConfig(**fields)
+
+
+class KVCacheMemory(Memory):
+    kind = "kvcache"
+    runs_on_model = True
+    answer_holds_lock = True  # the answer reads the store an ingestion appends to
+
+    def __init__(self, context: MemoryContext, options: dict[str, Any]) -> None:
+        self.options: KVCacheOptions = parse_options(KVCacheOptions, options)
+        if not self.available(context):
+            raise ValueError(f"memory 'kvcache' needs a served Llama-family model ({', '.join(ARCHITECTURES)})")
+        self.selective = SelectiveModel(context.model, self.options.select_config())
+        room = context.context_len - self.selective.config.positions()
+        if room < 256:
+            raise ValueError(
+                f"sinks + top_k·neighbours·segment_len + window + segment_len = {self.selective.config.positions()} positions "
+                f"leave {room} of the model's {context.context_len} for the question and answer; at least 256 are needed"
+            )
+        self._room = room
+        tokenizer = context.tokenizer
+        self._prefix = tokenizer(document_frame(tokenizer)[0], add_special_tokens=False)["input_ids"]
+        self._separator = tokenizer(SEPARATOR, add_special_tokens=False)["input_ids"]
+        shape = self.selective.store_shape(self.options.storage)
+        self.store = KVStore(shape, device=self.selective.device, dtype=self.selective.dtype)
+        self._documents: list[str] = []
+        self._token_doc = np.zeros(0, np.int32)  # per stream token: its document's number, -1 for template text
+        self._token_spans = np.zeros((0, 2), np.int32)
+        self._staged: dict[str, Any] | None = None
+
+    @classmethod
+    def available(cls, context: MemoryContext) -> bool:
+        return context.model is not None and getattr(context.model.config, "model_type", None) in ARCHITECTURES
+
+    # ---- ingestion -----------------------------------------------------------------------------
+
+    def begin_document(self, document_id: str, text: str, tokens: int) -> None:
+        lead = self._separator if self.store.tokens else self._prefix
+        self._staged = {"id": document_id, "mark": self.store.mark(), "bytes": self._bytes(), "arrays": (self._token_doc, self._token_spans)}
+        self.store.reserve(tokens + len(lead))
+        self._feed(lead, -1, [(0, 0)] * len(lead))
+
+    def add_segment(self, segment: Segment) -> None:
+        assert self._staged is not None, "begin_document first"
+        self._feed(segment.token_ids, len(self._documents), segment.token_spans)
+
+    def _feed(self, token_ids: list[int], document: int, spans: list[tuple[int, int]]) -> None:
+        if not token_ids:
+            return
+        self.selective.stream(self.store, token_ids)
+        self._token_doc = np.concatenate([self._token_doc, np.full(len(token_ids), document, np.int32)])
+        self._token_spans = np.concatenate([self._token_spans, np.asarray(spans, np.int32).reshape(-1, 2)])
+
+    def _bytes(self) -> int:
+        return self.store.nbytes + len(self._token_doc) * _SPAN_BYTES
+
+    def staged_bytes(self) -> int:
+        return 0 if self._staged is None else self._bytes() - self._staged["bytes"]
+
+    def estimate_bytes(self, chars: int, tokens: int) -> int:
+        lead = max(len(self._prefix), len(self._separator))
+        return self.store.added_bytes(tokens + lead) + (tokens + lead) * _SPAN_BYTES
+
+    def commit_document(self) -> None:
+        assert self._staged is not None, "begin_document first"
+        self._documents.append(self._staged["id"])
+        self.store.trim()
+        self._staged = None
+
+    def abort_document(self) -> None:
+        if self._staged is not None:
+            self.store.rollback(self._staged["mark"])
+            self._token_doc, self._token_spans = self._staged["arrays"]
+        self._staged = None
+
+    # ---- answering -----------------------------------------------------------------------------
+
+    def retrieve(self, query: str, max_tokens: int) -> list[ContextPiece]:
+        return []  # each layer selects segments itself, while answering
+
+    def answer_room(self, context_len: int) -> int | None:
+        return self._room
+
+    def answer_bytes(self, overhead: int, max_tokens: int, context_len: int, kv_bytes_per_token: int) -> tuple[int, int]:
+        """The answer's buffers hold sinks, the selected segments, the window and its own tokens."""
+        return 0, (self.selective.config.positions() + overhead + max_tokens) * kv_bytes_per_token
+
+    def answer_steps(self, request: AnswerRequest) -> Iterator[GenerationEvent | MemoryWrite]:
+        tokenizer = request.tokenizer
+        if not self._documents:
+            prompt = self._prefix + tokenizer(after_document(tokenizer, request.messages[:-1], request.question), add_special_tokens=False)["input_ids"]
+        else:
+            prompt = tokenizer(after_document(tokenizer, request.messages[:-1], request.question), add_special_tokens=False)["input_ids"]
+        answer = SelectiveAnswer(self.selective, self.store, len(prompt) + request.params.max_tokens)
+        steps = decode_steps(answer.forward, tokenizer, prompt, request.params, request.stop_tokens)
+        first = next(steps)  # the prompt pass selects; its picks are the answer's sources
+        yield Retrieval(self.kind, self._items(answer), answer.selection_seconds)
+        yield first
+        yield from steps
+
+    def _items(self, answer: SelectiveAnswer) -> tuple[RetrievedItem, ...]:
+        """The segments the prompt pass selected, in document order, with how many layers picked each."""
+        items = []
+        sinks, l = self.selective.config.sinks, self.selective.config.segment_len
+        for segment, layers in sorted(answer.picked.items()):
+            rows = slice(sinks + segment * l, sinks + (segment + 1) * l)
+            docs = self._token_doc[rows]
+            in_document = np.flatnonzero(docs >= 0)
+            if not len(in_document):
+                continue
+            document = int(docs[in_document[0]])
+            mine = in_document[docs[in_document] == document]
+            spans = self._token_spans[rows][mine]
+            items.append(RetrievedItem(
+                chunk_id=segment, document_id=self._documents[document], char_start=int(spans[0, 0]),
+                char_end=int(spans[-1, 1]), score=None, layers=layers,
+            ))
+        return tuple(items)
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    def stats(self) -> CacheInfo:
+        return CacheInfo(
+            memory=self.kind,
+            entries=self.store.tokens,
+            bytes=self._bytes(),
+            capacity=0,  # unbounded: the session's byte budget is the limit
+            documents=len(self._documents),
+            bytes_per_token=self.store.shape.bytes_per_token() + _SPAN_BYTES,
+        )
+
+    def reset(self) -> None:
+        self.store = KVStore(self.store.shape, device=self.store.device, dtype=self.store.dtype)
+        self._documents, self._staged = [], None
+        self._token_doc, self._token_spans = np.zeros(0, np.int32), np.zeros((0, 2), np.int32)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "documents": list(self._documents),
+            "store": self.store.state_dict(),
+            "token_doc": torch.from_numpy(self._token_doc),
+            "token_spans": torch.from_numpy(self._token_spans),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reset()
+        self.store.load_state_dict(state["store"])
+        self._documents = list(state["documents"])
+        self._token_doc = state["token_doc"].numpy().astype(np.int32)
+        self._token_spans = state["token_spans"].numpy().astype(np.int32).reshape(-1, 2)

@@ -1,0 +1,323 @@
+"""Segment-selection attention over a pretrained Llama-family model's own keys and values.
+
+CacheFormer's cache attention and the segment-selection KV cache, applied to a served model
+without training (papers/cacheformer-v2.md, papers/kv-cache-segment-selection.md). A document
+streams through the model chunk by chunk; each layer keeps every token's key (before rotary) and
+value in a `KVStore`, cut into segments of l tokens with a summary each. A query chunk attends, in
+one softmax, to
+
+    [attention sinks | top-k selected segments (+ neighbours) | local window | its own tokens (causal)]
+
+Selection (per layer and key/value head): the mean query of the chunk's rows and of the head's
+query group, before rotary, dotted with each segment's summary (the best of its representative
+keys); top-k segments, each with its u - 1 neighbours (u = `neighbours`, centred), deduplicated,
+only among segments that end before the local window (never the current or a future segment).
+While a document streams, chunk g is selected for by the queries of chunk g-1, so no stored key or
+value depends on a later token. In the answer's prompt pass chunk g uses its own queries: every
+selectable segment precedes the whole prompt, and only the last position's logits are used. Each
+decode step selects with its own query.
+
+Positions (rotary): keys are stored before rotary and rotated where they are attended. Sinks sit
+at 0..s-1; the current region (window, then the chunk) continues from `sinks + max_selected`,
+where `max_selected` = min(segments eligible, k·u)·l; a head's selected segments sit right before
+the window, in document order, back to back. With nothing to select the positions are the
+document's own, so a text that fits in sinks + window gives the plain model's logits, and so does
+a top-k that covers every segment.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.bias import causal_lower_right
+
+from engine.models.kv_store import KVStore, StoreShape
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class SelectConfig:
+    segment_len: int = 64  # l
+    top_k: int = 8  # k
+    neighbours: int = 3  # u: segments per pick, centred on it
+    window: int = 1024  # local window, tokens
+    sinks: int = 64  # attention-sink tokens
+    query_chunk: int = 64  # p: prompt rows that share one selection
+    ingest_selection: bool = True  # streaming chunks attend to selected segments too
+    summary: str = "mean"  # "mean" | "representative"
+    representatives: int = 4  # keys per segment for "representative"
+
+    @property
+    def max_selected_tokens(self) -> int:
+        return self.top_k * self.neighbours * self.segment_len
+
+    def positions(self) -> int:
+        """Positions the layout takes before the answer's own tokens, at most."""
+        return self.sinks + self.max_selected_tokens + self.window + self.segment_len
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [..., n, D] with cos/sin broadcastable to it."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def pick_segments(scores: torch.Tensor, eligible: int, top_k: int, neighbours: int) -> list[list[int]]:
+    """Per head, sorted distinct segment indices among the first `eligible` of scores [H, S]: the
+    top-k, each with its neighbours; where neighbours overlap, the next best segments fill the
+    places, so every head holds min(k·u, eligible) segments (one layout, no padding). Nothing at
+    or after `eligible` is ever picked."""
+    if eligible <= 0:
+        return [[] for _ in range(scores.shape[0])]
+    want = min(top_k * neighbours, eligible)
+    order = scores[:, :eligible].argsort(dim=-1, descending=True, stable=True)[:, :want].tolist()
+    low, high = -((neighbours - 1) // 2), neighbours // 2
+    picks = []
+    for ranked in order:
+        chosen = {p + o for p in ranked[:top_k] for o in range(low, high + 1) if 0 <= p + o < eligible}
+        for p in ranked[top_k:]:
+            if len(chosen) >= want:
+                break
+            chosen.add(p)
+        picks.append(sorted(chosen))
+    return picks
+
+
+class SelectiveModel:
+    """A Llama-family causal LM run with segment-selection attention (module docstring)."""
+
+    def __init__(self, model: nn.Module, config: SelectConfig) -> None:
+        if model.config.model_type not in ARCHITECTURES:
+            raise ValueError(f"memory 'kvcache' runs Llama-family models ({', '.join(ARCHITECTURES)}), not {model.config.model_type!r}")
+        self.model, self.config = model, config
+        cfg = model.config
+        self.q_heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.q_heads
+        # a Neurocache adapter wraps some layers; outside its binding they compute the base layer
+        self.layers = [getattr(layer, "base", layer) for layer in model.model.layers]
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+
+    def store_shape(self, storage: str) -> StoreShape:
+        c = self.config
+        return StoreShape(
+            layers=len(self.layers), kv_heads=self.kv_heads, head_dim=self.head_dim, sinks=c.sinks,
+            segment_len=c.segment_len, representatives=c.representatives if c.summary == "representative" else 1, storage=storage,
+        )
+
+    # ---- pieces of a layer ---------------------------------------------------------------------
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [*positions.shape, D] in the compute dtype."""
+        flat = positions.reshape(1, positions.numel()).to(self.device)
+        probe = torch.empty(0, device=self.device, dtype=self.dtype)
+        cos, sin = self.model.model.rotary_emb(probe, flat)
+        return cos.view(*positions.shape, cos.shape[-1]), sin.view(*positions.shape, sin.shape[-1])
+
+    def _project(self, layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [Hq, T, D], keys and values [T, Hkv, D], all before rotary."""
+        T = x.shape[0]
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = a.q_proj(h).view(T, self.q_heads, self.head_dim)
+        k = a.k_proj(h).view(T, self.kv_heads, self.head_dim)
+        v = a.v_proj(h).view(T, self.kv_heads, self.head_dim)
+        if hasattr(a, "q_norm"):  # Qwen3 normalises each head before rotary
+            q, k = a.q_norm(q), a.k_norm(k)
+        return q.transpose(0, 1), k, v
+
+    def _query_mean(self, q: torch.Tensor) -> torch.Tensor:
+        """[Hkv, D]: the mean over a chunk's rows and each key/value head's query group, float32."""
+        return q.float().reshape(self.kv_heads, -1, self.head_dim).mean(dim=1)
+
+    def summaries(self, layer_index: int, store: KVStore, eligible: int) -> torch.Tensor:
+        """[S, R, Hkv, D]: the eligible segments' summaries, centred on their mean and scaled to unit
+        length. Raw dot products favour the segments near the start of a stream, whose keys share
+        a large common component with every query (measured: docs/kvcache.md)."""
+        summaries = store.summaries[layer_index][:eligible]
+        centred = summaries - summaries.mean(dim=(0, 1), keepdim=True)
+        return centred / centred.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+
+    @staticmethod
+    def scores(summaries: torch.Tensor, query_mean: torch.Tensor) -> torch.Tensor:
+        """[Hkv, S]: each segment's best summary row against the head's mean query [Hkv, D]."""
+        return torch.einsum("srhd,hd->hsr", summaries, query_mean).amax(dim=-1)
+
+    def _selected(self, layer_index: int, store: KVStore, picks: list[list[int]], window_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated keys and values [Hkv, n·l, D] of each head's n picks, placed back to back right
+        before `window_position`, in document order."""
+        l, D = self.config.segment_len, self.head_dim
+        distinct = sorted({s for p in picks for s in p})
+        width = len(picks[0]) * l
+        if not width:
+            empty = torch.zeros(self.kv_heads, 0, D, device=self.device, dtype=self.dtype)
+            return empty, empty
+        row_of = {s: i for i, s in enumerate(distinct)}
+        k_rows, v_rows = store.segment_rows(layer_index, distinct)  # U, l, Hkv, D
+        rows = torch.tensor([[row_of[s] for s in segs] for segs in picks], device=self.device)  # Hkv, n
+        heads = torch.arange(self.kv_heads, device=self.device).unsqueeze(1)
+        keys = k_rows[rows, :, heads].reshape(self.kv_heads, width, D)  # Hkv, n·l, D
+        values = v_rows[rows, :, heads].reshape(self.kv_heads, width, D)
+        cos, sin = self._rope(torch.arange(window_position - width, window_position))
+        return rotate(keys, cos, sin), values
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """q [Hq, T, D] over keys/values [Hkv, L, D], the queries being the last T keys' tokens
+        (causal, aligned to the lower right); -> [T, Hq·D]."""
+        T = q.shape[1]
+        mask = None if T == 1 else causal_lower_right(T, keys.shape[1])
+        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True)[0]
+        return out.transpose(0, 1).reshape(T, -1)
+
+    def _finish_layer(self, layer: nn.Module, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        x = x + layer.self_attn.o_proj(attended)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.norm(x[-1:]))[0]
+
+    # ---- streaming a document ------------------------------------------------------------------
+
+    def eligible(self, store: KVStore, before: int) -> int:
+        """Segments that end before the local window of a chunk starting at stream token `before`."""
+        return max(0, (before - self.config.window - self.config.sinks) // self.config.segment_len)
+
+    @torch.inference_mode()
+    def stream(self, store: KVStore, token_ids: list[int]) -> torch.Tensor:
+        """Run one chunk of the document stream and write its keys/values; returns its logits [T, V]
+        (for tests; ingestion ignores them)."""
+        c = self.config
+        start = store.tokens
+        sinks = min(c.sinks, start)
+        eligible = self.eligible(store, start)
+        window_start = c.sinks + eligible * c.segment_len if start > c.sinks else start
+        select = c.ingest_selection and eligible > 0 and store.query_mean[0] is not None
+        max_selected = min(eligible, c.top_k * c.neighbours) * c.segment_len if select else 0
+        window_position = sinks + max_selected
+        T = len(token_ids)
+        offset = start if start <= c.sinks else window_position + start - window_start
+        own_rope = self._rope(torch.arange(offset, offset + T))
+        sink_rope = self._rope(torch.arange(sinks))
+        x = self.model.model.embed_tokens(torch.tensor(token_ids, device=self.device))
+        means = []
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._project(layer, x)
+            parts_k = [rotate(store.sink_k[i].transpose(0, 1), *sink_rope)]
+            parts_v = [store.sink_v[i].transpose(0, 1)]
+            if select:
+                scores = self.scores(self.summaries(i, store, eligible), store.query_mean[i])
+                picks = pick_segments(scores, eligible, c.top_k, c.neighbours)
+                selected_k, selected_v = self._selected(i, store, picks, window_position)
+                parts_k.append(selected_k), parts_v.append(selected_v)
+            if start > c.sinks:
+                window_k, window_v = store.read(i, window_start, start)
+                parts_k.append(rotate(window_k.transpose(0, 1), *self._rope(torch.arange(window_k.shape[0]) + window_position)))
+                parts_v.append(window_v.transpose(0, 1))
+            keys = torch.cat([*parts_k, rotate(k.transpose(0, 1), *own_rope)], 1)
+            values = torch.cat([*parts_v, v.transpose(0, 1)], 1)
+            attended = self._attend(rotate(q, *own_rope), keys, values)
+            mean = self._query_mean(q)
+            received = torch.einsum("thd,hd->th", k.float(), mean) if c.summary == "representative" else None
+            store.write(i, k, v, received)
+            means.append(mean)
+            x = self._finish_layer(layer, x, attended)
+        store.advance(T, means)
+        return self.model.lm_head(self.model.model.norm(x))
+
+
+class SelectiveAnswer:
+    """One answer over a store: the prompt, then one token a step, each attending to sinks, its
+    selected segments and the current region (window + prompt + answer so far). Read-only on the
+    store. `picked` counts, per segment, the layers that selected it in the prompt pass.
+
+    Each layer keeps one buffer [Hkv, sinks + selected + window + new tokens, D] of rotated keys
+    (and values): a step writes its own key in place and rewrites the selected
+    region only when its picks change."""
+
+    def __init__(self, selective: SelectiveModel, store: KVStore, new_tokens: int) -> None:
+        """`new_tokens`: the most tokens this answer will feed (prompt and answer)."""
+        self.m, self.store = selective, store
+        c = selective.config
+        N = store.tokens
+        self.sinks = min(c.sinks, N)
+        self.eligible = selective.eligible(store, N)
+        window_start = c.sinks + self.eligible * c.segment_len if N > c.sinks else N
+        self.window_position = self.sinks + min(self.eligible, c.top_k * c.neighbours) * c.segment_len
+        window = N - window_start if N > c.sinks else 0
+        self._prompt_picks: list[set[int]] = [set() for _ in selective.layers]
+        self.selection_seconds = 0.0
+        self._prompt_done = False
+        self._picks: list[list[list[int]] | None] = [None] * len(selective.layers)
+        self._summaries: list[torch.Tensor | None] = [None] * len(selective.layers)
+        H, D, size = selective.kv_heads, selective.head_dim, self.window_position + window + new_tokens
+        sink_rope = selective._rope(torch.arange(self.sinks))
+        window_rope = selective._rope(torch.arange(window) + self.window_position)
+        self._k, self._v = [], []
+        for i in range(len(selective.layers)):
+            keys = torch.zeros(H, size, D, device=selective.device, dtype=selective.dtype)
+            values = torch.zeros_like(keys)
+            keys[:, : self.sinks] = rotate(store.sink_k[i].transpose(0, 1), *sink_rope)
+            values[:, : self.sinks] = store.sink_v[i].transpose(0, 1)
+            if window:
+                wk, wv = store.read(i, window_start, N)
+                keys[:, self.window_position : self.window_position + window] = rotate(wk.transpose(0, 1), *window_rope)
+                values[:, self.window_position : self.window_position + window] = wv.transpose(0, 1)
+            self._k.append(keys), self._v.append(values)
+        self._length = self.window_position + window  # buffer columns in use
+        self.position = self._length  # the buffer's column is the token's position
+
+    @property
+    def picked(self) -> Counter[int]:
+        """Segment -> in how many layers the prompt pass selected it."""
+        return Counter(s for picks in self._prompt_picks for s in picks)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [V] of the last of `token_ids`, fed after everything fed before."""
+        chunk = self.m.config.query_chunk
+        out = None
+        for at in range(0, len(token_ids), chunk):
+            out = self._chunk(token_ids[at : at + chunk])
+        self._prompt_done = True
+        assert out is not None
+        return out
+
+    def _chunk(self, token_ids: list[int]) -> torch.Tensor:
+        m = self.m
+        T = len(token_ids)
+        start, end = self._length, self._length + T
+        cos, sin = m._rope(torch.arange(start, end))
+        x = m.model.model.embed_tokens(torch.tensor(token_ids, device=m.device))
+        for i, layer in enumerate(m.layers):
+            q, k, v = m._project(layer, x)
+            self._select(i, q)
+            self._k[i][:, start:end] = rotate(k.transpose(0, 1), cos, sin)
+            self._v[i][:, start:end] = v.transpose(0, 1)
+            x = m._finish_layer(layer, x, m._attend(rotate(q, cos, sin), self._k[i][:, :end], self._v[i][:, :end]))
+        self._length = end
+        return m.logits(x)
+
+    def _select(self, layer_index: int, q: torch.Tensor) -> None:
+        m, c = self.m, self.m.config
+        if self.eligible == 0:
+            return
+        started = time.perf_counter()
+        if self._summaries[layer_index] is None:  # the store is read-only while answering
+            self._summaries[layer_index] = m.summaries(layer_index, self.store, self.eligible)
+        scores = m.scores(self._summaries[layer_index], m._query_mean(q))
+        picks = pick_segments(scores, self.eligible, c.top_k, c.neighbours)
+        if picks != self._picks[layer_index]:  # a step that picks as the last one keeps its rows
+            self._picks[layer_index] = picks
+            region = slice(self.sinks, self.window_position)
+            keys, values = m._selected(layer_index, self.store, picks, self.window_position)
+            self._k[layer_index][:, region], self._v[layer_index][:, region] = keys, values
+        if not self._prompt_done:
+            self._prompt_picks[layer_index].update(s for p in picks for s in p)
+        self.selection_seconds += time.perf_counter() - started

@@ -1,0 +1,72 @@
+"""kvcache sessions through the API, on the tiny model: options, provenance, read-only answers,
+rollback of a failed ingestion, budgets."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import FIXTURES, fail_on_third_segment
+from tests.test_api_errors import assert_error, new_session
+
+TEXT = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")[:6000]
+SMALL = {"segment_len": 16, "top_k": 2, "neighbours": 3, "window": 64, "sinks": 8, "query_chunk": 16}
+QUESTION = {"question": "Where did the rabbit go?", "max_tokens": 8}
+
+
+def test_answers_come_from_selected_segments_and_leave_the_store_as_it_was(client):
+    assert "kvcache" in client.get("/v1/models").json()["data"][0]["memories"]
+    session = new_session(client, memory="kvcache", options=SMALL)
+    doc = client.post(f"/v1/sessions/{session}/documents", json={"text": TEXT}).json()
+    cache = client.get(f"/v1/sessions/{session}/cache").json()
+    assert cache["memory"] == "kvcache" and cache["documents"] == 1
+    assert cache["entries"] > doc["tokens"]  # the chat template's start is streamed before it
+    assert cache["bytes_per_token"] > 0 and cache["bytes"] >= doc["tokens"] * cache["bytes_per_token"] * 0.9
+    first = client.post(f"/v1/sessions/{session}/ask", json=QUESTION).json()
+    items = first["retrieval"]["items"]
+    assert first["retrieval"]["memory"] == "kvcache" and items
+    assert all(1 <= item["layers"] <= 2 and item["document_id"] == doc["id"] for item in items)
+    assert all(0 <= item["char_start"] < item["char_end"] <= len(TEXT) for item in items)
+    assert [item["char_start"] for item in items] == sorted(item["char_start"] for item in items)
+    again = client.post(f"/v1/sessions/{session}/ask", json=QUESTION).json()
+    assert again["answer"] == first["answer"] and again["retrieval"]["items"] == items
+    assert client.get(f"/v1/sessions/{session}/cache").json() == cache
+    streamed = client.post(f"/v1/sessions/{session}/ask", json={**QUESTION, "stream": True}).text
+    assert "event: retrieval" in streamed and "event: done" in streamed
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"top_k": 0}, "top_k"),
+        ({"storage": "fp8"}, "storage"),
+        ({"summary": "max"}, "summary"),
+        ({"window": 16, "segment_len": 32}, "window must be at least segment_len"),
+        ({"window": 4000}, "positions"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"sink": 4}, "unknown memory options"),
+    ],
+)
+def test_bad_options_are_400(client, options, message):
+    response = client.post("/v1/sessions", json={"memory": "kvcache", "options": options})
+    assert message in assert_error(response, 400)["message"]
+
+
+def test_a_failed_ingestion_leaves_earlier_documents_exact(client):
+    session = new_session(client, memory="kvcache", options=SMALL)
+    client.post(f"/v1/sessions/{session}/documents", json={"text": TEXT[:3000]})
+    before = client.get(f"/v1/sessions/{session}/cache").json()
+    answer = client.post(f"/v1/sessions/{session}/ask", json=QUESTION).json()
+    fail_on_third_segment(client.app.state.engine.sessions.get(session).memory)
+    response = client.post(f"/v1/sessions/{session}/documents?stream=true", json={"text": TEXT * 2})
+    assert "event: error" in response.text
+    assert client.get(f"/v1/sessions/{session}/cache").json() == before
+    after = client.post(f"/v1/sessions/{session}/ask", json=QUESTION).json()
+    assert after["answer"] == answer["answer"] and after["retrieval"] == {**answer["retrieval"], "seconds": after["retrieval"]["seconds"]}
+
+
+def test_the_session_budget_refuses_a_document_before_it_is_streamed(make_client):
+    client = make_client(session_memory_bytes=200_000)
+    session = new_session(client, memory="kvcache", options=SMALL)
+    response = client.post(f"/v1/sessions/{session}/documents", json={"text": TEXT})
+    assert_error(response, 413, "too_large")
+    assert client.get(f"/v1/sessions/{session}/cache").json()["entries"] == 0

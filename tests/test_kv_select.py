@@ -1,0 +1,157 @@
+"""Segment-selection attention over a model's own keys/values: equal to the plain model where it holds
+everything, causal while streaming, never selecting the current or a future segment, exact on restore."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from engine.models.kv_select import SelectConfig, SelectiveAnswer, SelectiveModel, pick_segments
+from engine.models.kv_store import KVStore
+
+VOCAB = 97
+
+
+def tiny_model(family: str = "llama", seed: int = 0):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=4096)
+    if family == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
+    return LlamaForCausalLM(LlamaConfig(**common)).eval()
+
+
+def streamed(model, config: SelectConfig, ids: list[int], chunk: int, storage: str = "float32") -> tuple[SelectiveModel, KVStore, torch.Tensor]:
+    selective = SelectiveModel(model, config)
+    store = KVStore(selective.store_shape(storage), device=torch.device("cpu"), dtype=torch.float32)
+    store.reserve(len(ids))
+    logits = [selective.stream(store, ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    return selective, store, torch.cat(logits)
+
+
+def plain_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def answer_logits(selective: SelectiveModel, store: KVStore, prompt: list[int], steps: list[int]) -> list[torch.Tensor]:
+    answer = SelectiveAnswer(selective, store, len(prompt) + len(steps))
+    out = [answer.forward(prompt)]
+    out += [answer.forward([token]) for token in steps]
+    return out
+
+
+def random_ids(n: int, seed: int = 1) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_text_within_sinks_and_window_equals_plain_model(family):
+    model = tiny_model(family)
+    config = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=96, sinks=8, query_chunk=8)
+    ids = random_ids(90)
+    selective, store, logits = streamed(model, config, ids[:80], chunk=24)
+    full = plain_logits(model, ids)
+    torch.testing.assert_close(logits, full[:80], atol=1e-4, rtol=0)
+    out = answer_logits(selective, store, ids[80:86], ids[86:90])
+    for j, position in enumerate([85, 86, 87, 88, 89]):
+        torch.testing.assert_close(out[j], full[position], atol=1e-4, rtol=0)
+
+
+def test_top_k_covering_every_segment_equals_full_attention():
+    model = tiny_model()
+    config = SelectConfig(segment_len=8, top_k=64, neighbours=1, window=16, sinks=4, query_chunk=5)
+    ids = random_ids(200)
+    selective, store, logits = streamed(model, config, ids[:180], chunk=20)
+    assert selective.eligible(store, 180) > 10  # the window alone does not hold the text
+    full = plain_logits(model, ids)
+    torch.testing.assert_close(logits, full[:180], atol=1e-4, rtol=0)
+    out = answer_logits(selective, store, ids[180:192], ids[192:200])
+    for j, position in enumerate(range(191, 200)):
+        torch.testing.assert_close(out[j], full[position], atol=1e-4, rtol=0)
+
+
+def test_small_top_k_differs_from_full_attention():
+    """The check above can fail: with fewer segments than the text has, logits do change."""
+    model = tiny_model()
+    config = SelectConfig(segment_len=8, top_k=1, neighbours=1, window=16, sinks=4)
+    ids = random_ids(180)
+    _, _, logits = streamed(model, config, ids, chunk=20)
+    assert (logits[-20:] - plain_logits(model, ids)[-20:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("summary", ["mean", "representative"])
+def test_streaming_is_causal(summary):
+    """Changing token t changes no logit, and no stored key or value, before t."""
+    model = tiny_model()
+    config = SelectConfig(segment_len=8, top_k=2, neighbours=3, window=16, sinks=4, summary=summary, representatives=2)
+    ids = random_ids(240)
+    t = 170
+    changed = list(ids)
+    changed[t] = (ids[t] + 1) % VOCAB
+    _, store_a, logits_a = streamed(model, config, ids, chunk=20)
+    _, store_b, logits_b = streamed(model, config, changed, chunk=20)
+    assert torch.equal(logits_a[:t], logits_b[:t])
+    assert not torch.equal(logits_a[t:], logits_b[t:])
+    before = (t - config.sinks) // config.segment_len  # segments wholly before t
+    for layer in range(2):
+        a, b = store_a.segment_rows(layer, list(range(before))), store_b.segment_rows(layer, list(range(before)))
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_selection_never_returns_current_or_future_segments():
+    scores = torch.tensor([[1.0, 2.0, 3.0, 100.0, 200.0], [5.0, 0.0, 0.0, 50.0, 60.0]])
+    picks = pick_segments(scores, eligible=3, top_k=2, neighbours=3)
+    assert all(s < 3 for p in picks for s in p)
+    assert picks == [[0, 1, 2], [0, 1, 2]]
+    assert pick_segments(scores, eligible=0, top_k=2, neighbours=3) == [[], []]
+    assert pick_segments(scores, eligible=5, top_k=1, neighbours=1) == [[4], [4]]
+    # overlapping neighbours leave room: the next best segments fill it, so every head holds k·u
+    assert pick_segments(torch.tensor([[9.0, 8.0, 7.0, 0.0, 1.0, 0.0]]), eligible=6, top_k=2, neighbours=2) == [[0, 1, 2, 4]]
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "int8"])
+def test_compact_storage_stays_close(storage):
+    model = tiny_model()
+    config = SelectConfig(segment_len=8, top_k=64, neighbours=1, window=16, sinks=4)
+    ids = random_ids(200)
+    _, _, exact = streamed(model, config, ids, chunk=20)
+    _, _, compact = streamed(model, config, ids, chunk=20, storage=storage)
+    assert (compact - exact).abs().max() < 0.05
+
+
+def test_rollback_and_restore_are_exact():
+    model = tiny_model()
+    config = SelectConfig(segment_len=8, top_k=2, neighbours=3, window=16, sinks=4)
+    ids = random_ids(260)
+    selective, store, _ = streamed(model, config, ids[:200], chunk=20)
+    saved = copy.deepcopy(store.state_dict())
+    before = answer_logits(selective, store, ids[200:210], ids[210:214])
+    mark = store.mark()
+    store.reserve(60)
+    selective.stream(store, ids[200:260])
+    store.rollback(mark)
+    after_rollback = answer_logits(selective, store, ids[200:210], ids[210:214])
+    restored = KVStore(selective.store_shape("float32"), device=torch.device("cpu"), dtype=torch.float32)
+    restored.load_state_dict(saved)
+    after_restore = answer_logits(selective, restored, ids[200:210], ids[210:214])
+    for a, b, c in zip(before, after_rollback, after_restore, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_bytes_are_counted_before_they_are_allocated():
+    model = tiny_model()
+    config = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=16, sinks=4)
+    selective = SelectiveModel(model, config)
+    store = KVStore(selective.store_shape("bfloat16"), device=torch.device("cpu"), dtype=torch.float32)
+    ids = random_ids(3000)
+    bound = store.added_bytes(len(ids))
+    start = store.nbytes
+    store.reserve(len(ids))
+    for i in range(0, len(ids), 100):
+        selective.stream(store, ids[i : i + 100])
+        assert store.nbytes - start <= bound
+    assert store.nbytes - start > 0.5 * bound
