@@ -83,6 +83,7 @@ class KVCacheMemory(Memory):
         self._token_doc = np.zeros(0, np.int32)  # per stream token: its document's number, -1 for template text
         self._token_spans = np.zeros((0, 2), np.int32)
         self._staged: dict[str, Any] | None = None
+        self._committed = (0, 0)  # (bytes, tokens) that stats count: never a document being streamed
 
     @classmethod
     def available(cls, context: MemoryContext) -> bool:
@@ -101,9 +102,9 @@ class KVCacheMemory(Memory):
         self._feed(segment.token_ids, len(self._documents), segment.token_spans)
 
     def _feed(self, token_ids: list[int], document: int, spans: list[tuple[int, int]]) -> None:
-        if not token_ids:
-            return
-        self.selective.stream(self.store, token_ids)
+        # a chunk's tokens sit after the layout's positions: pieces of at most `room` keep them in the model's
+        for at in range(0, len(token_ids), self._room):
+            self.selective.stream(self.store, token_ids[at : at + self._room])
         self._token_doc = np.concatenate([self._token_doc, np.full(len(token_ids), document, np.int32)])
         self._token_spans = np.concatenate([self._token_spans, np.asarray(spans, np.int32).reshape(-1, 2)])
 
@@ -114,14 +115,16 @@ class KVCacheMemory(Memory):
         return 0 if self._staged is None else self._bytes() - self._staged["bytes"]
 
     def estimate_bytes(self, chars: int, tokens: int) -> int:
+        """The store's growth, the new token indexes, and the copies of the old ones kept for an abort."""
         lead = max(len(self._prefix), len(self._separator))
-        return self.store.added_bytes(tokens + lead) + (tokens + lead) * _SPAN_BYTES
+        return self.store.added_bytes(tokens + lead) + (tokens + lead + len(self._token_doc)) * _SPAN_BYTES
 
     def commit_document(self) -> None:
         assert self._staged is not None, "begin_document first"
         self._documents.append(self._staged["id"])
         self.store.trim()
         self._staged = None
+        self._committed = (self._bytes(), self.store.tokens)
 
     def abort_document(self) -> None:
         if self._staged is not None:
@@ -150,7 +153,7 @@ class KVCacheMemory(Memory):
         answer = SelectiveAnswer(self.selective, self.store, len(prompt) + request.params.max_tokens)
         steps = decode_steps(answer.forward, tokenizer, prompt, request.params, request.stop_tokens)
         first = next(steps)  # the prompt pass selects; its picks are the answer's sources
-        yield Retrieval(self.kind, self._items(answer), answer.selection_seconds)
+        yield Retrieval(self.kind, self._items(answer), answer.prompt_selection_seconds)
         yield first
         yield from steps
 
@@ -178,8 +181,8 @@ class KVCacheMemory(Memory):
     def stats(self) -> CacheInfo:
         return CacheInfo(
             memory=self.kind,
-            entries=self.store.tokens,
-            bytes=self._bytes(),
+            entries=self._committed[1],
+            bytes=self._committed[0],
             capacity=0,  # unbounded: the session's byte budget is the limit
             documents=len(self._documents),
             bytes_per_token=self.store.shape.bytes_per_token() + _SPAN_BYTES,
@@ -189,6 +192,7 @@ class KVCacheMemory(Memory):
         self.store = KVStore(self.store.shape, device=self.store.device, dtype=self.store.dtype)
         self._documents, self._staged = [], None
         self._token_doc, self._token_spans = np.zeros(0, np.int32), np.zeros((0, 2), np.int32)
+        self._committed = (self._bytes(), 0)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -204,3 +208,4 @@ class KVCacheMemory(Memory):
         self._documents = list(state["documents"])
         self._token_doc = state["token_doc"].numpy().astype(np.int32)
         self._token_spans = state["token_spans"].numpy().astype(np.int32).reshape(-1, 2)
+        self._committed = (self._bytes(), self.store.tokens)

@@ -195,9 +195,9 @@ class SelectiveModel:
         return max(0, (before - self.config.window - self.config.sinks) // self.config.segment_len)
 
     @torch.inference_mode()
-    def stream(self, store: KVStore, token_ids: list[int]) -> torch.Tensor:
-        """Run one chunk of the document stream and write its keys/values; returns its logits [T, V]
-        (for tests; ingestion ignores them)."""
+    def stream(self, store: KVStore, token_ids: list[int], *, logits: bool = False) -> torch.Tensor | None:
+        """Run one chunk of the document stream and write its keys/values; with `logits`, return the
+        chunk's logits [T, V] (tests compare them; ingestion skips the vocabulary projection)."""
         c = self.config
         start = store.tokens
         sinks = min(c.sinks, start)
@@ -234,7 +234,7 @@ class SelectiveModel:
             means.append(mean)
             x = self._finish_layer(layer, x, attended)
         store.advance(T, means)
-        return self.model.lm_head(self.model.model.norm(x))
+        return self.model.lm_head(self.model.model.norm(x)) if logits else None
 
 
 class SelectiveAnswer:
@@ -258,6 +258,7 @@ class SelectiveAnswer:
         window = N - window_start if N > c.sinks else 0
         self._prompt_picks: list[set[int]] = [set() for _ in selective.layers]
         self.selection_seconds = 0.0
+        self.prompt_selection_seconds = 0.0  # what the prompt pass spent selecting
         self._prompt_done = False
         self._picks: list[list[list[int]] | None] = [None] * len(selective.layers)
         self._summaries: list[torch.Tensor | None] = [None] * len(selective.layers)
@@ -291,6 +292,8 @@ class SelectiveAnswer:
         out = None
         for at in range(0, len(token_ids), chunk):
             out = self._chunk(token_ids[at : at + chunk])
+        if not self._prompt_done:
+            self.prompt_selection_seconds = self.selection_seconds
         self._prompt_done = True
         assert out is not None
         return out

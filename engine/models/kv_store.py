@@ -84,8 +84,9 @@ class KVStore:
         a new summary tensor (the old one is kept until commit) and a full tail."""
         segments = (self.tokens + tokens) // self.shape.segment_len + 1
         pages = -(-segments // self.shape.page_segments) - len(self.pages[0])
-        tail = 2 * self.shape.layers * self.shape.segment_len * self.shape.kv_heads * self.shape.head_dim * self.dtype.itemsize
-        return max(0, pages) * self.shape.page_bytes() + self.shape.summary_bytes(segments) + tail
+        sinks = min(max(0, self.shape.sinks - self.tokens), tokens)
+        row = 2 * self.shape.layers * self.shape.kv_heads * self.shape.head_dim * self.dtype.itemsize  # a token's key + value
+        return max(0, pages) * self.shape.page_bytes() + self.shape.summary_bytes(segments) + (self.shape.segment_len + sinks) * row
 
     def reserve(self, tokens: int) -> None:
         """Room in the summaries for `tokens` more tokens (a new tensor; `rollback` restores the old)."""
@@ -115,7 +116,7 @@ class KVStore:
         if attention_logits is not None:
             held = self.tail_k[layer].shape[0]  # the tail's logits: from this chunk's queries too
             logits = torch.cat([attention_logits.new_zeros(held, attention_logits.shape[1]), attention_logits[taken:]])
-            if held:
+            if held:  # the tail was written by the chunk before: rank it by that chunk's mean query
                 tail_q = self.query_mean[layer]
                 logits[:held] = torch.einsum("thd,hd->th", self.tail_k[layer].float(), tail_q) if tail_q is not None else 0
         l = self.shape.segment_len
