@@ -37,6 +37,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from engine.models.kv_store import KVStore, StoreShape
+from engine.models.lm_common import apply_rope as rotate
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -61,13 +62,6 @@ class SelectConfig:
     def positions(self) -> int:
         """Positions the layout takes before the answer's own tokens, at most."""
         return self.sinks + self.max_selected_tokens + self.window + self.segment_len
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x [..., n, D] with cos/sin broadcastable to it."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 def pick_segments(scores: torch.Tensor, eligible: int, top_k: int, neighbours: int) -> list[list[int]]:
@@ -210,6 +204,7 @@ class SelectiveModel:
         offset = start if start <= c.sinks else window_position + start - window_start
         own_rope = self._rope(torch.arange(offset, offset + T))
         sink_rope = self._rope(torch.arange(sinks))
+        window_rope = self._rope(torch.arange(window_position, window_position + start - window_start)) if start > c.sinks else None
         x = self.model.model.embed_tokens(torch.tensor(token_ids, device=self.device))
         means = []
         for i, layer in enumerate(self.layers):
@@ -223,7 +218,7 @@ class SelectiveModel:
                 parts_k.append(selected_k), parts_v.append(selected_v)
             if start > c.sinks:
                 window_k, window_v = store.read(i, window_start, start)
-                parts_k.append(rotate(window_k.transpose(0, 1), *self._rope(torch.arange(window_k.shape[0]) + window_position)))
+                parts_k.append(rotate(window_k.transpose(0, 1), *window_rope))
                 parts_v.append(window_v.transpose(0, 1))
             keys = torch.cat([*parts_k, rotate(k.transpose(0, 1), *own_rope)], 1)
             values = torch.cat([*parts_v, v.transpose(0, 1)], 1)
