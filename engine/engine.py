@@ -347,6 +347,7 @@ class Engine:
             active_sessions=len(self.sessions),
             session_memory_bytes=memory_bytes,
             queue_depth=depth,
+            queue_limit=self.config.generation.max_queue,
             memory_limit_bytes=self.config.sessions.server_memory_bytes,
             memory_reserved_bytes=self.sessions.reserved_bytes,
             sessions_on_disk=on_disk,

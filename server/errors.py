@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -57,13 +58,19 @@ def status_of(exc: LongdocError) -> int:
     return 500
 
 
-def error_response(exc: LongdocError) -> JSONResponse:
+def json_error(app: Any, kind: str, message: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The error response, counted by type on `longdoc_errors_total`."""
+    app.state.metrics.error(kind)
+    return JSONResponse(error_body(kind, message), status_code=status, headers=headers)
+
+
+def error_response(app: Any, exc: LongdocError) -> JSONResponse:
     headers = None
     if isinstance(exc, RetryLaterError):
         headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
     if isinstance(exc, NotReadyError):
         headers = {"Retry-After": "5"}
-    return JSONResponse(error_body(exc.kind, exc.message), status_code=status_of(exc), headers=headers)
+    return json_error(app, exc.kind, exc.message, status_of(exc), headers)
 
 
 HTTP_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
@@ -81,16 +88,16 @@ def allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(LongdocError)
     async def _engine_error(request: Request, exc: LongdocError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(request.app, exc)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(error_body(exc.kind, exc.message), status_code=exc.status, headers=exc.headers)
+        return json_error(request.app, exc.kind, exc.message, exc.status, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         parts = [f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()]
-        return JSONResponse(error_body("validation_error", "; ".join(parts)), status_code=422)
+        return json_error(request.app, "validation_error", "; ".join(parts), 422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -98,9 +105,9 @@ def install_error_handlers(app: FastAPI) -> None:
         headers = exc.headers
         if exc.status_code == 405:  # Starlette names only the first matching route's methods
             headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(app, request.scope))}
-        return JSONResponse(error_body(kind, str(exc.detail)), status_code=exc.status_code, headers=headers)
+        return json_error(request.app, kind, str(exc.detail), exc.status_code, headers)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body("internal_error", "internal server error"), status_code=500)
+        return json_error(request.app, "internal_error", "internal server error", 500)

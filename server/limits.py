@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 import re
 
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import error_body
+from server.errors import json_error
 
 DOCUMENT_UPLOAD = re.compile(r"^/v1/sessions/[^/]+/documents/?$")
 
@@ -35,7 +34,7 @@ class RequestBodyLimit:
         limit = None if DOCUMENT_UPLOAD.match(scope["path"]) else self.limit
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if limit is not None and declared.isdigit() and int(declared) > limit:
-            response = JSONResponse(error_body("too_large", _too_large(limit)), status_code=413)
+            response = json_error(scope["app"], "too_large", _too_large(limit), 413)
             await response(scope, receive, send)
             return
         received, body_done = 0, False

@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.interface import EngineStats
+from engine.interface import EngineStats, IngestDone, IngestProgress
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
@@ -51,6 +51,7 @@ class _EngineCollector(Collector):
         for worker, value in sorted(stats.queue_depth.items()):
             queue.add_metric([worker], value)
         yield queue
+        yield GaugeMetricFamily("longdoc_queue_limit", "requests each worker admits before 429", value=stats.queue_limit)
 
 
 class Metrics:
@@ -79,11 +80,18 @@ class Metrics:
             "longdoc_retrieval_latency_seconds", "memory retrieval for one question", ["memory"],
             buckets=RETRIEVAL_BUCKETS, registry=r,
         )
+        self.ingest_pending = Gauge(
+            "longdoc_ingestion_pending_tokens", "tokens of documents being ingested, not yet in memory", ["memory"], registry=r
+        )
+        self.errors = Counter("longdoc_errors", "error responses and error events, by error type", ["type"], registry=r)
         self.ingest_throughput = Histogram(
             "longdoc_ingestion_tokens_per_second", "tokens per second of each ingested document", ["memory"],
             buckets=THROUGHPUT_BUCKETS, registry=r,
         )
         r.register(_EngineCollector(stats))
+
+    def error(self, kind: str) -> None:
+        self.errors.labels(kind).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -118,3 +126,38 @@ class GenerationTimer:
         self._metrics.prompt_tokens.labels(self._endpoint).inc(prompt_tokens)
         self._metrics.generated_tokens.labels(self._endpoint).inc(completion_tokens)
         return total
+
+
+class IngestionMeter:
+    """Follows one document's ingestion: its tokens count as ingested as they are streamed in
+    (so rates are live, not a burst at the end) and as pending until then, even if it is aborted."""
+
+    def __init__(self, metrics: Metrics, memory: str) -> None:
+        self._metrics, self._memory = metrics, memory
+        self.started = time.perf_counter()
+        self._done = 0
+        self._pending = 0
+
+    def _advance(self, tokens_done: int) -> None:
+        step = max(0, tokens_done - self._done)
+        self._metrics.ingested_tokens.labels(self._memory).inc(step)
+        self._done += step
+        self._set_pending(self._pending - step)
+
+    def _set_pending(self, tokens: int) -> None:
+        self._metrics.ingest_pending.labels(self._memory).inc(tokens - self._pending)
+        self._pending = tokens
+
+    def on_event(self, event: IngestProgress | IngestDone) -> None:
+        if isinstance(event, IngestProgress):
+            if self._done == 0 and self._pending == 0:
+                self._set_pending(event.tokens_total)
+            self._advance(event.tokens_done)
+            return
+        self._advance(event.document.tokens)
+        seconds = max(1e-9, time.perf_counter() - self.started)
+        self._metrics.ingest_throughput.labels(self._memory).observe(event.document.tokens / seconds)
+
+    def close(self) -> None:
+        """Whatever was not ingested is no longer pending."""
+        self._set_pending(0)

@@ -12,6 +12,7 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 
 from engine.errors import LongdocError
 from server.errors import error_body
+from server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -21,15 +22,18 @@ def sse(data: Any, event: str | None = None) -> bytes:
     return format_sse_event(data_str=payload, event=event)
 
 
-def error_event(exc: BaseException) -> bytes:
-    """Errors after the stream started can only travel as an `error` event."""
+def error_event(exc: BaseException, metrics: Metrics) -> bytes:
+    """Errors after the stream started can only travel as an `error` event (counted like any other)."""
     if isinstance(exc, LongdocError):
-        return sse(error_body(exc.kind, exc.message), event="error")
-    log.exception("internal error while streaming", exc_info=exc)
-    return sse(error_body("internal_error", "internal server error"), event="error")
+        kind, message = exc.kind, exc.message
+    else:
+        log.exception("internal error while streaming", exc_info=exc)
+        kind, message = "internal_error", "internal server error"
+    metrics.error(kind)
+    return sse(error_body(kind, message), event="error")
 
 
-def event_stream(chunks: AsyncIterator[bytes], upstream: Any) -> EventSourceResponse:
+def event_stream(chunks: AsyncIterator[bytes], upstream: Any, metrics: Metrics) -> EventSourceResponse:
     """Send `chunks` as SSE; `upstream` (an engine stream) is closed however the response ends,
     so a client that disconnects cancels the work behind it."""
 
@@ -39,6 +43,6 @@ def event_stream(chunks: AsyncIterator[bytes], upstream: Any) -> EventSourceResp
                 async for chunk in chunks:
                     yield chunk
             except Exception as exc:  # noqa: BLE001 - reported to the client as an event
-                yield error_event(exc)
+                yield error_event(exc, metrics)
 
     return EventSourceResponse(body(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

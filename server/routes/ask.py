@@ -63,7 +63,7 @@ async def ask(
     )
     events = await engine.ask(session_id, body.question, params)
     if body.stream:
-        return event_stream(_ask_events(events, metrics, timer), events)
+        return event_stream(_ask_events(events, metrics, timer), events, metrics)
     answer: list[str] = []
     retrieval: Retrieval | None = None
     async with contextlib.aclosing(events):

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import codecs
 import contextlib
-import time
-from collections.abc import Callable
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 
@@ -17,6 +15,7 @@ from engine.errors import InvalidRequestError, TooLargeError
 from engine.interface import IngestDone, IngestEvent, IngestProgress
 from server.deps import CallerDep, EngineDep, MetricsDep, SettingsDep, visible_session
 from server.errors import ApiError
+from server.metrics import IngestionMeter
 from server.schemas import DocumentCreate, DocumentPublic
 from server.streaming import event_stream, sse
 
@@ -135,30 +134,29 @@ async def add_document(
     text, name, stream_body = await parse_document(request, settings.max_document_bytes)
     memory = visible_session(engine, session_id, caller).memory
     events = await engine.ingest(session_id, text, name or "document")
-    started = time.perf_counter()
-
-    def record(done: IngestDone) -> None:
-        metrics.ingested_tokens.labels(memory).inc(done.document.tokens)
-        metrics.ingest_throughput.labels(memory).observe(done.document.tokens / max(1e-9, time.perf_counter() - started))
-
+    meter = IngestionMeter(metrics, memory)
     if stream or stream_body:
-        return event_stream(_progress_events(events, record), events)
+        return event_stream(_progress_events(events, meter), events, metrics)
     done: IngestDone | None = None
-    async with contextlib.aclosing(events):
-        async for event in events:
-            if isinstance(event, IngestDone):
-                done = event
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                meter.on_event(event)
+                if isinstance(event, IngestDone):
+                    done = event
+    finally:
+        meter.close()
     assert done is not None
-    record(done)
     return DocumentPublic.model_validate(asdict(done.document))
 
 
-async def _progress_events(
-    events: AsyncIterator[IngestEvent], record: Callable[[IngestDone], None]
-) -> AsyncIterator[bytes]:
-    async for event in events:
-        if isinstance(event, IngestProgress):
-            yield sse(asdict(event), event="progress")
-        else:
-            record(event)
-            yield sse(asdict(event.document), event="done")
+async def _progress_events(events: AsyncIterator[IngestEvent], meter: IngestionMeter) -> AsyncIterator[bytes]:
+    try:
+        async for event in events:
+            meter.on_event(event)
+            if isinstance(event, IngestProgress):
+                yield sse(asdict(event), event="progress")
+            else:
+                yield sse(asdict(event.document), event="done")
+    finally:
+        meter.close()

@@ -59,7 +59,7 @@ async def chat_completions(
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return event_stream(_chunks(events, base, include_usage, metrics, timer), events)
+        return event_stream(_chunks(events, base, include_usage, metrics, timer), events, metrics)
     text: list[str] = []
     async with contextlib.aclosing(events):
         async for event in events:
