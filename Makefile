@@ -12,7 +12,7 @@ APT := $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive
 DRILL_VENV  := .venv-drills
 DRILL_STAMP := $(DRILL_VENV)/.installed
 
-.PHONY: serve test install bench bench-kvcache corpus drills observe clean
+.PHONY: serve test install bench bench-kvcache corpus drills observe image image-smoke clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,17 @@ observe: $(STAMP)
 	promtool check rules deploy/prometheus/alerts.yml
 	cd deploy/prometheus && promtool test rules alerts.test.yml
 	$(BIN)/python -m scripts.observe $(ARGS)
+
+# the container image, built with buildah into podman's store (no Docker engine needed);
+# VARIANT=cuda TORCH_INDEX=... for GPU nodes (docs/deploy.md)
+image:
+	command -v buildah >/dev/null && command -v podman >/dev/null && command -v debootstrap >/dev/null \
+	  || ($(APT) update -q && $(APT) install -y -q podman buildah runc debootstrap)
+	bash scripts/image/build.sh
+
+# run the image: ready, answers about a book, non-root, healthy on another port, sessions on a volume
+image-smoke: image
+	bash scripts/image/smoke.sh
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_memories.py $(ARGS)

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
 
 import pytest
 import torch
 from pydantic import ValidationError
+from safetensors.torch import load_file
 
 from engine.config import DEFAULT_MODEL
-from engine.models.loader import load_model, resolve_dtype
+from engine.models.loader import default_model_dir, load_model, resolve_dtype
 from server.settings import Settings
 from tests.conftest import CACHE_DIR, make_tiny_llama
 
@@ -30,6 +32,18 @@ def test_default_model_is_converted_to_safetensors(default_dir):
     assert "quantization_config" not in config
     loaded = load_model(DEFAULT_MODEL, cache_dir=CACHE_DIR, device="cpu", dtype="float32")
     assert loaded.name == DEFAULT_MODEL and loaded.tokenizer.chat_template
+
+
+def test_default_model_stored_in_bf16_is_float32_rounded_and_readable_by_other_users(tmp_path, default_dir):
+    """The image stores the default model in bf16 and serves it as another user."""
+    folder = default_model_dir(tmp_path, dtype=torch.bfloat16)
+    assert "torch.bfloat16" in (folder / "longdoc-converted.txt").read_text()
+    halves, wholes = load_file(folder / "model.safetensors"), load_file(default_dir / "model.safetensors")
+    assert halves.keys() == wholes.keys()
+    for name, whole in wholes.items():
+        assert halves[name].dtype == torch.bfloat16 and torch.equal(halves[name], whole.to(torch.bfloat16)), name
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()} == {0o644}
 
 
 def test_missing_folder_and_missing_chat_template(tmp_path, tiny_dir):

@@ -4,9 +4,13 @@ Prometheus by `make observe`; here without one)."""
 from __future__ import annotations
 
 import re
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 from engine.interface import DocumentInfo, IngestDone, IngestProgress
+from scripts.drills.server import free_port
+from server import healthcheck
 from server.metrics import IngestionMeter, Metrics
 from tests.conftest import fail_on_third_segment
 from tests.test_api import TEXT, events_of, new_session
@@ -84,3 +88,25 @@ def test_ingestion_meter_counts_tokens_as_they_come_and_clears_what_is_pending()
     meter.close()
     assert (counted("longdoc_ingested_tokens_total"), counted("longdoc_ingestion_pending_tokens")) == (300, 0)
     assert counted("longdoc_ingestion_tokens_per_second_count") == 1
+
+
+def test_container_healthcheck_probes_the_port_in_longdoc_port(monkeypatch):
+    """The image's HEALTHCHECK (python -m server.healthcheck) follows LONGDOC_PORT, not 8000."""
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the standard library's name
+            self.send_response(200 if self.path == "/healthz" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("LONGDOC_PORT", str(server.server_address[1]))
+        assert healthcheck.main() == 0
+        monkeypatch.setenv("LONGDOC_PORT", str(free_port()))
+        assert healthcheck.main() == 1
+    finally:
+        server.shutdown()

