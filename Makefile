@@ -29,6 +29,7 @@ serve: $(STAMP)
 	$(BIN)/longdoc serve $(ARGS)
 
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # schemathesis in a venv of its own: it must not change what the server runs on

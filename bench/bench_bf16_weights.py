@@ -5,26 +5,22 @@ the image's bf16 copy is a rounding of them. Over windows of a held-out text (Al
 fixture), this prints the share of weights bf16 keeps exactly, the top-1 agreement of next-token
 predictions, the mean KL divergence and the perplexity of both.
 
-    .venv/bin/python bench/bench_bf16_weights.py [--windows 8 --window 1024]
+    .venv/bin/python -m bench.bench_bf16_weights [--windows 8 --window 1024]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from engine.models.loader import default_model_dir
 
-from engine.models.loader import default_model_dir  # noqa: E402
-
-BOOK = ROOT / "tests" / "fixtures" / "alice29.txt"
+BOOK = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "alice29.txt"
 
 
 def load(folder: Path) -> torch.nn.Module:

@@ -114,8 +114,8 @@ def retrieval(
             cache = StateCache(capacity=size, dim=dim, dtype=dtype)
             cache.add(torch.nn.functional.layer_norm(torch.randn(size, dim), (dim,)), document=0)
             one, segment = torch.randn(1, dim), torch.randn(1024, dim)
-            rows.append((size, str(dtype).removeprefix("torch."), median_time(lambda: cache.search(one, top_k, window), repeats),
-                         median_time(lambda: cache.search(segment, top_k, window), max(1, repeats // 2))))
+            rows.append((size, str(dtype).removeprefix("torch."), median_time(lambda cache=cache, one=one: cache.search(one, top_k, window), repeats),
+                         median_time(lambda cache=cache, segment=segment: cache.search(segment, top_k, window), max(1, repeats // 2))))
     return rows
 
 

@@ -72,7 +72,7 @@ def main() -> None:
             cache.add(neurocache.compress(torch.tensor([ids[start : start + 1024]], device=model.device))[0], document=0)
         prompt = render(tokenizer, [{"role": "user", "content": told[0].question}])
         steps = generate_steps(model, tokenizer, prompt, GenerationParams(max_tokens=20), StopTokens.of(model, tokenizer),
-                               lambda: neurocache.active(CacheBinding([cache])))
+                               lambda cache=cache: neurocache.active(CacheBinding([cache])))
         answer = "".join(getattr(step, "text", "") for step in steps).strip().replace("\n", " ")
         correct = all(word in answer for word in expected_words(told[0]))
         hits += correct

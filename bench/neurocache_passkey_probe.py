@@ -102,7 +102,7 @@ def main() -> None:
             digits, answer = probe(model, tokenizer, neurocache, passkey_document(filler, length, depth, key, tokenizer), key)
             right += key in answer
             for d in digits:
-                counts = [c + flag for c, flag in zip(counts, d)]
+                counts = [c + flag for c, flag in zip(counts, d, strict=True)]
             total += len(digits)
             print(f"  depth {depth}: key {key}, answered {answer!r}", file=sys.stderr, flush=True)
         trials = len(args.depths.split(","))

@@ -28,17 +28,15 @@ from engine.errors import (
 from engine.generation import StopTokens, generate_steps
 from engine.ingest import ingest_steps, tokenize_document
 from engine.interface import (
+    MAX_TEMPERATURE,
+    SEED_RANGE,
     CacheInfo,
     DocumentInfo,
     EngineStats,
-    GenerationDone,
     GenerationEvent,
     GenerationParams,
-    MAX_TEMPERATURE,
-    SEED_RANGE,
     IngestEvent,
     ModelInfo,
-    Retrieval,
     SessionInfo,
 )
 from engine.memories import MEMORIES, ContextPiece, Memory, MemoryContext, build_memory, memory_type

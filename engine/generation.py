@@ -13,7 +13,6 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.interface import GenerationDone, GenerationParams, TokenDelta
 
-
 # Temperatures below this sample as greedy: logits / 1e-300 overflow, and below ~1e-5 the
 # softmax is one-hot in float32 anyway (vLLM uses the same cut-off).
 GREEDY_BELOW_TEMPERATURE = 1e-5

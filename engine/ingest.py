@@ -13,7 +13,6 @@ from engine.errors import TooLargeError
 from engine.interface import DocumentInfo, IngestDone, IngestEvent, IngestProgress
 from engine.memories import Memory, Segment
 
-
 PIECE_CHARS = 65_536  # documents are tokenized this many characters at a time
 
 

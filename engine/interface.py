@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-
 MAX_TEMPERATURE = 2.0
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 # The repetition guard's defaults and bounds; it looks at the answer's own tokens only, so copying

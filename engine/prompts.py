@@ -18,7 +18,7 @@ def _format(question: str, excerpts: str) -> str:
     return f"Document excerpts:\n\n{excerpts}\n\n{INSTRUCTION}\nQuestion: {question}"
 
 
-def with_context(question: str, pieces: list["ContextPiece"]) -> str:
+def with_context(question: str, pieces: list[ContextPiece]) -> str:
     """One user turn: the retrieved excerpts in document order, then the question."""
     if not pieces:
         return question

@@ -6,8 +6,8 @@ import asyncio
 import secrets
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from engine.config import SessionLimits

@@ -49,6 +49,11 @@ async def _load(app: FastAPI) -> None:
         log.exception("model loading failed")
 
 
+def route_template(request: Request) -> str:
+    """The matched route's path template (never the raw path: it holds session ids)."""
+    return getattr(request.scope.get("route"), "path", "unmatched")
+
+
 def create_app(settings: Settings | None = None, engine_factory: EngineFactory = default_engine) -> FastAPI:
     settings = settings or Settings()
 
@@ -77,10 +82,12 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next: Callable) -> Response:
-        response = await call_next(request)
-        route = request.scope.get("route")
-        template = getattr(route, "path", "unmatched")
-        app.state.metrics.requests.labels(template, request.method, str(response.status_code)).inc()
+        try:
+            response = await call_next(request)
+        except Exception:  # answered 500 by the catch-all handler, outside this middleware
+            app.state.metrics.requests.labels(route_template(request), request.method, "500").inc()
+            raise
+        app.state.metrics.requests.labels(route_template(request), request.method, str(response.status_code)).inc()
         return response
 
     return app

@@ -15,13 +15,13 @@ from starlette.types import Scope
 
 from engine.errors import (
     ConflictError,
-    SnapshotUnreadableError,
-    StorageError,
     InvalidRequestError,
     LongdocError,
     NotFoundError,
     NotReadyError,
     RetryLaterError,
+    SnapshotUnreadableError,
+    StorageError,
     TooLargeError,
 )
 

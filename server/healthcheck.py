@@ -12,8 +12,9 @@ import urllib.request
 
 def main() -> int:
     port = os.environ.get("LONGDOC_PORT", "8000")
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through HTTP_PROXY
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=3) as response:
+        with direct.open(f"http://127.0.0.1:{port}/healthz", timeout=3) as response:
             return 0 if response.status == 200 else 1
     except OSError:
         return 1

@@ -10,13 +10,13 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.config import (
     DEFAULT_MODEL,
+    SHIPPED_ADAPTERS,
+    SHIPPED_CHECKPOINTS,
     EngineConfig,
     GenerationLimits,
     IngestConfig,
     ModelSpec,
     SessionLimits,
-    SHIPPED_ADAPTERS,
-    SHIPPED_CHECKPOINTS,
     default_server_memory_bytes,
     shipped_checkpoints,
 )

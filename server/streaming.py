@@ -38,7 +38,7 @@ def event_stream(chunks: AsyncIterator[bytes], upstream: Any, metrics: Metrics) 
     so a client that disconnects cancels the work behind it."""
 
     async def body() -> AsyncIterator[bytes]:
-        async with contextlib.aclosing(upstream):
+        async with contextlib.aclosing(upstream), contextlib.aclosing(chunks):
             try:
                 async for chunk in chunks:
                     yield chunk

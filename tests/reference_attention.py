@@ -57,7 +57,7 @@ def reference_forward(module, x):
     xp = torch.nn.functional.pad(x, (0, 0, 0, Tp - T))
     q, k, v = qkv_heads(xp, module.qkv, cfg.n_heads)
     out = torch.zeros_like(q)
-    l, r, w, hd = cfg.segment_len, cfg.compressed_per_segment, cfg.window, cfg.head_dim
+    l, w, hd = cfg.segment_len, cfg.window, cfg.head_dim
     for b in range(B):
         for h in range(cfg.n_heads):
             qr = torch.stack([_rope(module, q[b, h, t], t) for t in range(Tp)])

@@ -51,7 +51,7 @@ def test_document_json_multipart_and_plain_text(client):
     doc = first.json()
     assert doc["name"] == "alice" and doc["chars"] == len(TEXT) and doc["tokens"] > 4000
     assert doc["segments"] == -(-doc["tokens"] // 64)
-    second = client.post(url, files={"file": ("part.txt", "A second document.".encode(), "text/plain")})
+    second = client.post(url, files={"file": ("part.txt", b"A second document.", "text/plain")})
     assert second.status_code == 201 and second.json()["name"] == "part.txt"
     third = client.post(url, content="Plain text body.", headers={"content-type": "text/plain"})
     assert third.status_code == 201

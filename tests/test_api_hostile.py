@@ -43,10 +43,10 @@ def test_lone_surrogates_are_422_everywhere(client):
     session_id = new_session(client, memory="text")
     raw = '"hi \\ud800 there"'  # a JSON escape no UTF-8 text can hold
     bodies = [
-        (CHAT, '{"messages": [{"role": "user", "content": %s}]}' % raw),
-        (ask_url(session_id), '{"question": %s}' % raw),
-        (f"/v1/sessions/{session_id}/documents", '{"text": %s}' % raw),
-        ("/v1/sessions", '{"memory": %s}' % raw),
+        (CHAT, '{"messages": [{"role": "user", "content": RAW}]}'.replace("RAW", raw)),
+        (ask_url(session_id), '{"question": RAW}'.replace("RAW", raw)),
+        (f"/v1/sessions/{session_id}/documents", '{"text": RAW}'.replace("RAW", raw)),
+        ("/v1/sessions", '{"memory": RAW}'.replace("RAW", raw)),
     ]
     for url, body in bodies:
         error = assert_error(client.post(url, content=body, headers={"content-type": "application/json"}), 422)
@@ -69,7 +69,7 @@ def test_strict_scalars(client, fields):
 
 def test_non_finite_floats_are_422(client):
     for value in ("NaN", "Infinity", "-Infinity", "1e999"):
-        body = '{"messages": [{"role": "user", "content": "hi"}], "temperature": %s}' % value
+        body = '{"messages": [{"role": "user", "content": "hi"}], "temperature": VALUE}'.replace("VALUE", value)
         assert_error(client.post(CHAT, content=body, headers={"content-type": "application/json"}), 422)
 
 

@@ -71,7 +71,7 @@ def test_padding_and_batch_rows_do_not_change_real_outputs(name):
 
 
 def test_selection_never_picks_a_segment_ending_inside_or_after_the_group():
-    from engine.models.segments import select_segments, segment_ends
+    from engine.models.segments import segment_ends, select_segments
 
     S, p = 8, 4
     ends = segment_ends(S, 4, 0, torch.get_default_device())  # 3, 7, 11, ...

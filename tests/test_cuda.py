@@ -8,7 +8,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from engine.knn import FaissCpuKnn, TorchKnn
-from engine.models import build, flex
+from engine.models import build
 from engine.models.loader import load_model
 from server.app import create_app
 from tests.conftest import CACHE_DIR, FIXTURES, tiny_settings, wait_ready

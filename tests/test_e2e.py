@@ -6,10 +6,10 @@ the openai SDK, and the `longdoc` command line; a session in the default memory 
 from __future__ import annotations
 
 import os
-import tempfile
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import pytest
 
@@ -157,7 +159,7 @@ def test_piecewise_tokenization_equals_whole_text(tiny_tokenizer, alice):
 def test_piece_bounds_cut_small_pieces_at_spaces(tiny_tokenizer, alice):
     bounds = list(piece_bounds(alice, 500))
     assert len(bounds) > 100 and bounds[0][0] == 0 and bounds[-1][1] == len(alice)
-    assert all(a[1] == b[0] and alice[b[0]] == " " for a, b in zip(bounds, bounds[1:]))
+    assert all(a[1] == b[0] and alice[b[0]] == " " for a, b in pairwise(bounds))
     whole = tiny_tokenizer(alice, add_special_tokens=False)["input_ids"]
     assert tokenize_document(tiny_tokenizer, "d", "d", alice, piece_chars=500).token_ids.tolist() == whole
 
@@ -201,7 +203,7 @@ def test_hybrid_retrieval_is_deterministic_and_merges_touching_chunks(context, t
     assert runs[0] == runs[1]
     spans = [(p.item.char_start, p.item.char_end) for p in runs[0]]
     assert spans == sorted(spans)  # document order
-    assert all(a_end < b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))  # touching chunks were merged
+    assert all(a_end < b_start for (_, a_end), (b_start, _) in pairwise(spans))  # touching chunks were merged
     assert any(len(tiny_tokenizer(p.text, add_special_tokens=False)["input_ids"]) > 16 for p in runs[0])  # and some did touch
     assert all(text[a:b] == p.text for (a, b), p in zip(spans, runs[0], strict=True))
 

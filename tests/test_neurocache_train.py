@@ -6,6 +6,7 @@ import json
 import math
 import random
 from dataclasses import replace
+from itertools import pairwise
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from engine.models.neurocache_io import read_meta
 from engine.training.corpus import CANTERBURY
 from engine.training.fact_tasks import NAMES, facts
 from engine.training.neurocache_data import DISTRACTOR_NAMES, EpisodeSampler, near_miss, tokenize_files
-from engine.training.neurocache_train import Trainer, TrainConfig, parameter_groups, train
+from engine.training.neurocache_train import TrainConfig, Trainer, parameter_groups, train
 from engine.training.schedule import lr_factor
 from tests.test_memories import filler
 from tests.test_neurocache import CONFIG, tiny
@@ -43,14 +44,14 @@ def test_passkey_episode_layout(tiny_tokenizer, corpus_dir):
         assert "What is the pass key?" in last and key not in last.split("The pass key is")[0]
         body = tiny_tokenizer.decode(episode.token_ids[:192])
         assert f"The pass key is {key}" in body  # the fact lies before the last segment
-        answer = tiny_tokenizer.decode([t for t, m in zip(episode.token_ids, episode.answer_mask) if m])
+        answer = tiny_tokenizer.decode([t for t, m in zip(episode.token_ids, episode.answer_mask, strict=True) if m])
         assert key in answer
 
 
 def test_schedule_warms_up_then_decays():
     factors = [lr_factor(s, warmup=10, total=100, min_ratio=0.1) for s in range(100)]
     assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(factors[10:], factors[11:]))
+    assert all(a >= b for a, b in pairwise(factors[10:]))
     assert factors[-1] == pytest.approx(0.1, abs=0.01)
 
 
@@ -98,9 +99,9 @@ def test_distractor_facts_are_near_misses_and_never_hide_the_key(tiny_tokenizer,
             for part in text.split(f"The {name} is ")[1:]:
                 other = part[:5]
                 assert other.isdigit() and other != key
-                assert sum(a == b for a, b in zip(other, key)) >= 3 or sorted(other) == sorted(key)
+                assert sum(a == b for a, b in zip(other, key, strict=True)) >= 3 or sorted(other) == sorted(key)
                 seen += 1
-        answer = tiny_tokenizer.decode([t for t, m in zip(episode.token_ids, episode.answer_mask) if m])
+        answer = tiny_tokenizer.decode([t for t, m in zip(episode.token_ids, episode.answer_mask, strict=True) if m])
         assert key in answer
     assert seen > 0
 
@@ -159,7 +160,7 @@ def test_fact_episode_asks_about_a_fact_stated_before_the_last_segment(tiny_toke
         assert episode.kind == "fact" and len(episode.token_ids) == 512 == len(episode.answer_mask)
         body = tiny_tokenizer.decode(episode.token_ids[:384])
         last = tiny_tokenizer.decode(episode.token_ids[384:])
-        answer = tiny_tokenizer.decode([t for t, m in zip(episode.token_ids, episode.answer_mask) if m])
+        answer = tiny_tokenizer.decode([t for t, m in zip(episode.token_ids, episode.answer_mask, strict=True) if m])
         answer = answer.removesuffix(tiny_tokenizer.eos_token or "").strip()
         question = last.split(answer)[0]
         asked = next(name for name in NAMES if name in question)

@@ -8,6 +8,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
+from fastapi.testclient import TestClient
+
 from engine.interface import DocumentInfo, IngestDone, IngestProgress
 from scripts.drills.server import free_port
 from server import healthcheck
@@ -110,3 +112,16 @@ def test_container_healthcheck_probes_the_port_in_longdoc_port(monkeypatch):
         assert healthcheck.main() == 1
     finally:
         server.shutdown()
+
+
+def test_an_unhandled_exception_is_counted_as_a_500_and_an_internal_error(client, monkeypatch):
+    def broken():
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(client.app.state.engine, "list_models", broken)
+    plain = TestClient(client.app, raise_server_exceptions=False)  # the app is already started by `client`
+    response = plain.get("/v1/models")
+    assert response.status_code == 500 and response.json()["error"]["type"] == "internal_error"
+    after = samples(client)
+    assert after['longdoc_requests_total{method="GET",route="/v1/models",status="500"}'] == 1.0
+    assert after['longdoc_errors_total{type="internal_error"}'] == 1.0

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from engine.models import flex
-from engine.models.lm_common import LMConfig, LanguageModel
+from engine.models.lm_common import LanguageModel, LMConfig
 from engine.models.long_short import LongShortAttention
 from engine.models.segments import ends_before_rows, gather_segments, group_scores, select_segments
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models import flex
-from engine.models.lm_common import LMConfig, LanguageModel, apply_rope, merge_heads, qkv_heads, rope_angles
+from engine.models.lm_common import LanguageModel, LMConfig, apply_rope, merge_heads, qkv_heads, rope_angles
 from engine.models.segments import compress, ends_before_rows, segment_ends, window_mask, window_span
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.config import DEFAULT_MODEL, EngineConfig, ModelSpec, SHIPPED_ADAPTERS
+from engine.config import DEFAULT_MODEL, SHIPPED_ADAPTERS, EngineConfig, ModelSpec
 from engine.engine import Engine
 from engine.interface import GenerationParams, TokenDelta
 from engine.models.loader import load_model

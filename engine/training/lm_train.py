@@ -26,7 +26,6 @@ from engine.training.corpus import DEFAULT_DIR, fetch, split
 from engine.training.schedule import lr_factor
 
 
-
 @dataclass
 class LMTrainConfig:
     arch: str = "cacheformer"

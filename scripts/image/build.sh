@@ -17,8 +17,8 @@ if ! podman image exists "$base" && ! timeout 60 podman pull -q "$base" >/dev/nu
   bash scripts/image/base.sh
 fi
 
-if ! curl -fsS -m 15 -o /dev/null "$torch_index/torch/"; then
-  wheel=$(find ${PIP_FIND_LINKS:-/opt/wheels} -maxdepth 1 -name 'torch-2.13.0+cpu-cp311-*.whl' 2>/dev/null | head -1)
+if ! curl -fsS -m 15 ${PIP_CERT:+--cacert "$PIP_CERT"} -o /dev/null "$torch_index/torch/"; then
+  wheel=$(find "${PIP_FIND_LINKS:-/opt/wheels}" -maxdepth 1 -name 'torch-2.13.0+cpu-cp311-*.whl' 2>/dev/null | head -1 || true)
   if [ "$variant" != cpu ] || [ -z "$wheel" ]; then
     echo "cannot reach $torch_index and have no local torch wheel for VARIANT=$variant" >&2
     exit 1
@@ -32,7 +32,7 @@ if ! curl -fsS -m 15 -o /dev/null "$torch_index/torch/"; then
   port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   python3 -m http.server --bind 127.0.0.1 --directory "$index" "$port" >/dev/null 2>&1 &
   server=$!
-  trap 'kill $server; rm -rf "$index"' EXIT
+  trap 'kill "$server" 2>/dev/null || true; rm -rf "$index"' EXIT
   torch_index=http://127.0.0.1:$port
   echo "cannot reach ${TORCH_INDEX:-the PyTorch CPU index}: torch comes from $wheel"
 fi

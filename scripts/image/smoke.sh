@@ -20,7 +20,11 @@ if [ -z "${CONTAINERS_CONF:-}" ]; then  # podman's default ulimits cannot be set
   export CONTAINERS_CONF=$conf
 fi
 run() { podman run -d --name "$1" --runtime runc --network host -e LONGDOC_PORT="$port" -v "$volume:/var/lib/longdoc" "$image" >/dev/null; }
-cleanup() { podman rm -f "$name" "$name-2" >/dev/null 2>&1 || true; podman volume rm -f "$volume" >/dev/null 2>&1 || true; }
+cleanup() {
+  podman rm -f "$name" "$name-2" >/dev/null 2>&1 || true
+  podman volume rm -f "$volume" >/dev/null 2>&1 || true
+  [ -z "${conf:-}" ] || rm -f "$conf"
+}
 trap cleanup EXIT
 fail() { echo "FAIL: $*" >&2; podman logs --tail 30 "$1" >&2 || true; exit 1; }
 
