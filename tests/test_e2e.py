@@ -219,3 +219,29 @@ def test_cli_asks_the_shipped_cacheformer_through_the_server(server, tmp_path):
     assert asked.returncode == 0, asked.stderr
     expected = greedy(load_checkpoint(SHIPPED_CHECKPOINTS / "cacheformer-bytes"), text, "Alice was", 24)
     assert asked.stdout.rstrip("\n") == expected.rstrip("\n") and expected.strip()
+
+
+def _metric(server: str, series: str) -> float:
+    for line in httpx.get(f"{server}/metrics", timeout=10).text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no {series} on /metrics")
+
+
+def test_client_disconnect_during_ingestion_leaves_no_tokens_pending(server):
+    headers = {"Authorization": "Bearer e2e-key"}
+    session_id = httpx.post(f"{server}/v1/sessions", json={"memory": "text"}, headers=headers, timeout=30).json()["id"]
+    url = f"{server}/v1/sessions/{session_id}/documents?stream=true"
+    text = BOOK.read_text(encoding="utf-8")
+    with httpx.stream("POST", url, json={"text": text}, headers=headers, timeout=60) as response:
+        for line in response.iter_lines():
+            if line == "event: progress":
+                break  # hang up after the first segment
+    pending = 'longdoc_ingestion_pending_tokens{memory="text"}'
+    deadline = time.monotonic() + 20
+    while _metric(server, pending) != 0:
+        assert time.monotonic() < deadline, "tokens of an abandoned document stay pending"
+        time.sleep(0.2)
+    documents = httpx.get(f"{server}/v1/sessions/{session_id}", headers=headers, timeout=30).json()["documents"]
+    assert documents == []  # the abandoned document was not kept
+    httpx.delete(f"{server}/v1/sessions/{session_id}", headers=headers, timeout=30)
