@@ -62,14 +62,14 @@ image-smoke: image
 	bash scripts/image/smoke.sh
 
 bench: $(STAMP)
-	$(BIN)/python bench/bench_memories.py $(ARGS)
+	$(BIN)/python -m bench.bench_memories $(ARGS)
 
 # kvcache speed against the plain model (ingestion, decode, TTFT), docs/benchmarks.md#kvcache
 bench-kvcache: $(STAMP)
-	$(BIN)/python bench/bench_kvcache.py $(ARGS)
+	$(BIN)/python -m bench.bench_kvcache $(ARGS)
 
 corpus: $(STAMP)
-	$(BIN)/python scripts/fetch_corpus.py
+	$(BIN)/python -m scripts.fetch_corpus
 
 clean:
 	rm -rf $(VENV) $(DRILL_VENV) build *.egg-info

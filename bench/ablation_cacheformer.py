@@ -1,7 +1,7 @@
 """CacheFormer ablation: long-short · + overlap · + cache (k, u variants) · + both, same data, same
 schedule, same width, several seeds; held-out bits per byte, training tokens/s and peak memory.
 
-    .venv/bin/python bench/ablation_cacheformer.py --steps 300 --seeds 0 1
+    .venv/bin/python -m bench.ablation_cacheformer --steps 300 --seeds 0 1
 
 Prints a Markdown table (mean ± spread over seeds) and writes it to docs/ablation.md.
 """
@@ -24,7 +24,7 @@ VARIANTS: dict[str, list[str]] = {
     "+ cache (k 3, u 3)": ["--arch", "cacheformer", "--cache-top-k", "3", "--cache-neighbours", "3"],
     "+ both (k 7, u 1)": ["--arch", "cacheformer", "--overlap", "--cache-top-k", "7", "--cache-neighbours", "1"],
 }
-PAPER = {  # WikiText-103 perplexity, 122.5M parameters (as DESIGN.md quotes the paper)
+PAPER = {  # WikiText-103 perplexity, 122.5M parameters, as the CacheFormer paper reports
     "long-short": "23.74",
     "+ both (k 7, u 1)": "21.32",
 }
@@ -76,7 +76,7 @@ def main() -> None:
         )
     table = "\n".join(lines)
     print(table)
-    command = "python bench/ablation_cacheformer.py " + " ".join(sys.argv[1:])
+    command = "python -m bench.ablation_cacheformer " + " ".join(sys.argv[1:])
     (ROOT / "docs" / "ablation.md").write_text(
         "# CacheFormer ablation (byte-level, offline corpus)\n\n"
         f"Command:\n\n```\n{command.strip()}\n```\n\nSeeds {args.seeds}, {args.steps} steps of {args.batch_size} × "

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engine.config import DEFAULT_CACHE_DIR
 from engine.models.loader import default_model_dir
 
 BOOK = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "alice29.txt"
@@ -31,7 +32,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--window", type=int, default=1024)
-    parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/longdoc").expanduser())
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
     args = parser.parse_args()
     whole_dir = default_model_dir(args.cache_dir)
     with tempfile.TemporaryDirectory(prefix="longdoc-bf16-") as scratch:

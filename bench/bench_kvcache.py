@@ -8,7 +8,7 @@
 
 Medians over warm repeats. Prints a Markdown table.
 
-    .venv/bin/python bench/bench_kvcache.py --tokens 16384 [--options '{"ingest_selection": false}']
+    .venv/bin/python -m bench.bench_kvcache --tokens 16384 [--options '{"ingest_selection": false}']
 """
 
 from __future__ import annotations
@@ -16,23 +16,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.bench_neurocache import median_time  # noqa: E402
-from engine.evals import texts  # noqa: E402
-from engine.memories.kvcache import KVCacheOptions  # noqa: E402
-from engine.models.kv_select import SelectiveAnswer, SelectiveModel  # noqa: E402
-from engine.models.kv_store import KVStore  # noqa: E402
-from engine.models.loader import load_model  # noqa: E402
-from engine.prompts import after_document, document_frame  # noqa: E402
+from bench.bench_neurocache import median_time
+from engine.config import DEFAULT_CACHE_DIR
+from engine.evals import texts
+from engine.memories.kvcache import KVCacheOptions
+from engine.models.kv_select import SelectiveAnswer, SelectiveModel
+from engine.models.kv_store import KVStore
+from engine.models.loader import load_model
+from engine.prompts import after_document, document_frame
 
 QUESTION = "What did the Mock Turtle sing about?"
 
@@ -58,7 +54,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
-    loaded = load_model("smollm2-135m-instruct", cache_dir=Path("~/.cache/longdoc").expanduser(), device="cpu")
+    loaded = load_model("smollm2-135m-instruct", cache_dir=DEFAULT_CACHE_DIR, device="cpu")
     model, tokenizer = loaded.model, loaded.tokenizer
     options = KVCacheOptions(**json.loads(args.options))
     selective = SelectiveModel(model, options.select_config())

@@ -4,7 +4,7 @@ Each (arch, length) runs in a fresh process so its peak memory is its own: token
 warm runs) and the peak resident memory added by the forward pass. Ratios are against the
 transformer at the same length, measured in the same run.
 
-    .venv/bin/python bench/bench_lm_scaling.py [--lengths 1024 2048 4096 8192 16384] [--variants ...]
+    .venv/bin/python -m bench.bench_lm_scaling [--lengths 1024 2048 4096 8192 16384] [--variants ...]
 
 The "compiled flex" rows run the fused attention path (engine/models/flex.py) compiled by
 torch.compile for CPU, inference only; the compile happens in the warm-up run.
@@ -34,7 +34,6 @@ VARIANTS = {  # name: (arch, flags, attention kernel)
 
 
 def measure_one(name: str, length: int, repeats: int) -> dict[str, float]:
-    sys.path.insert(0, str(ROOT))
     import torch
 
     from engine.models import build
@@ -74,8 +73,8 @@ def main() -> None:
     results: dict[tuple[str, int], dict[str, float]] = {}
     for length in args.lengths:
         for name in ["transformer", *(v for v in args.variants if v != "transformer")]:
-            cmd = [sys.executable, __file__, "--one", name, str(length), "--repeats", str(args.repeats)]
-            done = subprocess.run(cmd, capture_output=True, text=True)
+            cmd = [sys.executable, "-m", "bench.bench_lm_scaling", "--one", name, str(length), "--repeats", str(args.repeats)]
+            done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if done.returncode != 0:
                 results[(name, length)] = {"tokens_per_second": float("nan"), "added_peak_mib": float("nan")}
                 print(f"{name} at {length}: failed: {done.stderr.strip().splitlines()[-1:]}", file=sys.stderr)

@@ -2,7 +2,7 @@
 (streamed through the segment cache) against a sliding window of the training length, by position,
 and the streaming cost as the history grows.
 
-    .venv/bin/python bench/bench_lm_stream.py --bytes 32768
+    .venv/bin/python -m bench.bench_lm_stream --bytes 32768
 
 Prints Markdown tables and writes them to docs/lm_stream.md.
 """
@@ -18,13 +18,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from engine.config import SHIPPED_CHECKPOINTS
+from engine.models.lm_io import load_checkpoint
+from engine.training.corpus import fetch, split
+from engine.training.lm_eval import sliding_losses, streamed_losses
 
-from engine.config import SHIPPED_CHECKPOINTS  # noqa: E402
-from engine.models.lm_io import load_checkpoint  # noqa: E402
-from engine.training.corpus import fetch, split  # noqa: E402
-from engine.training.lm_eval import sliding_losses, streamed_losses  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 BITS = 1 / math.log(2)
 
@@ -75,7 +74,7 @@ def main() -> None:
         lines.append(f"| {name} | {size / seconds[-1]:,.0f} | {last:,.0f} | {size / sliding_seconds:,.0f} | {nbytes / size:,.0f} |")
     table = "\n".join(lines)
     print(table)
-    command = "python bench/bench_lm_stream.py " + " ".join(sys.argv[1:])
+    command = "python -m bench.bench_lm_stream " + " ".join(sys.argv[1:])
     args.out.write_text(
         "# CacheFormer past its training length (streamed)\n\nCommand:\n\n```\n" + command.strip() + "\n```\n\n" + table + "\n"
     )

@@ -6,7 +6,7 @@ tokens/s, then warm questions streamed over SSE: time to first token, decode tok
 the middle of the book are correct. Medians over warm runs; ratios against `truncate` from the
 same run. Prints a Markdown table and writes it to docs/benchmarks.md.
 
-    make bench                      # or: .venv/bin/python bench/bench_memories.py --repeats 5
+    make bench                      # or: .venv/bin/python -m bench.bench_memories --repeats 5
 """
 
 from __future__ import annotations
@@ -24,12 +24,11 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from clients.client import LongdocClient
+from engine.evals.docs import write_section
+from engine.training.corpus import fetch
 
-from clients.client import LongdocClient  # noqa: E402
-from engine.evals.docs import write_section  # noqa: E402
-from engine.training.corpus import fetch  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # Questions about passages 36-43% of the way into Paradise Lost, with the word a correct answer names.
 MIDDLE_QUESTIONS = (
@@ -186,7 +185,7 @@ def main() -> None:
         server.wait(30)
     result = table(rows)
     print(result)
-    command = "make bench  # .venv/bin/python bench/bench_memories.py " + " ".join(sys.argv[1:])
+    command = "make bench  # .venv/bin/python -m bench.bench_memories " + " ".join(sys.argv[1:])
     machine, where = machine_description()
     section = (
         f"## Memory modes on the default model (SmolLM2-135M-Instruct){where}\n\n"

@@ -10,30 +10,28 @@
    1024-token segment, exact search.
 4. Bytes per cached token against the model's own KV cache.
 
-    .venv/bin/python bench/bench_neurocache.py [--adapter runs/nc-smollm2/adapter]
+    .venv/bin/python -m bench.bench_neurocache [--adapter runs/nc-smollm2/adapter]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from engine.generation import StopTokens, generate_steps
+from engine.interface import GenerationParams
+from engine.models.loader import load_model
+from engine.models.neurocache import CacheBinding, Neurocache, NeurocacheConfig
+from engine.models.neurocache_io import load_adapter
+from engine.state_cache import StateCache
+from engine.training.corpus import fetch, split
 
-from engine.config import DEFAULT_MODEL  # noqa: E402
-from engine.generation import StopTokens, generate_steps  # noqa: E402
-from engine.interface import GenerationParams  # noqa: E402
-from engine.models.loader import load_model  # noqa: E402
-from engine.models.neurocache import CacheBinding, Neurocache, NeurocacheConfig  # noqa: E402
-from engine.models.neurocache_io import load_adapter  # noqa: E402
-from engine.state_cache import StateCache  # noqa: E402
-from engine.training.corpus import fetch, split  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def median_time(fn, repeats: int) -> float:
@@ -131,7 +129,7 @@ def main() -> None:
     parser.add_argument("--decode-sizes", type=int, nargs="*", default=[131_072], help="also decode with caches this large")
     args = parser.parse_args()
     torch.manual_seed(0)
-    loaded = load_model(DEFAULT_MODEL, cache_dir=Path("~/.cache/longdoc").expanduser())
+    loaded = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR)
     model, tokenizer = loaded.model, loaded.tokenizer
     if args.adapter:
         neurocache = load_adapter(model, tokenizer, args.adapter)

@@ -8,30 +8,26 @@ expected answer that the question does not already give (the city, the colour, t
 The filler is held out; the templates are the ones training uses, so this measures the trained
 skill on unseen text, not question answering in general (`longdoc eval qa` does that).
 
-    .venv/bin/python bench/neurocache_facts.py [--adapter DIR] [--tokens 8192] [--trials 8]
+    .venv/bin/python -m bench.neurocache_facts [--adapter DIR] [--tokens 8192] [--trials 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from engine.config import DEFAULT_MODEL, SHIPPED_ADAPTERS  # noqa: E402
-from engine.generation import StopTokens, generate_steps  # noqa: E402
-from engine.interface import GenerationParams  # noqa: E402
-from engine.models.loader import load_model  # noqa: E402
-from engine.models.neurocache import CacheBinding  # noqa: E402
-from engine.models.neurocache_io import load_adapter  # noqa: E402
-from engine.prompts import render  # noqa: E402
-from engine.training.corpus import DEFAULT_DIR, fetch, split  # noqa: E402
-from engine.training.fact_tasks import Fact, facts  # noqa: E402
+from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL, SHIPPED_ADAPTERS
+from engine.generation import StopTokens, generate_steps
+from engine.interface import GenerationParams
+from engine.models.loader import load_model
+from engine.models.neurocache import CacheBinding
+from engine.models.neurocache_io import load_adapter
+from engine.prompts import render
+from engine.training.corpus import DEFAULT_DIR, fetch, split
+from engine.training.fact_tasks import Fact, facts
 
 
 def document(filler: list[int], tokenizer, told: list[Fact], length: int, depth: float, rng: random.Random, start: int) -> list[int]:
@@ -54,7 +50,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--seed", type=int, default=123)
     args = parser.parse_args()
-    loaded = load_model(DEFAULT_MODEL, cache_dir=Path("~/.cache/longdoc").expanduser())
+    loaded = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR)
     model, tokenizer = loaded.model, loaded.tokenizer
     neurocache = load_adapter(model, tokenizer, args.adapter)
     _, held_out = split(fetch(DEFAULT_DIR))

@@ -8,7 +8,7 @@ true answer through the adapted model in one teacher-forced pass. For every digi
 - read: the model's most likely next token is that digit.
 It also answers greedily, as the server does, and prints the answer.
 
-    .venv/bin/python bench/neurocache_passkey_probe.py --adapter engine/adapters/smollm2-135m-instruct --length 32768
+    .venv/bin/python -m bench.neurocache_passkey_probe --adapter engine/adapters/smollm2-135m-instruct --length 32768
 """
 
 from __future__ import annotations
@@ -18,17 +18,14 @@ import random
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from engine.config import DEFAULT_MODEL  # noqa: E402
-from engine.models.loader import load_model  # noqa: E402
-from engine.models.neurocache_io import load_adapter  # noqa: E402
-from engine.prompts import render  # noqa: E402
-from engine.training.corpus import DEFAULT_DIR, fetch, split  # noqa: E402
-from engine.training.evaluate import PASSKEY_QUESTION, passkey_document  # noqa: E402
+from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from engine.models.loader import load_model
+from engine.models.neurocache_io import load_adapter
+from engine.prompts import render
+from engine.training.corpus import DEFAULT_DIR, fetch, split
+from engine.training.evaluate import PASSKEY_QUESTION, passkey_document
 
 SEGMENT = 1024  # the server's default segment length
 
@@ -86,7 +83,7 @@ def main() -> None:
     parser.add_argument("--depths", default="0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,0.95")
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
-    loaded = load_model(DEFAULT_MODEL, cache_dir=Path("~/.cache/longdoc").expanduser(), dtype=args.dtype)
+    loaded = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR, dtype=args.dtype)
     model, tokenizer = loaded.model, loaded.tokenizer
     neurocache = load_adapter(model, tokenizer, args.adapter)
     _, held_out = split(fetch(DEFAULT_DIR))

@@ -6,7 +6,7 @@ session is made with `{"options": {"remember": true}}`, so its first turn is wri
 cache; the other only reads its cache. The second answer counts when it holds the key. Greedy.
 
     make serve ARGS="--port 8126" &
-    .venv/bin/python bench/neurocache_remember.py --url http://127.0.0.1:8126 [--keys 48213 73906 ...]
+    .venv/bin/python -m bench.neurocache_remember --url http://127.0.0.1:8126 [--keys 48213 73906 ...]
 """
 
 from __future__ import annotations

@@ -7,28 +7,24 @@ Recall is the share of such queries that retrieve that very digit (the i-th digi
 the i-th digit of the answer) in the needle. A random pick of k*w entries
 from the cache gives the "chance" column.
 
-    .venv/bin/python bench/neurocache_retrieval.py --adapter runs/nc2/smollm2-135m-instruct [--episodes 20]
+    .venv/bin/python -m bench.neurocache_retrieval --adapter runs/nc2/smollm2-135m-instruct [--episodes 20]
     (no --adapter: a fresh, untrained W_p)
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from engine.config import DEFAULT_MODEL  # noqa: E402
-from engine.models.loader import load_model  # noqa: E402
-from engine.models.neurocache import Neurocache, NeurocacheConfig  # noqa: E402
-from engine.models.neurocache_io import load_adapter  # noqa: E402
-from engine.training.corpus import DEFAULT_DIR, fetch, split  # noqa: E402
-from engine.training.neurocache_data import EpisodeSampler, tokenize_files  # noqa: E402
-from engine.training.neurocache_data import needle as needle_ids  # noqa: E402
+from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from engine.models.loader import load_model
+from engine.models.neurocache import Neurocache, NeurocacheConfig
+from engine.models.neurocache_io import load_adapter
+from engine.training.corpus import DEFAULT_DIR, fetch, split
+from engine.training.neurocache_data import EpisodeSampler, tokenize_files
+from engine.training.neurocache_data import needle as needle_ids
 
 
 def needle_digit_positions(ids: list[int], fact: list[int], key_ids: list[int]) -> list[set[int]]:
@@ -76,7 +72,7 @@ def main() -> None:
     parser.add_argument("--n-segments", type=int, default=3)
     args = parser.parse_args()
     torch.manual_seed(0)
-    loaded = load_model(DEFAULT_MODEL, cache_dir=Path("~/.cache/longdoc").expanduser(), dtype="float32")
+    loaded = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR, dtype="float32")
     model, tokenizer = loaded.model, loaded.tokenizer
     if args.adapter:
         neurocache = load_adapter(model, tokenizer, args.adapter)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_CACHE_DIR = Path("~/.cache/longdoc").expanduser()  # converted models; sessions under it by default
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent / "adapters"
 SHIPPED_CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"  # from-scratch LMs, served by folder name
 
@@ -28,7 +29,7 @@ class ModelSpec:
     sources: tuple[str, ...] = (DEFAULT_MODEL,)
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
-    cache_dir: Path = Path("~/.cache/longdoc").expanduser()
+    cache_dir: Path = DEFAULT_CACHE_DIR
     adapter_dirs: tuple[Path, ...] = (SHIPPED_ADAPTERS,)  # searched for <model name>/adapter.json
 
     def __post_init__(self) -> None:

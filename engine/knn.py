@@ -1,7 +1,9 @@
 """Exact k-nearest-neighbour search (L2) behind one interface, chosen by device.
 
-Brute force is the right default at session-cache sizes (DESIGN.md): FAISS on CPU, FAISS GPU when
-the installed faiss has GPU support, else a torch matmul + top-k on CUDA.
+Exact brute force is the default at session-cache sizes: HNSW cannot delete entries and IVF needs
+training, while one scan is fast enough (100k x 256 float32 rows, 2048 queries, k=16: about 0.6 s
+on 2 CPU cores). FAISS on CPU, FAISS GPU when the installed faiss has GPU support, else a torch
+matmul + top-k on CUDA.
 
 A backend also allocates the rows it will search (`allocate`), so that FAISS on CPU can keep a
 bfloat16 cache inside a flat scalar-quantizer index and scan it in place: widening 2-byte rows to

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.training.corpus import DEFAULT_DIR, fetch, split  # noqa: E402
+from engine.training.corpus import DEFAULT_DIR, fetch, split
 
 
 def main() -> None:

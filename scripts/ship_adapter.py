@@ -1,6 +1,6 @@
 """Copy a trained Neurocache adapter into the package, with its floats stored as bfloat16.
 
-    .venv/bin/python scripts/ship_adapter.py runs/nc5/smollm2-135m-instruct [--eval figures.json]
+    .venv/bin/python -m scripts.ship_adapter runs/nc5/smollm2-135m-instruct [--eval figures.json]
 
 The default model serves in bfloat16 where the CPU or GPU is fast at it, and the adapter is cast
 to the model's dtype when it loads, so bfloat16 storage halves the file at no cost there; on a
@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+from safetensors.torch import load_file, save_file
 
-import torch  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from engine.config import SHIPPED_ADAPTERS  # noqa: E402
-from engine.models.neurocache_io import META, WEIGHTS, read_meta  # noqa: E402
+from engine.config import SHIPPED_ADAPTERS
+from engine.models.neurocache_io import META, WEIGHTS, read_meta
 
 
 def ship(source: Path, target: Path, figures: dict | None) -> None:

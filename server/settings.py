@@ -9,6 +9,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.config import (
+    DEFAULT_CACHE_DIR,
     DEFAULT_MODEL,
     SHIPPED_ADAPTERS,
     SHIPPED_CHECKPOINTS,
@@ -36,7 +37,7 @@ class Settings(BaseSettings):
     )
     device: str = "auto"
     dtype: str = "auto"
-    cache_dir: Path = Path("~/.cache/longdoc").expanduser()
+    cache_dir: Path = DEFAULT_CACHE_DIR
     data_dir: Path | None = Field(None, description="where sessions are saved as they change; default <cache_dir>/sessions")
     persist_sessions: bool = Field(True, description="save sessions to data_dir (false: sessions live in RAM only)")
     api_key: SecretStr | None = Field(None, description="when set, /v1 requires 'Authorization: Bearer <key>'")

@@ -13,12 +13,13 @@ import torch
 from fastapi.testclient import TestClient
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from engine.config import DEFAULT_CACHE_DIR
 from engine.models.loader import default_model_dir
 from server.app import create_app
 from server.settings import Settings
 
 FIXTURES = Path(__file__).parent / "fixtures"
-CACHE_DIR = Path(os.environ.get("LONGDOC_CACHE_DIR", "~/.cache/longdoc")).expanduser()
+CACHE_DIR = Path(os.environ.get("LONGDOC_CACHE_DIR", DEFAULT_CACHE_DIR)).expanduser()
 # `LONGDOC_TEST_DEVICE=cuda pytest` runs the suite with CUDA as the default device of every test and
 # of the test servers' engines (scripts/gpu/check.sh); CI leaves it unset, on CPU.
 TEST_DEVICE = os.environ.get("LONGDOC_TEST_DEVICE", "cpu")

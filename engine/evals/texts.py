@@ -15,6 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.config import DEFAULT_CACHE_DIR
 from engine.training.corpus import DEFAULT_DIR, HELD_OUT, fetch
 
 QA_DIR = Path("data/qa")
@@ -83,7 +84,7 @@ if __name__ == "__main__":
 
     from engine.models.loader import default_model_dir
 
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir(Path("~/.cache/longdoc").expanduser()))
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir(DEFAULT_CACHE_DIR))
     for spec in TEXTS:
         text = load(spec.name)
         print(f"{spec.name:14} {spec.genre:24} {len(text):>8} chars {len(tokenizer(text)['input_ids']):>7} tokens")

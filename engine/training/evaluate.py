@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.config import DEFAULT_MODEL, SHIPPED_ADAPTERS, EngineConfig, ModelSpec
+from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL, SHIPPED_ADAPTERS, EngineConfig, ModelSpec
 from engine.engine import Engine
 from engine.interface import GenerationParams, TokenDelta
 from engine.models.loader import load_model
@@ -33,7 +33,7 @@ class EvalSetup:
     model: str = DEFAULT_MODEL
     adapter: Path | None = None  # folder with adapter.json; None: the shipped adapter if any
     corpus_dir: Path = DEFAULT_DIR
-    cache_dir: Path = Path("~/.cache/longdoc").expanduser()
+    cache_dir: Path = DEFAULT_CACHE_DIR
     device: str = "auto"
 
 

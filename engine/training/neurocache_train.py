@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from engine.config import DEFAULT_MODEL
+from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
 from engine.models.loader import load_model
 from engine.models.neurocache import Neurocache, NeurocacheConfig
 from engine.models.neurocache_io import load_adapter, read_meta, save_adapter
@@ -34,7 +34,7 @@ class TrainConfig:
     model: str = DEFAULT_MODEL
     out: Path = Path("runs/neurocache")
     corpus_dir: Path = DEFAULT_DIR
-    cache_dir: Path = Path("~/.cache/longdoc").expanduser()
+    cache_dir: Path = DEFAULT_CACHE_DIR
     device: str = "auto"
     steps: int = 200  # optimizer steps
     batch_size: int = 2

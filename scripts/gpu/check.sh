@@ -31,7 +31,7 @@ case "${1:-tests}" in
     ;;
   bench)
     cp docs/benchmarks.md "$OUT/benchmarks.md"
-    python3 bench/bench_memories.py --document /tmp/payload/plrabn12.txt --memories truncate text neurocache \
+    python3 -m bench.bench_memories --document /tmp/payload/plrabn12.txt --memories truncate text neurocache \
       --repeats 4 --streams 8 --out "$OUT/benchmarks.md" 2>&1 | tee "$OUT/bench.log"
     ;;
 esac
