@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from clients.client import parse_sse
+from clients.client import events_of as parse_events
 from tests.conftest import FIXTURES
 
 TEXT = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")[:20_000]
@@ -15,7 +15,7 @@ TEXT = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")[:20_000]
 def events_of(response) -> list:
     assert response.status_code == 200, response.text
     assert response.headers["content-type"].startswith("text/event-stream")
-    return list(parse_sse(response.text.splitlines()))
+    return list(parse_events(response))
 
 
 def new_session(client, **body) -> str:
