@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.config import (
@@ -25,6 +25,9 @@ from server.auth import KeyRing, key_name, read_keys_file
 
 
 class Settings(BaseSettings):
+    """HTTP-only settings carry their bounds here; the engine's limits take their defaults from
+    engine/config.py and are checked there (`_engine_limits`), so each is written once."""
+
     model_config = SettingsConfigDict(env_prefix="LONGDOC_", cli_kebab_case=True, cli_implicit_flags=True)
 
     host: str = "127.0.0.1"
@@ -35,8 +38,8 @@ class Settings(BaseSettings):
         "repeat to serve several "
         "(env: comma-separated); the first is the default",
     )
-    device: str = "auto"
-    dtype: str = "auto"
+    device: str = ModelSpec.device
+    dtype: str = Field(ModelSpec.dtype, description="auto, bfloat16, float16 or float32")
     cache_dir: Path = DEFAULT_CACHE_DIR
     data_dir: Path | None = Field(None, description="where sessions are saved as they change; default <cache_dir>/sessions")
     persist_sessions: bool = Field(True, description="save sessions to data_dir (false: sessions live in RAM only)")
@@ -46,27 +49,27 @@ class Settings(BaseSettings):
     )
     admin_key: SecretStr | None = Field(None, description="an API key that sees and may act on every session")
     max_document_bytes: int = Field(32 * 1024**2, gt=0)
-    max_document_tokens: int = Field(2_000_000, gt=0)
-    max_sessions: int = Field(1000, gt=0, description="sessions held, in RAM or on disk; more get 429")
-    session_ttl_seconds: float = Field(3600.0, gt=0, description="idle sessions leave RAM (for disk when saved, else dropped)")
-    saved_session_ttl_seconds: float = Field(30 * 24 * 3600.0, gt=0, description="sessions on disk unused this long are deleted")
-    session_memory_bytes: int = Field(512 * 1024**2, gt=0, description="what one session's memory may hold")
+    max_document_tokens: int = IngestConfig.max_document_tokens
+    max_sessions: int = Field(SessionLimits.max_sessions, description="sessions held, in RAM or on disk; more get 429")
+    session_ttl_seconds: float = Field(SessionLimits.idle_ttl_seconds, description="idle sessions leave RAM (for disk when saved, else dropped)")
+    saved_session_ttl_seconds: float = Field(SessionLimits.saved_ttl_seconds, description="sessions on disk unused this long are deleted")
+    session_memory_bytes: int = Field(SessionLimits.memory_budget_bytes, description="what one session's memory may hold")
     max_memory_bytes: int | None = Field(
-        None, gt=0, description="what all sessions' memories may hold together; default half the machine's RAM (or cgroup limit)"
+        None, description="what all sessions' memories may hold together; default half the machine's RAM (or cgroup limit)"
     )
     max_request_bytes: int = Field(
         4 * 1024**2, gt=0, description="JSON request bodies (document uploads have max_document_bytes); 413 beyond"
     )
-    max_prompt_chars: int = Field(262_144, gt=0, description="characters of a question, or of all of a chat's messages")
-    max_generation_seconds: float = Field(300.0, gt=0, description="an answer still generating then ends (finish_reason 'length')")
+    max_prompt_chars: int = Field(GenerationLimits.max_prompt_chars, description="characters of a question, or of all of a chat's messages")
+    max_generation_seconds: float = Field(GenerationLimits.max_generation_seconds, description="an answer still generating then ends (finish_reason 'length')")
     body_read_timeout_seconds: float = Field(30.0, gt=0, description="408 when a request body stalls this long")
     max_connections: int = Field(512, gt=0, description="open connections before uvicorn answers 503")
     keep_alive_seconds: float = Field(5.0, gt=0, description="idle keep-alive connections are closed after this")
-    segment_len: int = Field(1024, ge=16)
-    max_queue: int = Field(16, gt=0, description="requests admitted per model worker before 429")
-    max_new_tokens: int = Field(1024, gt=0)
-    default_max_tokens: int = Field(256, gt=0)
-    default_memory: str = Field("auto", description="'auto' (stream for a CacheFormer/Long-Short checkpoint, else the memory the model's manifest names, measured on the QA benchmark; text without one), 'text', 'truncate', 'neurocache' or 'stream'")
+    segment_len: int = IngestConfig.segment_len
+    max_queue: int = Field(GenerationLimits.max_queue, description="requests admitted per model worker before 429")
+    max_new_tokens: int = GenerationLimits.max_new_tokens
+    default_max_tokens: int = GenerationLimits.default_max_tokens
+    default_memory: str = Field(EngineConfig.default_memory, description="'auto' (stream for a CacheFormer/Long-Short checkpoint, else the memory the model's manifest names, measured on the QA benchmark; text without one), 'text', 'truncate', 'neurocache' or 'stream'")
     adapter_dir: Annotated[list[Path], NoDecode] = Field(
         default_factory=list,
         description="extra folders searched for <model name>/adapter.json (Neurocache adapters), before the shipped ones",
@@ -92,6 +95,11 @@ class Settings(BaseSettings):
                 )
         return value
 
+    @model_validator(mode="after")
+    def _engine_limits(self) -> Settings:
+        self.engine_config()  # the engine's own checks (a ValueError becomes a ValidationError)
+        return self
+
     def key_ring(self) -> KeyRing:
         keys = read_keys_file(self.api_keys_file.expanduser()) if self.api_keys_file else []
         if self.api_key is not None:
@@ -112,7 +120,7 @@ class Settings(BaseSettings):
                 idle_ttl_seconds=self.session_ttl_seconds,
                 saved_ttl_seconds=self.saved_session_ttl_seconds,
                 memory_budget_bytes=self.session_memory_bytes,
-                server_memory_bytes=self.max_memory_bytes or default_server_memory_bytes(),
+                server_memory_bytes=default_server_memory_bytes() if self.max_memory_bytes is None else self.max_memory_bytes,
             ),
             ingest=IngestConfig(segment_len=self.segment_len, max_document_tokens=self.max_document_tokens),
             generation=GenerationLimits(

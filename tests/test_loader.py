@@ -6,13 +6,14 @@ import json
 import stat
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from engine.config import DEFAULT_MODEL
+from engine.config import DEFAULT_MODEL, GenerationLimits, IngestConfig, SessionLimits
 from engine.models.loader import default_model_dir, load_model, resolve_dtype
 from server.settings import Settings
 from tests.conftest import CACHE_DIR, make_tiny_llama
@@ -75,6 +76,26 @@ def test_settings_validate_models_and_read_env(tmp_path, monkeypatch, tiny_dir):
     assert flags.engine_config().sessions.max_sessions == 3
     with pytest.raises(ValidationError):
         Settings(max_queue=0)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("max_sessions", 0, "max_sessions must be positive"),
+    ("max_memory_bytes", 0, "server_memory_bytes must be positive"),
+    ("session_memory_bytes", -1, "memory_budget_bytes must be positive"),
+    ("segment_len", 8, "segment_len must be at least 16"),
+    ("default_max_tokens", 2048, "default_max_tokens <= max_new_tokens"),
+    ("max_generation_seconds", 0, "max_generation_seconds must be positive"),
+    ("dtype", "int4", "unknown dtype"),
+])
+def test_engine_limits_are_checked_once_by_the_engine_and_refused_by_settings(field, value, message):
+    with pytest.raises(ValidationError, match=message):
+        Settings(**{field: value})
+
+
+def test_settings_defaults_are_the_engines():
+    engine = Settings().engine_config()
+    assert engine.sessions == replace(SessionLimits(), server_memory_bytes=engine.sessions.server_memory_bytes)
+    assert engine.generation == GenerationLimits() and engine.ingest == IngestConfig()
 
 
 def test_server_never_imports_torch():
