@@ -368,6 +368,7 @@ class Engine:
             document_id = "d-" + secrets.token_hex(6)
             limit = self.config.ingest.max_document_tokens
             document = await asyncio.to_thread(tokenize_document, tokenizer, document_id, name, text, limit)
+            # an early refusal; ingest_steps asks again under the ingest lock, where the memory cannot change
             estimate = session.memory.estimate_bytes(len(text), len(document.token_ids))
             reservation = self.sessions.reserve(session, estimate)
             held.append(reservation)

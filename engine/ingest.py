@@ -97,12 +97,14 @@ def ingest_steps(
     on_commit: Callable[[DocumentInfo], None],
 ) -> Iterator[IngestEvent]:
     """Stage the document segment by segment, then commit; any exit before the commit aborts it.
-    `reserve(n)` is told the staged bytes after each segment and raises when the budgets cannot
-    hold them."""
+    `reserve(n)` is told the memory's estimate before anything is staged, then the staged bytes
+    after each segment, and raises when the budgets cannot hold them."""
     started = time.perf_counter()
     total_tokens = len(document.token_ids)
     n_segments = -(-total_tokens // segment_len)
     dropped_before = memory.dropped_tokens()
+    # the estimate again, now that no other document can change the memory: before anything is allocated
+    reserve(memory.estimate_bytes(len(document.text), total_tokens))
     memory.begin_document(document.id, document.text, total_tokens)
     committed = False
     try:

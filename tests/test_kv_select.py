@@ -142,6 +142,35 @@ def test_rollback_and_restore_are_exact():
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+def same_state(a, b) -> bool:
+    """Nested state dicts equal tensor by tensor, bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+@pytest.mark.parametrize("storage", ["float32", "int8"])
+def test_a_rolled_back_document_leaves_nothing_in_the_kept_page(storage):
+    """The aborted document's rows in the last kept page are cleared, so the state (and a snapshot
+    of it) is the one from before, bit for bit."""
+    model = tiny_model()
+    config = SelectConfig(segment_len=8, top_k=2, neighbours=3, window=16, sinks=4)
+    ids = random_ids(300)
+    selective, store, _ = streamed(model, config, ids[:200], chunk=20, storage=storage)
+    store.trim()
+    saved = copy.deepcopy(store.state_dict())
+    mark = store.mark()
+    store.reserve(100)
+    selective.stream(store, ids[200:300])
+    assert not same_state(store.state_dict(), saved)
+    store.rollback(mark)
+    assert same_state(store.state_dict(), saved)
+
+
 @pytest.mark.parametrize(("tokens", "sinks"), [(3000, 4), (3001, 4), (394, 10), (7, 10)])
 def test_bytes_are_counted_before_they_are_allocated(tokens, sinks):
     model = tiny_model()

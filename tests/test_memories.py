@@ -212,3 +212,17 @@ def test_bad_retrieval_options_are_user_errors(context):
     for options in ({"retrieval": "magic"}, {"context_tokens": 8}, {"rrf_k": 0}):
         with pytest.raises(InvalidRequestError):
             build_memory("text", context, options)
+
+
+def test_the_estimate_is_reserved_under_the_ingest_lock_before_anything_is_staged(context, tiny_tokenizer):
+    """ingest_steps runs under the session's ingest lock: the estimate it reserves there sees the
+    memory as it will be written, whatever other documents did while this one waited."""
+    memory = build_memory("text", context, {})
+    calls: list[str] = []
+    original_begin = memory.begin_document
+    memory.begin_document = lambda *args: (calls.append("begin"), original_begin(*args))[1]
+    document = tokenize_document(tiny_tokenizer, "d", "d", filler(40))
+    estimate = memory.estimate_bytes(len(document.text), len(document.token_ids))
+    steps = ingest_steps(memory, document, segment_len=64, reserve=lambda n: calls.append(n), on_commit=lambda d: None)
+    list(steps)
+    assert calls[:2] == [estimate, "begin"] and len(calls) > 3

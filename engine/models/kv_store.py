@@ -214,6 +214,17 @@ class KVStore:
             self.sink_k[i], self.sink_v[i] = self.sink_k[i][: mark["sinks"]], self.sink_v[i][: mark["sinks"]]
         self.tail_k, self.tail_v = list(mark["tail"][0]), list(mark["tail"][1])
         self.summaries, self.query_mean = list(mark["summaries"]), list(mark["query_mean"])
+        self._clear_slots_from(self.segments)
+
+    def _clear_slots_from(self, index: int) -> None:
+        """A kept page's slots from segment `index` on as a new page has them: nothing of an aborted
+        document stays in memory or reaches a snapshot."""
+        page, slot = divmod(index, self.shape.page_segments)
+        with torch.inference_mode():  # pages written while streaming are inference tensors
+            for layer in range(self.shape.layers):
+                if page < len(self.pages[layer]):
+                    for name, tensor in self.pages[layer][page].items():
+                        tensor[slot:] = 1 if name.endswith("_scale") else 0
 
     def state_dict(self) -> dict[str, Any]:
         """Used pages only, summaries trimmed to the segments written: a restore is bit-exact."""
