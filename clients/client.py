@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -68,7 +69,7 @@ def to_event(sse: ServerSentEvent) -> Event:
 
 
 def events_of(response: httpx.Response) -> Iterator[Event]:
-    """The events of a response already read whole (tests use it on in-process responses)."""
+    """The events of a response, read as they arrive (tests use it on in-process responses too)."""
     return (to_event(sse) for sse in EventSource(response).iter_sse())
 
 
@@ -93,14 +94,14 @@ Result = TypeVar("Result")  # Any (sync) or Awaitable[Any] (async)
 Stream = TypeVar("Stream")  # Iterator[Event] (sync) or AsyncIterator[Event] (async)
 
 
-class _Endpoints(Generic[Result, Stream]):
+class _Endpoints(ABC, Generic[Result, Stream]):
     """The API, once. `_send` and `_stream` are the client's own: blocking or awaiting."""
 
-    def _send(self, call: Call) -> Result:
-        raise NotImplementedError
+    @abstractmethod
+    def _send(self, call: Call) -> Result: ...
 
-    def _stream(self, call: Call) -> Stream:
-        raise NotImplementedError
+    @abstractmethod
+    def _stream(self, call: Call) -> Stream: ...
 
     def models(self) -> Result:
         return self._send(Call("GET", "/v1/models", pick="data"))
@@ -176,7 +177,7 @@ class LongdocClient(_Endpoints[Any, Iterator[Event]]):
         try:
             if response.status_code >= 400:
                 _raise_for_error(response.status_code, response.read())
-            yield from (to_event(sse) for sse in EventSource(response).iter_sse())
+            yield from events_of(response)
         finally:
             response.close()
 
