@@ -12,7 +12,7 @@ APT := $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive
 DRILL_VENV  := .venv-drills
 DRILL_STAMP := $(DRILL_VENV)/.installed
 
-.PHONY: serve test install bench bench-kvcache corpus drills observe image image-smoke clean
+.PHONY: serve test install chromium bench bench-kvcache corpus drills observe image image-smoke clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,9 +28,13 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/longdoc serve $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Debian's Chromium for the web page's browser test (tests/test_ui_browser.py), driven by Playwright
+chromium:
+	command -v chromium >/dev/null || ($(APT) update -q && $(APT) install -y -q chromium)
 
 # schemathesis in a venv of its own: it must not change what the server runs on
 $(DRILL_STAMP):

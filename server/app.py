@@ -14,7 +14,7 @@ from server.deps import require_api_key
 from server.errors import install_error_handlers
 from server.limits import RequestBodyLimit
 from server.metrics import Metrics
-from server.routes import ask, documents, health, openai, sessions
+from server.routes import ask, documents, health, openai, sessions, ui
 from server.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,8 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
     install_error_handlers(app)
     app.add_middleware(RequestBodyLimit, limit=settings.max_request_bytes, read_timeout=settings.body_read_timeout_seconds)
     app.include_router(health.router)
+    app.include_router(ui.router)
+    app.mount("/ui", ui.page_files(), name="ui")
     for router in (sessions.router, documents.router, ask.router, openai.router):
         app.include_router(router, dependencies=[Depends(require_api_key)])
 

@@ -1,0 +1,90 @@
+// The longdoc REST API as the page uses it: JSON requests, server-sent event streams, errors.
+
+const KEY = "longdoc.apiKey";
+
+export function apiKey() {
+  return sessionStorage.getItem(KEY) || "";
+}
+
+export function setApiKey(key) {
+  if (key) sessionStorage.setItem(KEY, key);
+  else sessionStorage.removeItem(KEY);
+}
+
+export class ApiError extends Error {
+  constructor(type, message, status) {
+    super(message);
+    this.type = type;
+    this.status = status;
+  }
+}
+
+function headers(json) {
+  const h = {};
+  if (json) h["content-type"] = "application/json";
+  if (apiKey()) h.authorization = `Bearer ${apiKey()}`;
+  return h;
+}
+
+async function errorOf(response) {
+  let body = null;
+  try {
+    body = await response.json();
+  } catch {
+    // not JSON: a proxy's page, say
+  }
+  const error = body && body.error;
+  if (error) return new ApiError(error.type, error.message, response.status);
+  return new ApiError("http_error", `${response.status} ${response.statusText}`, response.status);
+}
+
+async function send(method, path, body, signal) {
+  const response = await fetch(path, {
+    method,
+    headers: headers(body !== undefined),
+    body: body === undefined ? undefined : JSON.stringify(body),
+    signal,
+  });
+  if (!response.ok) throw await errorOf(response);
+  return response;
+}
+
+export async function call(method, path, body) {
+  const response = await send(method, path, body);
+  return response.status === 204 ? null : response.json();
+}
+
+// One {event, data} per server-sent event; an `error` event is thrown as an ApiError.
+export async function* stream(path, body, signal) {
+  const response = await send("POST", path, body, signal);
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += value.replace(/\r\n?/g, "\n");
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const event = parseEvent(buffer.slice(0, end));
+      buffer = buffer.slice(end + 2);
+      if (!event) continue;
+      if (event.event === "error") throw new ApiError(event.data.error.type, event.data.error.message, 200);
+      yield event;
+    }
+  }
+}
+
+function parseEvent(block) {
+  let event = "message";
+  const data = [];
+  for (const line of block.split("\n")) {
+    if (line.startsWith(":")) continue;
+    const colon = line.indexOf(":");
+    const field = colon < 0 ? line : line.slice(0, colon);
+    const value = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+    if (field === "event") event = value;
+    else if (field === "data") data.push(value);
+  }
+  if (!data.length) return null;
+  return { event, data: JSON.parse(data.join("\n")) };
+}
