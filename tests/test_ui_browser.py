@@ -135,12 +135,43 @@ def test_streamed_answer_with_its_passage_highlighted(page):
     assert any(SOURCE in text for text in marked), "no highlighted passage holds the answer's source"
     expect(page.locator("#viewer mark.current")).to_be_in_viewport()
     page.screenshot(path=ARTIFACTS / "2-answer.png")
-    # each passage's button brings its own mark into view
+    # each passage's button brings its own mark into view (and the focus there: the user asked)
     last = page.locator("#passages li button").last
     last.click()
     number = page.locator("#passages li").count()
-    expect(page.locator(f"#viewer #passage-{number}")).to_have_class("current")
-    expect(page.locator(f"#viewer #passage-{number}")).to_be_in_viewport()
+    mark = page.locator(f"#viewer mark[data-passages~='{number}']")
+    expect(mark).to_have_class("current")
+    expect(mark).to_be_in_viewport()
+    expect(mark).to_be_focused()
+
+
+def normalized(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_a_second_question_marks_its_own_passages(page):
+    ask(page, "What was written on the label of the little bottle Alice found?", 24)
+    expect(page.locator("#answer-status")).to_contain_text("Done", timeout=LONG)
+    excerpts = [normalized(t) for t in page.locator("#passages blockquote").all_text_contents()]
+    marked = normalized(" ".join(page.locator("#viewer mark").all_text_contents()))
+    assert excerpts and all(e[:100] in marked for e in excerpts)  # every passage is marked...
+    numbers = {int(n) for m in page.locator("#viewer mark").all() for n in m.get_attribute("data-passages").split()}
+    assert numbers == set(range(1, len(excerpts) + 1))  # ...and only these passages
+    if not any(SOURCE in e for e in excerpts):
+        assert SOURCE not in marked  # nothing left of the first answer's marks
+
+
+def test_offsets_count_code_points_as_the_server_does(page):
+    """The server's offsets are Python string indices (code points); an emoji is two UTF-16 units."""
+    spans = page.evaluate(
+        """async () => {
+            const { markSpans } = await import("/ui/viewer.js");
+            const text = "a\\u{1F600}bc def";
+            const cut = markSpans([{ char_start: 2, char_end: 4 }, { char_start: 0, char_end: 6 }, { char_start: 3, char_end: 4 }], text);
+            return cut.map((s) => [text.slice(s.start, s.end), s.numbers]);
+        }"""
+    )
+    assert spans == [["a\U0001F600bc d", [2, 1, 3]]]
 
 
 def test_stop_ends_the_generation_on_the_server(page, server):

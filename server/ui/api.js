@@ -54,24 +54,36 @@ export async function call(method, path, body) {
   return response.status === 204 ? null : response.json();
 }
 
-// One {event, data} per server-sent event; an `error` event is thrown as an ApiError.
+// One {event, data} per server-sent event. An `error` event is thrown as an ApiError, and so is a
+// stream that ends before its `done` event. Leaving the loop early closes the request.
 export async function* stream(path, body, signal) {
   const response = await send("POST", path, body, signal);
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) break;
-    buffer += value.replace(/\r\n?/g, "\n");
-    let end;
-    while ((end = buffer.indexOf("\n\n")) >= 0) {
-      const event = parseEvent(buffer.slice(0, end));
-      buffer = buffer.slice(end + 2);
-      if (!event) continue;
-      if (event.event === "error") throw new ApiError(event.data.error.type, event.data.error.message, 200);
-      yield event;
+  let carry = ""; // a "\r" at a chunk's end may be half of "\r\n"
+  let done = false;
+  try {
+    for (;;) {
+      const chunk = await reader.read();
+      if (chunk.done) break;
+      let raw = carry + chunk.value;
+      carry = raw.endsWith("\r") ? "\r" : "";
+      if (carry) raw = raw.slice(0, -1);
+      buffer += raw.replace(/\r\n?/g, "\n");
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        const event = parseEvent(buffer.slice(0, end));
+        buffer = buffer.slice(end + 2);
+        if (!event) continue;
+        if (event.event === "error") throw new ApiError(event.data.error.type, event.data.error.message, 200);
+        done = event.event === "done";
+        yield event;
+      }
     }
+  } finally {
+    reader.cancel().catch(() => {});
   }
+  if (!done) throw new ApiError("incomplete_stream", "the server closed the stream before it was done", 200);
 }
 
 function parseEvent(block) {

@@ -1,11 +1,13 @@
 // The page: sessions, uploads with progress, streamed answers, and the passages behind them.
 
 import { ApiError, apiKey, call, setApiKey, stream } from "./api.js";
-import { dropTexts, loadText, saveText } from "./texts.js";
-import { render, show } from "./viewer.js";
+import { dropTexts, loadText, pruneTexts, saveText } from "./texts.js";
+import { render, show, utf16Offsets } from "./viewer.js";
 
 const $ = (id) => document.getElementById(id);
-const state = { models: [], session: null, passages: [], viewing: null, asking: null };
+// session: the selected one; passages: the last answer's, for `answeredIn`; shown: what the
+// viewer holds ({documentId, passages}); asking/uploading: the work in flight
+const state = { models: [], session: null, passages: [], answeredIn: null, shown: null, asking: null, uploading: null };
 
 function element(tag, props = {}, ...children) {
   const node = Object.assign(document.createElement(tag), props);
@@ -41,6 +43,7 @@ function guarded(action) {
       await action(event);
     } catch (error) {
       showError(error);
+      if (error.type === "not_found") await refreshSessions().catch(() => {}); // it is gone: show what is left
     }
   };
 }
@@ -68,11 +71,14 @@ async function createSession() {
   await refreshSessions(session.id);
 }
 
-async function refreshSessions(selectId = state.session?.id) {
+// Lists the sessions again and keeps the selection, read after the wait so that a session picked
+// meanwhile stays picked; `selectId` picks another (null: none).
+async function refreshSessions(selectId = undefined) {
   const sessions = (await call("GET", "/v1/sessions")).data.sort((a, b) => b.created_at - a.created_at);
+  await pruneTexts(new Set(sessions.map((s) => s.id))).catch(() => {});
+  const wanted = selectId === undefined ? state.session?.id : selectId;
   $("sessions").replaceChildren(...sessions.map(sessionItem));
-  const selected = sessions.find((s) => s.id === selectId) || null;
-  selectSession(selected);
+  selectSession(sessions.find((s) => s.id === wanted) || null);
 }
 
 function sessionItem(session) {
@@ -85,13 +91,15 @@ function sessionItem(session) {
 }
 
 async function deleteSession(id) {
+  if (state.asking?.sessionId === id) state.asking.controller.abort();
   await call("DELETE", `/v1/sessions/${id}`);
   await dropTexts(id);
-  if (state.session?.id === id) clearViewer();
-  await refreshSessions(state.session?.id === id ? null : state.session?.id);
+  await refreshSessions(state.session?.id === id ? null : undefined);
+  $("new-session").querySelector("button").focus(); // the focused Delete button is gone
 }
 
 function selectSession(session) {
+  const changed = session?.id !== state.session?.id;
   state.session = session;
   for (const button of document.querySelectorAll("#sessions .pick")) {
     if (session && button.dataset.session === session.id) button.setAttribute("aria-current", "true");
@@ -99,6 +107,7 @@ function selectSession(session) {
   }
   $("session-detail").hidden = !session;
   $("ask").disabled = !session || Boolean(state.asking);
+  if (changed) clearAnswer();
   if (!session) return;
   $("session-name").textContent = `${session.id} (${session.model}, ${session.memory})`;
   $("documents").replaceChildren(...session.documents.map(documentItem));
@@ -107,7 +116,7 @@ function selectSession(session) {
 }
 
 function documentItem(doc) {
-  const view = element("button", { type: "button", textContent: `${doc.name} · ${doc.tokens} tokens`, onclick: guarded(() => viewDocument(doc.id, [])) });
+  const view = element("button", { type: "button", textContent: `${doc.name} · ${doc.tokens} tokens`, onclick: guarded(() => viewDocument(state.session.id, doc.id, [])) });
   const item = element("li", {}, view);
   if (doc.warning) item.append(element("p", { className: "warning", textContent: doc.warning }));
   return item;
@@ -116,15 +125,18 @@ function documentItem(doc) {
 // ---- documents -------------------------------------------------------------------------------
 
 async function ingest(file) {
-  if (!file || !state.session) return;
+  if (!file) return;
+  if (!state.session) throw new ApiError("no_session", "make or pick a session first");
+  if (state.uploading) throw new ApiError("busy", `${state.uploading} is still being read; wait for it`);
   const sessionId = state.session.id;
-  const text = await file.text();
+  state.uploading = file.name;
+  $("file").disabled = true;
   const bar = $("ingest-progress");
   bar.value = 0;
   bar.hidden = false;
-  $("file").disabled = true;
   $("ingest-status").textContent = `Reading ${file.name}…`;
   try {
+    const text = await file.text();
     const body = { text, name: file.name, stream: true };
     for await (const { event, data } of stream(`/v1/sessions/${sessionId}/documents`, body)) {
       if (event === "progress") {
@@ -134,11 +146,12 @@ async function ingest(file) {
         bar.value = 1;
         await saveText(sessionId, data.id, text);
         $("ingest-status").textContent = `${file.name}: ${data.tokens} tokens in ${data.seconds.toFixed(1)} s` + (data.warning ? ` (${data.warning})` : "");
-        await refreshSessions(sessionId);
-        await viewDocument(data.id, []);
+        await refreshSessions();
+        if (state.session?.id === sessionId) await viewDocument(sessionId, data.id, []);
       }
     }
   } finally {
+    state.uploading = null;
     $("file").disabled = false;
     $("file").value = "";
   }
@@ -160,76 +173,104 @@ function setUpDrop() {
 
 // ---- the viewer ------------------------------------------------------------------------------
 
-function documentName(id) {
-  return state.session?.documents.find((d) => d.id === id)?.name || id;
+function documentOf(sessionId, documentId) {
+  return state.session?.id === sessionId ? state.session.documents.find((d) => d.id === documentId) : undefined;
 }
 
 function clearViewer() {
-  state.viewing = null;
+  state.shown = null;
   $("viewer-name").textContent = "";
   $("viewer-note").replaceChildren();
   $("viewer").replaceChildren();
 }
 
-async function viewDocument(documentId, passages) {
-  const sessionId = state.session.id;
+function clearAnswer() {
+  state.passages = [];
+  state.answeredIn = null;
+  $("answer").textContent = "";
+  $("answer-status").textContent = "";
+  $("passages").replaceChildren();
+  clearViewer();
+}
+
+// Shows a document with `passages` marked (those of other documents are left out, numbers kept).
+async function viewDocument(sessionId, documentId, passages) {
   const text = await loadText(sessionId, documentId);
-  state.viewing = documentId;
-  $("viewer-name").textContent = documentName(documentId);
+  const doc = documentOf(sessionId, documentId);
+  state.shown = { documentId, passages };
+  $("viewer-name").textContent = doc?.name || documentId;
   if (text === undefined) {
-    const attach = element("input", { type: "file", accept: ".txt,.md,text/plain" });
-    attach.setAttribute("aria-label", "open this document's text");
-    attach.addEventListener("change", guarded(async () => {
-      await saveText(sessionId, documentId, await attach.files[0].text());
-      await viewDocument(documentId, passages);
-    }));
-    $("viewer-note").replaceChildren("This browser does not hold this document's text (it was uploaded elsewhere). Open the same file to see it: ", attach);
+    $("viewer-note").replaceChildren("This browser does not hold this document's text (it was uploaded elsewhere). Open the same file to see it: ", attachInput(sessionId, documentId, passages));
     $("viewer").replaceChildren();
     return false;
   }
   $("viewer-note").replaceChildren();
-  // passages keep their numbers; those of other documents are left unmarked
   render($("viewer"), text, passages.map((p) => (p.document_id === documentId ? p : { ...p, char_end: -1 })));
   return true;
 }
 
-async function openPassage(number) {
-  const passage = state.passages[number - 1];
-  if (state.viewing !== passage.document_id || !$("viewer").querySelector(`#passage-${number}`)) {
-    if (!(await viewDocument(passage.document_id, state.passages))) return;
-  }
-  show($("viewer"), number);
+function attachInput(sessionId, documentId, passages) {
+  const attach = element("input", { type: "file", accept: ".txt,.md,text/plain" });
+  attach.setAttribute("aria-label", "open this document's text");
+  attach.addEventListener("change", guarded(async () => {
+    const text = await attach.files[0].text();
+    const expected = documentOf(sessionId, documentId)?.chars;
+    const chars = [...text].length;
+    if (expected !== undefined && chars !== expected) {
+      throw new ApiError("wrong_file", `that file has ${chars} characters; the document has ${expected}`);
+    }
+    await saveText(sessionId, documentId, text);
+    await viewDocument(sessionId, documentId, passages);
+  }));
+  return attach;
 }
 
-async function showPassages(items) {
+async function openPassage(number, focus) {
+  const passage = state.passages[number - 1];
+  const sessionId = state.answeredIn;
+  if (state.shown?.documentId !== passage.document_id || state.shown.passages !== state.passages) {
+    if (!(await viewDocument(sessionId, passage.document_id, state.passages))) return;
+  }
+  show($("viewer"), number, focus);
+}
+
+async function showPassages(sessionId, items) {
   state.passages = items;
+  state.answeredIn = sessionId;
   const texts = {};
-  for (const id of new Set(items.map((p) => p.document_id))) texts[id] = await loadText(state.session.id, id);
+  for (const id of new Set(items.map((p) => p.document_id))) {
+    const text = await loadText(sessionId, id);
+    if (text !== undefined) texts[id] = { text, at: utf16Offsets(text) };
+  }
   $("passages").replaceChildren(...items.map((p, i) => {
-    const text = texts[p.document_id];
     const score = p.score == null ? "" : `, score ${p.score.toFixed(3)}`;
-    const button = element("button", { type: "button", textContent: `${documentName(p.document_id)}, characters ${p.char_start}–${p.char_end}${score}`, onclick: guarded(() => openPassage(i + 1)) });
-    const excerpt = text === undefined ? "" : text.slice(p.char_start, Math.min(p.char_end, p.char_start + 240));
+    const name = documentOf(sessionId, p.document_id)?.name || p.document_id;
+    const button = element("button", { type: "button", textContent: `${name}, characters ${p.char_start}–${p.char_end}${score}`, onclick: guarded(() => openPassage(i + 1, true)) });
+    const doc = texts[p.document_id];
+    const excerpt = doc ? doc.text.slice(doc.at(p.char_start), doc.at(Math.min(p.char_end, p.char_start + 240))) : "";
     return element("li", {}, button, element("blockquote", { textContent: excerpt }));
   }));
-  if (items.length) await openPassage(1);
+  if (items.length) await openPassage(1, false);
+  else if (state.shown) await viewDocument(sessionId, state.shown.documentId, []); // no marks left from an earlier answer
 }
 
 // ---- asking ----------------------------------------------------------------------------------
 
 async function ask() {
-  if (!state.session || state.asking) return;
+  if (!state.session) throw new ApiError("no_session", "make or pick a session first");
+  if (state.asking) return;
+  const sessionId = state.session.id;
   const controller = new AbortController();
-  state.asking = controller;
+  state.asking = { sessionId, controller };
   $("ask").disabled = true;
   $("stop").disabled = false;
-  $("answer").textContent = "";
+  clearAnswer();
+  $("answer").setAttribute("aria-busy", "true");
   $("answer-status").textContent = "Thinking…";
-  $("passages").replaceChildren();
   const body = { question: $("question").value, max_tokens: Number($("max-tokens").value) || undefined, stream: true };
   try {
-    for await (const { event, data } of stream(`/v1/sessions/${state.session.id}/ask`, body, controller.signal)) {
-      if (event === "retrieval") await showPassages(data.items);
+    for await (const { event, data } of stream(`/v1/sessions/${sessionId}/ask`, body, controller.signal)) {
+      if (event === "retrieval") await showPassages(sessionId, data.items);
       else if (event === "delta") {
         $("answer").append(data.text);
         $("answer-status").textContent = "Answering…";
@@ -239,13 +280,12 @@ async function ask() {
       }
     }
   } catch (error) {
-    if (error.name === "AbortError") $("answer-status").textContent = "Stopped.";
-    else {
-      $("answer-status").textContent = "Failed.";
-      throw error;
-    }
+    $("answer-status").textContent = error.name === "AbortError" ? "Stopped." : "Failed.";
+    throw error;
   } finally {
+    controller.abort(); // whatever ended the loop, the request ends with it
     state.asking = null;
+    $("answer").removeAttribute("aria-busy");
     $("stop").disabled = true;
     $("ask").disabled = !state.session;
   }
@@ -266,7 +306,7 @@ function start() {
   $("question").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) $("ask-form").requestSubmit();
   });
-  $("stop").addEventListener("click", () => state.asking?.abort());
+  $("stop").addEventListener("click", () => state.asking?.controller.abort());
   setUpDrop();
   guarded(async () => {
     await loadModels();

@@ -40,3 +40,10 @@ export function dropTexts(sessionId) {
   const range = IDBKeyRange.bound(`${sessionId}/`, `${sessionId}/\uffff`);
   return run("readwrite", (store) => store.delete(range));
 }
+
+// Forgets the texts of sessions the server no longer lists (deleted, or expired elsewhere).
+export async function pruneTexts(liveSessionIds) {
+  const keys = await run("readonly", (store) => store.getAllKeys());
+  const dead = keys.filter((k) => !liveSessionIds.has(String(k).split("/")[0]));
+  await Promise.all(dead.map((k) => run("readwrite", (store) => store.delete(k))));
+}

@@ -1,18 +1,35 @@
-// A document's text with the passages behind an answer marked, each mark reachable by its number.
+// A document's text with the passages behind an answer marked, each mark reachable by number.
 
-// Spans [start, end) in document order, overlaps cut so that each character is marked once.
-export function markSpans(passages, length) {
+// The server counts characters in code points (Python); JavaScript strings index UTF-16 units.
+// Returns a function from a code-point offset to a UTF-16 offset (the identity without astral characters).
+export function utf16Offsets(text) {
+  if (!/[\uD800-\uDBFF]/.test(text)) return (offset) => offset;
+  const units = [];
+  let at = 0;
+  for (const char of text) {
+    units.push(at);
+    at += char.length;
+  }
+  units.push(at);
+  return (offset) => units[Math.max(0, Math.min(offset, units.length - 1))];
+}
+
+// Spans [start, end) (UTF-16) in document order, overlaps cut so that each character is marked
+// once; `numbers` lists the passages (from 1) each span shows, a passage inside another included.
+export function markSpans(passages, text) {
+  const at = utf16Offsets(text);
   const spans = passages
-    .map((p, index) => ({ index, start: Math.max(0, p.char_start), end: Math.min(length, p.char_end) }))
+    .map((p, index) => ({ number: index + 1, start: at(p.char_start), end: at(p.char_end) }))
     .filter((s) => s.end > s.start)
-    .sort((a, b) => a.start - b.start || a.index - b.index);
-  let reached = 0;
+    .sort((a, b) => a.start - b.start || a.number - b.number);
   const cut = [];
   for (const span of spans) {
-    const start = Math.max(span.start, reached);
-    if (span.end <= start) continue;
-    cut.push({ ...span, start });
-    reached = span.end;
+    const last = cut[cut.length - 1];
+    if (last && span.end <= last.end) {
+      last.numbers.push(span.number); // wholly inside the previous mark: shown by it
+      continue;
+    }
+    cut.push({ start: last ? Math.max(span.start, last.end) : span.start, end: span.end, numbers: [span.number] });
   }
   return cut;
 }
@@ -20,11 +37,10 @@ export function markSpans(passages, length) {
 export function render(pre, text, passages) {
   const fragment = document.createDocumentFragment();
   let at = 0;
-  for (const span of markSpans(passages, text.length)) {
+  for (const span of markSpans(passages, text)) {
     fragment.append(text.slice(at, span.start));
     const mark = document.createElement("mark");
-    mark.id = `passage-${span.index + 1}`;
-    mark.dataset.passage = String(span.index + 1);
+    mark.dataset.passages = span.numbers.join(" ");
     mark.tabIndex = -1;
     mark.textContent = text.slice(span.start, span.end);
     fragment.append(mark);
@@ -34,12 +50,13 @@ export function render(pre, text, passages) {
   pre.replaceChildren(fragment);
 }
 
-export function show(pre, passageNumber) {
-  const mark = pre.querySelector(`#passage-${passageNumber}`);
+// Brings passage `number`'s mark into view; moves the focus there only when the user asked.
+export function show(pre, number, focus) {
+  const mark = pre.querySelector(`mark[data-passages~="${number}"]`);
   if (!mark) return false;
   for (const m of pre.querySelectorAll("mark.current")) m.classList.remove("current");
   mark.classList.add("current");
   mark.scrollIntoView({ block: "center" });
-  mark.focus({ preventScroll: true });
+  if (focus) mark.focus({ preventScroll: true });
   return true;
 }
