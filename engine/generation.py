@@ -61,12 +61,15 @@ class RepetitionGuard:
         self.bannable = bannable  # bool [vocabulary]; None: every token
         self.answer: list[int] = []
         self._next: dict[tuple[int, ...], set[int]] = {}  # (n-1)-token prefix -> tokens that followed it
+        self._seen: torch.Tensor | None = None  # bool [vocabulary]: tokens the answer holds (for the penalty)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.penalty != 1.0 and self.answer:
-            seen = torch.tensor(sorted(set(self.answer)), dtype=torch.long)
-            values = logits[seen]
-            logits[seen] = torch.where(values > 0, values / self.penalty, values * self.penalty)
+        if self.penalty != 1.0:
+            if self._seen is None:
+                self._seen = torch.zeros(logits.numel(), dtype=torch.bool)
+                self._seen[[t for t in self.answer if t < logits.numel()]] = True
+            penalized = torch.where(logits > 0, logits / self.penalty, logits * self.penalty)
+            logits = torch.where(self._seen, penalized, logits)
         if self.n and len(self.answer) >= self.n - 1:
             banned = [t for t in self._next.get(tuple(self.answer[len(self.answer) - self.n + 1 :]), ()) if self._may_ban(t)]
             if banned and len(banned) < logits.numel():
@@ -78,54 +81,86 @@ class RepetitionGuard:
 
     def add(self, token: int) -> None:
         self.answer.append(token)
+        if self._seen is not None and token < self._seen.numel():
+            self._seen[token] = True
         if self.n and len(self.answer) >= self.n:
             gram = self.answer[-self.n :]
             self._next.setdefault(tuple(gram[:-1]), set()).add(gram[-1])
 
 
-class TextAssembler:
-    """Turns generated token ids into text deltas, holding back what may still change.
+class IncrementalDecoder:
+    """Token ids to text a few tokens at a time (the prefix/read offsets of TGI and vLLM): each
+    step decodes only the tokens since the last complete character, never the whole answer."""
 
-    Held back: an incomplete UTF-8 character, and any tail that could be the start of a stop string.
-    """
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self._tokenizer = tokenizer
-        self._stop = tuple(s for s in stop if s)
         self._ids: list[int] = []
-        self._emitted = 0
-        self.stopped = False
+        self._prefix = 0  # decoding starts here, so that a word's leading space comes out right
+        self._read = 0  # text up to here has been returned
 
-    def _text(self) -> str:
-        return self._tokenizer.decode(self._ids, skip_special_tokens=True)
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=True)
 
     def add(self, token_id: int) -> str:
+        """The new text `token_id` completes ("" while a character is incomplete)."""
         self._ids.append(token_id)
-        text = self._text()
-        if text.endswith("\ufffd"):
+        before = self._decode(self._prefix, self._read)
+        after = self._decode(self._prefix)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
-        for stop in self._stop:
-            at = text.find(stop, max(0, self._emitted - len(stop)))
-            if at != -1:
-                self.stopped = True
-                return self._take(text[:at])
-        return self._take(text[: len(text) - self._held_tail(text)])
+        self._prefix, self._read = self._read, len(self._ids)
+        return after[len(before) :]
 
     def flush(self) -> str:
-        return "" if self.stopped else self._take(self._text())
+        """What is left, an incomplete character included (as a replacement character)."""
+        rest = self._decode(self._prefix)[len(self._decode(self._prefix, self._read)) :]
+        self._prefix = self._read = len(self._ids)
+        return rest
 
-    def _held_tail(self, text: str) -> int:
-        longest = 0
+
+class TextAssembler:
+    """Turns generated token ids into text deltas, holding back what may still change: an
+    incomplete UTF-8 character, and any tail that could be the start of a stop string. The text it
+    keeps is the held tail plus the last few characters sent, so each token costs the same however
+    long the answer is."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...]) -> None:
+        self._decoder = IncrementalDecoder(tokenizer)
+        self._stop = tuple(s for s in stop if s)
+        self._lookback = max((len(s) for s in self._stop), default=1) - 1  # a stop may begin in text already sent
+        self._window = ""  # the last `_lookback` characters sent, then the characters held back
+        self._held = 0  # where the held characters begin in `_window`
+        self.stopped = False
+
+    def add(self, token_id: int) -> str:
+        self._window += self._decoder.add(token_id)
         for stop in self._stop:
-            for n in range(min(len(stop) - 1, len(text)), 0, -1):
-                if text.endswith(stop[:n]):
-                    longest = max(longest, n)
+            at = self._window.find(stop)
+            if at != -1:
+                self.stopped = True
+                return self._window[self._held : max(at, self._held)]
+        return self._send(len(self._window) - self._held_tail())
+
+    def flush(self) -> str:
+        if self.stopped:
+            return ""
+        self._window += self._decoder.flush()
+        return self._send(len(self._window))
+
+    def _held_tail(self) -> int:
+        """The longest end of the held text that begins a stop string."""
+        held, longest = self._window[self._held :], 0
+        for stop in self._stop:
+            for n in range(min(len(stop) - 1, len(held)), longest, -1):
+                if held.endswith(stop[:n]):
+                    longest = n
                     break
         return longest
 
-    def _take(self, upto: str) -> str:
-        delta = upto[self._emitted :]
-        self._emitted = max(self._emitted, len(upto))
+    def _send(self, upto: int) -> str:
+        delta = self._window[self._held : upto]
+        keep_from = max(0, upto - self._lookback)
+        self._window, self._held = self._window[keep_from:], upto - keep_from
         return delta
 
 

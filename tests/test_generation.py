@@ -64,6 +64,43 @@ def test_assembler_releases_held_text_that_is_not_a_stop(tiny_tokenizer):
     assert _feed(TextAssembler(tiny_tokenizer, ("STOPPED",)), tiny_tokenizer, "a STOP b") == "a STOP b"
 
 
+class CountingTokenizer:
+    """The tokenizer, counting the token ids it is asked to decode."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, ids, **kwargs) -> str:
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+def test_assembler_equals_full_decoding_at_a_cost_per_token_that_does_not_grow(tiny_tokenizer):
+    """Random ids (special tokens, byte pieces of split characters and all) give exactly what one
+    decode of the whole answer gives, and each token decodes a few ids, not the answer so far."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, len(tiny_tokenizer), (3000,), generator=generator).tolist()
+    counting = CountingTokenizer(tiny_tokenizer)
+    assembler = TextAssembler(counting, ())
+    text = "".join(assembler.add(t) for t in ids) + assembler.flush()
+    assert text == tiny_tokenizer.decode(ids, skip_special_tokens=True)
+    assert counting.decoded < 10 * len(ids)  # a full re-decode per token would be ~4.5 million
+
+
+@pytest.mark.parametrize("stop", ["e t", "the", "\n\n", "xyz never"])
+def test_assembler_stops_where_a_full_decode_finds_the_stop(tiny_tokenizer, stop):
+    ids = tiny_tokenizer("Is the tea hot? Let the e tea wait.\n\nThe end.", add_special_tokens=False)["input_ids"]
+    full = tiny_tokenizer.decode(ids, skip_special_tokens=True)
+    assembler = TextAssembler(tiny_tokenizer, ("abcdefgh", stop))
+    pieces = []
+    for token in ids:
+        pieces.append(assembler.add(token))
+        if assembler.stopped:
+            break
+    text = "".join(pieces) + assembler.flush()
+    assert text == (full[: full.index(stop)] if stop in full else full)
+
+
 def _run(model, tokenizer, prompt, params):
     events = list(generate_steps(model, tokenizer, prompt, params, StopTokens(frozenset())))
     assert isinstance(events[-1], GenerationDone)
