@@ -42,8 +42,12 @@ export function dropTexts(sessionId) {
 }
 
 // Forgets the texts of sessions the server no longer lists (deleted, or expired elsewhere).
-export async function pruneTexts(liveSessionIds) {
-  const keys = await run("readonly", (store) => store.getAllKeys());
-  const dead = keys.filter((k) => !liveSessionIds.has(String(k).split("/")[0]));
-  await Promise.all(dead.map((k) => run("readwrite", (store) => store.delete(k))));
+export function pruneTexts(liveSessionIds) {
+  return run("readwrite", (store) => {
+    const keys = store.getAllKeys();
+    keys.addEventListener("success", () => {
+      for (const key of keys.result) if (!liveSessionIds.has(String(key).split("/")[0])) store.delete(key);
+    });
+    return keys;
+  });
 }
