@@ -66,14 +66,14 @@ class RepetitionGuard:
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if self.penalty != 1.0:
             if self._seen is None:
-                self._seen = torch.zeros(logits.numel(), dtype=torch.bool)
+                self._seen = torch.zeros(logits.numel(), dtype=torch.bool, device=logits.device)
                 self._seen[[t for t in self.answer if t < logits.numel()]] = True
             penalized = torch.where(logits > 0, logits / self.penalty, logits * self.penalty)
             logits = torch.where(self._seen, penalized, logits)
         if self.n and len(self.answer) >= self.n - 1:
             banned = [t for t in self._next.get(tuple(self.answer[len(self.answer) - self.n + 1 :]), ()) if self._may_ban(t)]
             if banned and len(banned) < logits.numel():
-                logits[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")
+                logits[torch.tensor(sorted(banned), dtype=torch.long, device=logits.device)] = float("-inf")
         return logits
 
     def _may_ban(self, token: int) -> bool:

@@ -20,6 +20,7 @@ from clients.client import LongdocClient
 from tests.conftest import CACHE_DIR, FIXTURES
 
 BOOK = FIXTURES / "alice29.txt"
+LOG = Path("test-artifacts/e2e-server.log")
 # The Dormouse's story in chapter VII, about 55% of the way through the book.
 QUESTION = "What were the names of the three little sisters in the Dormouse's story?"
 ANSWER_NAMES = ("Elsie", "Lacie", "Tillie")
@@ -45,11 +46,13 @@ def server(default_dir):
     env = {**os.environ, "LONGDOC_CACHE_DIR": str(CACHE_DIR), "LONGDOC_DATA_DIR": tempfile.mkdtemp(prefix="longdoc-sessions-"), "LONGDOC_API_KEY": "e2e-key", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "clients.cli", "serve", "--port", str(port), "--log-level", "warning",
            "--model", "smollm2-135m-instruct", "--model", "cacheformer-bytes"]
-    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    LOG.parent.mkdir(exist_ok=True)
+    with LOG.open("w") as log:  # kept after the run: a 500's traceback is in it
+        process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while True:
-        assert process.poll() is None, process.stdout.read()
+        assert process.poll() is None, LOG.read_text()
         try:
             if httpx.get(f"{url}/readyz").status_code == 200:
                 break
@@ -59,8 +62,8 @@ def server(default_dir):
         time.sleep(0.5)
     yield url
     process.terminate()
-    output = process.communicate(timeout=30)[0]
-    assert "e2e-key" not in output  # the secret never reaches the logs
+    process.wait(timeout=30)
+    assert "e2e-key" not in LOG.read_text()  # the secret never reaches the logs
 
 
 @pytest.fixture(scope="module")

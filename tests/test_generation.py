@@ -78,7 +78,7 @@ class CountingTokenizer:
 def test_assembler_equals_full_decoding_at_a_cost_per_token_that_does_not_grow(tiny_tokenizer):
     """Random ids (special tokens, byte pieces of split characters and all) give exactly what one
     decode of the whole answer gives, and each token decodes a few ids, not the answer so far."""
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(0)
     ids = torch.randint(0, len(tiny_tokenizer), (3000,), generator=generator).tolist()
     counting = CountingTokenizer(tiny_tokenizer)
     assembler = TextAssembler(counting, ())
@@ -181,6 +181,18 @@ def test_repetition_penalty_demotes_tokens_the_answer_already_holds(tiny_tokeniz
     guard.add(1), guard.add(3)
     logits = guard.apply(torch.tensor([0.0, 2.0, 1.0, -1.0]))
     assert logits.tolist() == pytest.approx([0.0, 0.8, 1.0, -2.5]) and int(torch.argmax(logits)) == 2
+
+
+def test_the_guard_works_on_the_logits_device():
+    """The seen-token mask and the banned ids live where the logits do (a CPU mask beside CUDA
+    logits was a 500 on the GPU); the meta device stands in for CUDA here."""
+    from engine.generation import RepetitionGuard
+
+    guard = RepetitionGuard(GenerationParams(no_repeat_ngram_size=2, repetition_penalty=1.3))
+    for token in (1, 2, 1):
+        guard.add(token)
+    logits = guard.apply(torch.zeros(8, device="meta"))
+    assert logits.device.type == "meta" and guard._seen.device.type == "meta"
 
 
 def test_the_guard_ignores_the_prompt_and_never_bans_digits(tiny_tokenizer):

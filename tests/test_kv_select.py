@@ -26,7 +26,7 @@ def tiny_model(family: str = "llama", seed: int = 0):
 
 def streamed(model, config: SelectConfig, ids: list[int], chunk: int, storage: str = "float32") -> tuple[SelectiveModel, KVStore, torch.Tensor]:
     selective = SelectiveModel(model, config)
-    store = KVStore(selective.store_shape(storage), device=torch.device("cpu"), dtype=torch.float32)
+    store = KVStore(selective.store_shape(storage), device=torch.get_default_device(), dtype=torch.float32)
     store.reserve(len(ids))
     logits = [selective.stream(store, ids[i : i + chunk], logits=True) for i in range(0, len(ids), chunk)]
     return selective, store, torch.cat(logits)
@@ -45,7 +45,7 @@ def answer_logits(selective: SelectiveModel, store: KVStore, prompt: list[int], 
 
 
 def random_ids(n: int, seed: int = 1) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator(torch.get_default_device()).manual_seed(seed)).tolist()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -135,7 +135,7 @@ def test_rollback_and_restore_are_exact():
     selective.stream(store, ids[200:260])
     store.rollback(mark)
     after_rollback = answer_logits(selective, store, ids[200:210], ids[210:214])
-    restored = KVStore(selective.store_shape("float32"), device=torch.device("cpu"), dtype=torch.float32)
+    restored = KVStore(selective.store_shape("float32"), device=torch.get_default_device(), dtype=torch.float32)
     restored.load_state_dict(saved)
     after_restore = answer_logits(selective, restored, ids[200:210], ids[210:214])
     for a, b, c in zip(before, after_rollback, after_restore, strict=True):
@@ -176,7 +176,7 @@ def test_bytes_are_counted_before_they_are_allocated(tokens, sinks):
     model = tiny_model()
     config = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=16, sinks=sinks)
     selective = SelectiveModel(model, config)
-    store = KVStore(selective.store_shape("bfloat16"), device=torch.device("cpu"), dtype=torch.float32)
+    store = KVStore(selective.store_shape("bfloat16"), device=torch.get_default_device(), dtype=torch.float32)
     for part in (random_ids(tokens, seed=1), random_ids(tokens, seed=2)):  # a first document, then a second
         bound = store.added_bytes(len(part))
         start = store.nbytes

@@ -49,8 +49,8 @@ def test_bfloat16_cache_search_equals_brute_force_over_its_stored_values(capacit
     torch.manual_seed(3)
     cache = StateCache(capacity=capacity, dim=16, dtype=torch.bfloat16, backend=FaissCpuKnn(block_rows=7, batch_queries=32))
     cache.add(torch.nn.functional.normalize(torch.randn(100, 16), dim=-1), document=0)
-    stored = cache.states[:100].float()
-    queries = torch.randn(n_queries, 16)
+    stored = cache.states[:100].float().cpu()
+    queries = torch.randn(n_queries, 16).cpu()
     got = cache.search(queries, k=9)
     expected = brute_force(stored.cpu().numpy(), queries.cpu().numpy(), 9)
     assert got.states.dtype == torch.bfloat16

