@@ -12,7 +12,7 @@ APT := $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive
 DRILL_VENV  := .venv-drills
 DRILL_STAMP := $(DRILL_VENV)/.installed
 
-.PHONY: serve test install chromium bench bench-kvcache corpus drills observe image image-smoke clean
+.PHONY: serve test install chromium bench bench-kvcache bench-batching corpus drills observe image image-smoke clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -67,6 +67,10 @@ image-smoke: image
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.bench_memories $(ARGS)
+
+# concurrent answers, one a step against batched (max_batch 1 and 8), docs/benchmarks.md#batched-decoding
+bench-batching: $(STAMP)
+	$(BIN)/python -m bench.bench_batching $(ARGS)
 
 # kvcache speed against the plain model (ingestion, decode, TTFT), docs/benchmarks.md#kvcache
 bench-kvcache: $(STAMP)

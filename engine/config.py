@@ -92,12 +92,15 @@ class GenerationLimits:
     max_new_tokens: int = 1024
     default_max_tokens: int = 256
     max_queue: int = 16  # jobs waiting per worker before 429
+    max_batch: int = 8  # answers of one model decoded together, one forward pass a step (1: no batching)
+    batch_invariant: bool = False  # pad batched steps so an answer never depends on the others (engine/batching.py)
     max_prompt_chars: int = 262_144  # a question, or all of a chat's messages; checked before tokenizing
     max_generation_seconds: float = 300.0  # a generation still running then ends with finish_reason "length"
 
     def __post_init__(self) -> None:
         _require(0 < self.default_max_tokens <= self.max_new_tokens, "need 0 < default_max_tokens <= max_new_tokens")
         _require(self.max_queue > 0, "max_queue must be positive")
+        _require(self.max_batch > 0, "max_batch must be positive")
         _require(self.max_prompt_chars > 0, "max_prompt_chars must be positive")
         _require(self.max_generation_seconds > 0, "max_generation_seconds must be positive")
 

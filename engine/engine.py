@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.batching import BatchDecoder, Batcher
 from engine.config import EngineConfig
 from engine.embedder import Embedder
 from engine.errors import (
@@ -62,6 +63,7 @@ class ModelRuntime:
     worker: SerialWorker
     stop_tokens: StopTokens
     neurocache: Neurocache | None = None
+    batcher: Batcher | None = None  # None: the model's answers are decoded one request at a time
 
     @functools.cached_property
     def manifest_memory(self) -> str:
@@ -132,9 +134,16 @@ class Engine:
             worker = SerialWorker(f"model:{loaded.name}", self.config.generation.max_queue)
             neurocache = None if loaded.streaming else self._find_adapter(loaded)
             stop = StopTokens.of(loaded.model, loaded.tokenizer)
-            self._models[loaded.name] = ModelRuntime(loaded, worker, stop, neurocache)
+            batcher = self._batcher(loaded, worker, stop)
+            self._models[loaded.name] = ModelRuntime(loaded, worker, stop, neurocache, batcher)
             log.info("loaded model %s (%s, %s on %s)", loaded.name, loaded.architecture, loaded.dtype, loaded.device)
         self._embedder = self._embedder_factory()
+
+    def _batcher(self, loaded: LoadedModel, worker: SerialWorker, stop: StopTokens) -> Batcher | None:
+        if self.config.generation.max_batch == 1 or loaded.streaming or not BatchDecoder.supports(loaded.model):
+            return None
+        limits = self.config.generation
+        return Batcher(BatchDecoder(loaded.model, limits.batch_invariant), worker, loaded.tokenizer, stop, limits.max_batch)
 
     def _find_adapter(self, loaded: LoadedModel) -> Neurocache | None:
         """The first Neurocache adapter named after the model in the adapter folders, if any."""
@@ -495,6 +504,13 @@ class Engine:
             request = AnswerRequest(
                 loaded.model, loaded.tokenizer, runtime.stop_tokens, messages, pieces, params, time.perf_counter() - started
             )
+            if memory.plain_answer and runtime.batcher is not None:
+                yield memory.retrieval(request)
+                prompt_ids = await asyncio.to_thread(memory.answer_prompt, request)
+                async with contextlib.aclosing(runtime.batcher.generate(prompt_ids, params)) as answer:
+                    async for event in answer:
+                        yield event
+                return
             lock = session.ingest_lock if memory.answer_holds_lock else contextlib.nullcontext()
             async with lock:
                 async for event in runtime.worker.iterate(memory.answer_steps(request)):
@@ -515,15 +531,14 @@ class Engine:
         async with contextlib.nullcontext() if holding_lock else session.ingest_lock:
             await self._memory_worker(session).run(apply)
 
-    async def _generate(
-        self,
-        runtime: ModelRuntime,
-        prompt_ids: list[int],
-        params: GenerationParams,
-        step_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
-    ) -> AsyncIterator[GenerationEvent]:
+    async def _generate(self, runtime: ModelRuntime, prompt_ids: list[int], params: GenerationParams) -> AsyncIterator[GenerationEvent]:
+        if runtime.batcher is not None:
+            async with contextlib.aclosing(runtime.batcher.generate(prompt_ids, params)) as answer:
+                async for event in answer:
+                    yield event
+            return
         loaded = runtime.loaded
-        steps = generate_steps(loaded.model, loaded.tokenizer, prompt_ids, params, runtime.stop_tokens, step_context)
+        steps = generate_steps(loaded.model, loaded.tokenizer, prompt_ids, params, runtime.stop_tokens)
         async for event in runtime.worker.iterate(steps):
             yield event
 

@@ -206,6 +206,60 @@ def generate_steps(
     yield from decode_steps(forward, tokenizer, prompt_ids, params, stop_tokens)
 
 
+class AnswerState:
+    """One answer being generated: takes the logits of each step, keeps what sampling, the
+    repetition guard and stop strings need, and says what to feed next. `decode_steps` drives one;
+    engine/batching.py drives many in one forward pass."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], params: GenerationParams, stop_tokens: StopTokens) -> None:
+        self.started = time.perf_counter()
+        self.prompt_tokens = len(prompt_ids)
+        self.params = params
+        self._stop_tokens = stop_tokens
+        self._generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self._assembler = TextAssembler(tokenizer, params.stop)
+        self._guard = RepetitionGuard(params, word_tokens(tokenizer) if params.no_repeat_ngram_size else None)
+        self._ttft = 0.0
+        self.produced = 0
+        self.next_token: int | None = None  # sampled, not yet fed to the model
+        self.finished = False
+
+    def take(self, logits: torch.Tensor) -> list[TokenDelta | GenerationDone]:
+        """Sample from the last position's logits [V]; the events this token completes (with
+        `GenerationDone` last when the answer ends)."""
+        params = self.params
+        token = sample_next(self._guard.apply(logits.float().cpu()), params, self._generator)
+        self._guard.add(token)
+        self.produced += 1
+        if self.produced == 1:
+            self._ttft = time.perf_counter() - self.started
+        if token in self._stop_tokens.ids:
+            return self._finish("stop")
+        events: list[TokenDelta | GenerationDone] = []
+        delta = self._assembler.add(token)
+        if delta:
+            events.append(TokenDelta(delta))
+        if self._assembler.stopped:
+            return events + self._finish("stop")
+        out_of_time = params.max_seconds is not None and time.perf_counter() - self.started > params.max_seconds
+        if self.produced >= params.max_tokens or out_of_time:  # a time cap ends an answer as max_tokens does
+            return events + self._finish("length")
+        self.next_token = token
+        return events
+
+    def _finish(self, reason: str) -> list[TokenDelta | GenerationDone]:
+        self.finished, self.next_token = True, None
+        tail = self._assembler.flush()
+        done = GenerationDone(
+            finish_reason=reason,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.produced,
+            ttft_seconds=self._ttft,
+            total_seconds=time.perf_counter() - self.started,
+        )
+        return [TokenDelta(tail), done] if tail else [done]
+
+
 @torch.inference_mode()
 def decode_steps(
     forward: Callable[[list[int]], torch.Tensor],
@@ -219,38 +273,11 @@ def decode_steps(
     `forward(ids)` runs `ids` after everything it was given before and returns the last position's
     logits [V]; it owns whatever state carries between calls.
     """
-    started = time.perf_counter()
-    generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-    assembler = TextAssembler(tokenizer, params.stop)
-    guard = RepetitionGuard(params, word_tokens(tokenizer) if params.no_repeat_ngram_size else None)
+    state = AnswerState(tokenizer, prompt_ids, params, stop_tokens)
     ids = list(prompt_ids)
-    ttft = 0.0
-    finish_reason = "length"
-    produced = 0
-    for produced in range(1, params.max_tokens + 1):
-        token = sample_next(guard.apply(forward(ids).float().cpu()), params, generator)
-        guard.add(token)
-        if produced == 1:
-            ttft = time.perf_counter() - started
-        if token in stop_tokens.ids:
-            finish_reason = "stop"
-            break
-        delta = assembler.add(token)
-        if delta:
-            yield TokenDelta(delta)
-        if assembler.stopped:
-            finish_reason = "stop"
-            break
-        if params.max_seconds is not None and time.perf_counter() - started > params.max_seconds:
-            break  # finish_reason stays "length": a time cap ends an answer as max_tokens does
-        ids = [token]
-    tail = assembler.flush()
-    if tail:
-        yield TokenDelta(tail)
-    yield GenerationDone(
-        finish_reason=finish_reason,
-        prompt_tokens=len(prompt_ids),
-        completion_tokens=produced,
-        ttft_seconds=ttft,
-        total_seconds=time.perf_counter() - started,
-    )
+    while True:
+        yield from state.take(forward(ids))
+        if state.finished:
+            return
+        assert state.next_token is not None
+        ids = [state.next_token]

@@ -67,6 +67,8 @@ class Settings(BaseSettings):
     keep_alive_seconds: float = Field(5.0, gt=0, description="idle keep-alive connections are closed after this")
     segment_len: int = IngestConfig.segment_len
     max_queue: int = Field(GenerationLimits.max_queue, description="requests admitted per model worker before 429")
+    batch_invariant: bool = Field(GenerationLimits.batch_invariant, description="pad batched steps to 4 rows so that an answer never depends on the answers beside it (float32 on x86), at the cost of a 4-row step for a lone answer")
+    max_batch: int = Field(GenerationLimits.max_batch, gt=0, description="answers of one model decoded together, one forward pass a step (1: no batching, each answer steps alone, interleaved)")
     max_new_tokens: int = GenerationLimits.max_new_tokens
     default_max_tokens: int = GenerationLimits.default_max_tokens
     default_memory: str = Field(EngineConfig.default_memory, description="'auto' (stream for a CacheFormer/Long-Short checkpoint, else the memory the model's manifest names, measured on the QA benchmark; text without one), 'text', 'truncate', 'neurocache' or 'stream'")
@@ -127,6 +129,8 @@ class Settings(BaseSettings):
                 max_new_tokens=self.max_new_tokens,
                 default_max_tokens=self.default_max_tokens,
                 max_queue=self.max_queue,
+                max_batch=self.max_batch,
+                batch_invariant=self.batch_invariant,
                 max_prompt_chars=self.max_prompt_chars,
                 max_generation_seconds=self.max_generation_seconds,
             ),

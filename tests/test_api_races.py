@@ -64,8 +64,9 @@ def ingest_held(client, session_id: str) -> tuple[Hold, threading.Thread, list]:
     return hold, thread, result
 
 
-def model_of(client):
-    return next(iter(client.app.state.engine._models.values())).loaded.model
+def each_step(client):
+    """A module every decoding step runs once, batched or not: the model's output layer."""
+    return next(iter(client.app.state.engine._models.values())).loaded.model.lm_head
 
 
 def test_clear_during_ingestion_is_409_and_the_document_lands(make_client):
@@ -103,7 +104,7 @@ def test_delete_during_an_answer_lets_it_finish(make_client):
     body = {"question": "What colour is the lighthouse?", "max_tokens": 8}
     alone = client.post(f"/v1/sessions/{session_id}/ask", json=body).json()
     hold = Hold(after=3)
-    handle = model_of(client).register_forward_pre_hook(hold.hook)
+    handle = each_step(client).register_forward_pre_hook(hold.hook)
     try:
         thread, result = in_thread(lambda: client.post(f"/v1/sessions/{session_id}/ask", json=body))
         assert hold.reached.wait(TIMEOUT)
@@ -137,7 +138,7 @@ def test_clear_during_a_remembered_answer_drops_the_turn(make_client, adapter_di
     client.post(f"/v1/sessions/{session_id}/ask", json=body)
     assert client.get(f"/v1/sessions/{session_id}/cache").json()["turns"] == 1  # remembered when nothing races
     hold = Hold(after=3)
-    handle = model_of(client).register_forward_pre_hook(hold.hook)
+    handle = each_step(client).register_forward_pre_hook(hold.hook)
     try:
         thread, result = in_thread(lambda: client.post(f"/v1/sessions/{session_id}/ask", json=body))
         assert hold.reached.wait(TIMEOUT)
@@ -177,7 +178,7 @@ def test_an_answers_key_value_cache_is_reserved_while_it_runs(make_client):
     session_id = new_session(client, memory="text")
     client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT})
     hold = Hold(after=3)
-    handle = model_of(client).register_forward_pre_hook(hold.hook)
+    handle = each_step(client).register_forward_pre_hook(hold.hook)
     try:
         thread, result = in_thread(lambda: client.post(f"/v1/sessions/{session_id}/ask", json={"question": "q", "max_tokens": 8}))
         assert hold.reached.wait(TIMEOUT)

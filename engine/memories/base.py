@@ -174,10 +174,22 @@ class Memory(ABC):
 
     def answer_steps(self, request: AnswerRequest) -> Iterator[GenerationEvent | MemoryWrite]:
         """A blocking generator run on the model's worker: one `Retrieval`, text deltas, then done."""
+        yield self.retrieval(request)
+        yield from generate_steps(request.model, request.tokenizer, self.answer_prompt(request), request.params, request.stop_tokens)
+
+    @property
+    def plain_answer(self) -> bool:
+        """Answering is the default (the plain model on `answer_prompt`), so it can be batched with
+        other requests' answers; memories that answer their own way override `answer_steps`."""
+        return type(self).answer_steps is Memory.answer_steps
+
+    def retrieval(self, request: AnswerRequest) -> Retrieval:
+        return Retrieval(self.kind, tuple(p.item for p in request.pieces), request.retrieval_seconds)
+
+    def answer_prompt(self, request: AnswerRequest) -> list[int]:
+        """The prompt's ids: earlier turns, then the question with the retrieved pieces before it."""
         turn = {"role": "user", "content": with_context(request.question, request.pieces)}
-        prompt_ids = render(request.tokenizer, [*request.messages[:-1], turn])
-        yield Retrieval(self.kind, tuple(p.item for p in request.pieces), request.retrieval_seconds)
-        yield from generate_steps(request.model, request.tokenizer, prompt_ids, request.params, request.stop_tokens)
+        return render(request.tokenizer, [*request.messages[:-1], turn])
 
     def dropped_tokens(self) -> int:
         """Tokens of committed documents the memory no longer holds (a window or a full cache)."""

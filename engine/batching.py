@@ -1,0 +1,232 @@
+"""Continuous batching: the answers of one model are decoded together, one forward pass a step.
+
+Requests join between steps (each prefilled on its own, one a step, so a long prompt stalls the
+others for one prefill only) and leave when they finish, are cancelled or fail. Each keeps its own
+sampling, stop strings and repetition guard (`AnswerState`), and its own key/value rows sized
+prompt + max_tokens, as reserved before it was admitted. The projections and MLPs of a step run
+on all rows at once (the weights are read once a step, not once a request); attention runs row by
+row over that row's own keys, so no row sees another's and none is padded.
+
+`BatchDecoder` steps Llama-family models (Llama, Qwen2, Mistral: pre-norm layers with rotary
+attention) through their own modules; a model it does not support is answered one request at a
+time, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from engine.generation import AnswerState, StopTokens
+from engine.interface import GenerationDone, GenerationEvent, GenerationParams
+from engine.worker import SerialWorker
+
+BATCHED_FAMILIES = ("llama", "qwen2", "mistral")
+# float32 matmuls on x86 (MKL) sum in one order for 1 row, another for 2-3, a third from 4 rows on
+# (measured up to 32): a batch-invariant step pads to 4 rows, so a row's logits never depend on its
+# company, at the cost of a 4-row step for a lone answer.
+INVARIANT_ROWS = 4
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Row:
+    """One answer in the batch: its state, its key/value rows and where its events go."""
+
+    prompt_ids: list[int]
+    params: GenerationParams
+    state: AnswerState | None = None  # made when the row is admitted: its clock starts there
+    events: asyncio.Queue[GenerationEvent | BaseException] = field(default_factory=asyncio.Queue)
+    keys: torch.Tensor | None = None  # [layers, kv_heads, capacity, head_dim]
+    values: torch.Tensor | None = None
+    length: int = 0  # positions filled
+    cancelled: bool = False
+
+
+def _base(layer: torch.nn.Module) -> torch.nn.Module:
+    """A decoder layer under a Neurocache wrapper (which adds nothing while no cache is attached)."""
+    return getattr(layer, "base", layer)
+
+
+class BatchDecoder:
+    """Prefill one row, then step many rows a token each, on a Llama-family model."""
+
+    def __init__(self, model: PreTrainedModel, invariant: bool = False) -> None:
+        self.model = model
+        self.min_rows = INVARIANT_ROWS if invariant else 1
+        config = model.config
+        self.layers = [_base(layer) for layer in model.model.layers]
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    @staticmethod
+    def supports(model: PreTrainedModel) -> bool:
+        config = getattr(model, "config", None)
+        inner = getattr(model, "model", None)
+        family = getattr(config, "model_type", None)
+        sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ()) or (
+            family == "mistral" and getattr(config, "sliding_window", None) is not None
+        ) or getattr(config, "use_sliding_window", False)
+        rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}).get("rope_type")
+        return (
+            family in BATCHED_FAMILIES
+            and not sliding  # every row attends to all its keys
+            and rope not in ("dynamic", "longrope")  # these pick frequencies from the whole batch's positions
+            and hasattr(inner, "rotary_emb")
+            and hasattr(inner, "layers")
+        )
+
+    @torch.inference_mode()
+    def prefill(self, row: Row) -> torch.Tensor:
+        """Run the row's prompt, keep its keys and values; the last position's logits [V]."""
+        model, ids = self.model, row.prompt_ids
+        cache = DynamicCache()
+        out = model(input_ids=torch.tensor([ids], device=model.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        capacity = len(ids) + row.params.max_tokens
+        shape = (len(self.layers), self.kv_heads, capacity, self.head_dim)
+        row.keys = torch.empty(shape, device=model.device, dtype=model.dtype)
+        row.values = torch.empty(shape, device=model.device, dtype=model.dtype)
+        for index, layer in enumerate(cache.layers):  # each layer freed once copied: the peak stays near the reservation
+            row.keys[index, :, : len(ids)] = layer.keys[0]
+            row.values[index, :, : len(ids)] = layer.values[0]
+            layer.keys = layer.values = None
+        row.length = len(ids)
+        return out.logits[0, -1]
+
+    @torch.inference_mode()
+    def step(self, rows: list[Row]) -> torch.Tensor:
+        """Feed each row its next token at its own position; the logits [rows, V]."""
+        model, device = self.model, self.model.device
+        assert all(row.state is not None for row in rows)
+        padding = [rows[0].state.next_token] * max(0, self.min_rows - len(rows))  # rows computed, then dropped
+        tokens = torch.tensor([[row.state.next_token] for row in rows] + [[t] for t in padding], device=device)
+        positions = torch.tensor([[row.length] for row in rows] + [[rows[0].length]] * len(padding), device=device)
+        hidden = model.model.embed_tokens(tokens)  # [B, 1, d]
+        cos, sin = model.model.rotary_emb(hidden, positions)
+        for index, layer in enumerate(self.layers):
+            x = layer.input_layernorm(hidden)
+            hidden = hidden + self._attention(index, layer.self_attn, x, cos, sin, rows)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        for row in rows:
+            row.length += 1
+        return model.lm_head(model.model.norm(hidden))[: len(rows), 0]
+
+    def _attention(self, index: int, attention: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+        batch = x.shape[0]
+        q = attention.q_proj(x).view(batch, 1, self.heads, self.head_dim).transpose(1, 2)
+        k = attention.k_proj(x).view(batch, 1, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = attention.v_proj(x).view(batch, 1, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        outputs = []
+        for i, row in enumerate(rows):
+            assert row.keys is not None and row.values is not None
+            end = row.length + 1
+            row.keys[index, :, row.length] = k[i, :, 0]
+            row.values[index, :, row.length] = v[i, :, 0]
+            keys, values = row.keys[index, :, :end].unsqueeze(0), row.values[index, :, :end].unsqueeze(0)
+            outputs.append(F.scaled_dot_product_attention(q[i : i + 1], keys, values, scale=attention.scaling, enable_gqa=True))
+        outputs += [torch.zeros_like(outputs[0])] * (batch - len(rows))  # padding rows attend to nothing
+        out = torch.cat(outputs).transpose(1, 2).reshape(batch, 1, self.heads * self.head_dim)
+        return attention.o_proj(out)
+
+
+class Batcher:
+    """Schedules the answers of one model on its worker thread, stepping them together."""
+
+    def __init__(self, decoder: BatchDecoder, worker: SerialWorker, tokenizer: PreTrainedTokenizerBase, stop_tokens: StopTokens, max_rows: int) -> None:
+        self._decoder = decoder
+        self._worker = worker
+        self._tokenizer = tokenizer
+        self._stop_tokens = stop_tokens
+        self.max_rows = max_rows
+        self._waiting: collections.deque[Row] = collections.deque()
+        self._rows: list[Row] = []  # touched on the worker thread only
+        self._loop_task: asyncio.Task[None] | None = None
+
+    async def generate(self, prompt_ids: list[int], params: GenerationParams) -> AsyncIterator[GenerationEvent]:
+        """Text deltas, then done; leaving early cancels the row before its next step."""
+        row = Row(list(prompt_ids), params)
+        self._waiting.append(row)
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        try:
+            while True:
+                event = await row.events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+                if isinstance(event, GenerationDone):
+                    return
+        finally:
+            row.cancelled = True
+
+    async def _run(self) -> None:
+        try:
+            while self._rows or self._waiting:
+                for row, events in await self._worker.run(self._tick):
+                    for event in events:
+                        row.events.put_nowait(event)
+        except BaseException as exc:  # shutdown, or a fault of the scheduler itself: no row waits forever
+            failure = exc if isinstance(exc, Exception) else RuntimeError("the model worker stopped")
+            for row in [*list(self._rows), *list(self._waiting)]:
+                row.cancelled = True
+                row.keys = row.values = None
+                row.events.put_nowait(failure.with_traceback(None))
+            self._rows, self._waiting = [], collections.deque()
+            if not isinstance(exc, Exception):
+                raise
+            log.exception("the batch scheduler failed; its answers ended with the error")
+
+    @torch.inference_mode()
+    def _tick(self) -> list[tuple[Row, list[GenerationEvent | BaseException]]]:
+        """On the worker thread: admit one waiting row (its prefill), then step every row once."""
+        out: list[tuple[Row, list[GenerationEvent | BaseException]]] = []
+        self._keep_live()
+        while self._waiting and len(self._rows) < self.max_rows:
+            row = self._waiting.popleft()
+            if not row.cancelled:
+                row.state = AnswerState(self._tokenizer, row.prompt_ids, row.params, self._stop_tokens)
+                self._advance([row], lambda rows: self._decoder.prefill(rows[0]).unsqueeze(0), out)
+                self._rows.append(row)
+                break
+        self._keep_live()
+        if self._rows:
+            self._advance(self._rows, self._decoder.step, out)
+        self._keep_live()
+        return out
+
+    def _keep_live(self) -> None:
+        """Drop rows that finished, failed or were cancelled, and their keys and values."""
+        for row in self._rows:
+            if row.cancelled or row.state is None or row.state.finished:
+                row.keys = row.values = None
+        self._rows = [row for row in self._rows if row.keys is not None]
+
+    def _advance(self, rows: list[Row], forward, out: list) -> None:
+        """Run `forward` on `rows` and hand each its logits. A failed step is retried row by row
+        (a row's position only moves when its step succeeds), so an error ends only its own row."""
+        try:
+            logits = forward(rows)
+        except Exception as exc:
+            if len(rows) > 1:
+                for row in rows:
+                    self._advance([row], forward, out)
+                return
+            rows[0].cancelled = True
+            out.append((rows[0], [exc.with_traceback(None)]))
+            return
+        for i, row in enumerate(rows):
+            assert row.state is not None
+            try:
+                out.append((row, list(row.state.take(logits[i]))))
+            except Exception as exc:
+                row.cancelled = True
+                out.append((row, [exc.with_traceback(None)]))

@@ -1,0 +1,256 @@
+"""Continuous batching (engine/batching.py): on these test models every request gets exactly the
+answer it gets alone, whoever shares its steps, joins or leaves (on a real model a near-tie can
+flip with the batch's size unless `batch_invariant` is set: docs/benchmarks.md#batched-decoding);
+a cancelled or failing request leaves the others be."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from engine.batching import BatchDecoder, Batcher, Row
+from engine.generation import AnswerState, StopTokens, generate_steps
+from engine.interface import GenerationDone, GenerationParams, TokenDelta
+from engine.models.byte_tokenizer import ByteTokenizer
+from engine.models.neurocache import Neurocache, NeurocacheConfig
+from engine.worker import SerialWorker
+
+NO_STOP = StopTokens(frozenset())
+FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
+
+
+def tiny(family: str, vocab: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config_type, model_type = FAMILIES[family]
+    window = {"sliding_window": None} if family == "mistral" else {}
+    config = config_type(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, **window)
+    return model_type(config).eval()  # weights large enough that every position changes the logits
+
+
+def requests(vocab: int) -> list[tuple[list[int], GenerationParams]]:
+    """Prompts of different lengths and answers of different lengths (rows leave at different
+    steps, one right after its prefill), one cut by a stop string, one sampled with a seed."""
+    generator = torch.Generator().manual_seed(1)
+    lengths, max_tokens = (3, 17, 40, 9, 11), (5, 24, 12, 18, 1)
+    prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+    params = [GenerationParams(max_tokens=m, temperature=0.0) for m in max_tokens]
+    params[2] = GenerationParams(max_tokens=12, temperature=0.0, stop=("e",))
+    params[3] = GenerationParams(max_tokens=18, temperature=0.8, top_p=0.9, seed=7)
+    return list(zip(prompts, params, strict=True))
+
+
+def alone(model, tokenizer, prompt: list[int], params: GenerationParams) -> tuple[str, GenerationDone]:
+    text, done = "", None
+    for event in generate_steps(model, tokenizer, prompt, params, NO_STOP):
+        if isinstance(event, TokenDelta):
+            text += event.text
+        else:
+            done = event
+    assert done is not None
+    return text, done
+
+
+async def collect(batcher: Batcher, prompt: list[int], params: GenerationParams) -> tuple[str, GenerationDone]:
+    text, done = "", None
+    async for event in batcher.generate(prompt, params):
+        if isinstance(event, TokenDelta):
+            text += event.text
+        else:
+            done = event
+    assert done is not None
+    return text, done
+
+
+def batcher_for(model, tokenizer, max_rows: int = 8) -> Batcher:
+    return Batcher(BatchDecoder(model), SerialWorker("test", 16), tokenizer, NO_STOP, max_rows)
+
+
+def same_answer(a: tuple[str, GenerationDone], b: tuple[str, GenerationDone]) -> bool:
+    return a[0] == b[0] and (a[1].finish_reason, a[1].completion_tokens) == (b[1].finish_reason, b[1].completion_tokens)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_batched_steps_equal_full_recomputation(family):
+    """Rows at different positions, stepped together: each row's logits are those of the model run
+    on that row's whole sequence at once."""
+    model = tiny(family, 101)
+    decoder = BatchDecoder(model)
+    generator = torch.Generator().manual_seed(2)
+    sequences = [torch.randint(0, 101, (n,), generator=generator).tolist() for n in (5, 30, 12)]
+    rows = []
+    for sequence in sequences:
+        row = Row(sequence, GenerationParams(max_tokens=6))
+        row.state = AnswerState(ByteTokenizer(), sequence, row.params, NO_STOP)
+        decoder.prefill(row)
+        rows.append(row)
+    for step in range(6):
+        tokens = torch.randint(0, 101, (len(rows),), generator=generator).tolist()
+        for row, token in zip(rows, tokens, strict=True):
+            row.state.next_token = token
+            row.prompt_ids = [*row.prompt_ids, token]
+        logits = decoder.step(rows)
+        for i, row in enumerate(rows):
+            with torch.no_grad():
+                full = model(input_ids=torch.tensor([row.prompt_ids])).logits[0, -1]
+            torch.testing.assert_close(logits[i], full, rtol=1e-4, atol=1e-4, msg=lambda m, step=step: f"step {step}: {m}")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("max_rows", [8, 2], ids=["all-at-once", "two-rows-others-wait"])
+def test_each_request_gets_the_answer_it_gets_alone(family, max_rows, tiny_tokenizer):
+    model = tiny(family, len(tiny_tokenizer))
+    assert BatchDecoder.supports(model)
+    work = requests(len(tiny_tokenizer))
+    expected = [alone(model, tiny_tokenizer, prompt, params) for prompt, params in work]
+    batcher = batcher_for(model, tiny_tokenizer, max_rows)
+
+    async def run():
+        return await asyncio.gather(*(collect(batcher, prompt, params) for prompt, params in work))
+
+    got = asyncio.run(run())
+    for a, b in zip(got, expected, strict=True):
+        assert same_answer(a, b), (a, b)
+    assert batcher._rows == [] and not batcher._waiting
+
+
+def test_a_neurocache_wrapped_model_batches_as_it_answers_alone(tiny_tokenizer):
+    """The default model is served with its Neurocache adapter attached; with no cache bound (a
+    text or truncate session) the batched path runs the same layers, LoRA included."""
+    model = tiny("llama", len(tiny_tokenizer))
+    neurocache = Neurocache(model, NeurocacheConfig(top_k=4, capacity=64, lora_rank=4))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for parameter in neurocache.adapter_parameters():
+            parameter.normal_(0, 0.5)  # an open adapter: LoRA changes the FFNs
+    work = requests(len(tiny_tokenizer))[:2]
+    expected = [alone(model, tiny_tokenizer, prompt, params) for prompt, params in work]
+    batcher = batcher_for(model, tiny_tokenizer)
+
+    async def run():
+        return await asyncio.gather(*(collect(batcher, prompt, params) for prompt, params in work))
+
+    for a, b in zip(asyncio.run(run()), expected, strict=True):
+        assert same_answer(a, b)
+
+
+def test_a_cancelled_request_leaves_the_others_and_frees_its_row(tiny_tokenizer):
+    model = tiny("llama", len(tiny_tokenizer))
+    (p1, params1), (p2, params2) = requests(len(tiny_tokenizer))[1:3]
+    expected = alone(model, tiny_tokenizer, p2, params2)
+    batcher = batcher_for(model, tiny_tokenizer)
+
+    async def run():
+        async def leave_early():
+            stream = batcher.generate(p1, params1)
+            await anext(stream)
+            await stream.aclose()
+
+        other = asyncio.create_task(collect(batcher, p2, params2))
+        await leave_early()
+        return await other
+
+    assert same_answer(asyncio.run(run()), expected)
+    assert batcher._rows == []
+
+
+def test_a_failing_request_fails_alone(tiny_tokenizer, monkeypatch):
+    model = tiny("qwen2", len(tiny_tokenizer))
+    (p1, params1), (p2, params2) = requests(len(tiny_tokenizer))[1:3]
+    expected = alone(model, tiny_tokenizer, p2, params2)
+    take = AnswerState.take
+
+    def failing_take(self, logits):
+        if self.prompt_tokens == len(p1) and self.produced == 3:
+            raise RuntimeError("this row broke")
+        return take(self, logits)
+
+    monkeypatch.setattr(AnswerState, "take", failing_take)
+    batcher = batcher_for(model, tiny_tokenizer)
+
+    async def run():
+        return await asyncio.gather(collect(batcher, p1, params1), collect(batcher, p2, params2), return_exceptions=True)
+
+    failed, other = asyncio.run(run())
+    assert isinstance(failed, RuntimeError) and str(failed) == "this row broke"
+    assert same_answer(other, expected)
+    assert batcher._rows == []
+
+
+def test_models_the_batched_step_would_get_wrong_are_not_batched():
+    """Other families, sliding-window attention (Mistral's default, Qwen2's when used), and rotary
+    scalings whose frequencies depend on the whole batch's positions."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    small = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    assert not BatchDecoder.supports(GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2)))
+    assert not BatchDecoder.supports(MistralForCausalLM(MistralConfig(**small, sliding_window=4096)))
+    assert BatchDecoder.supports(MistralForCausalLM(MistralConfig(**small, sliding_window=None)))
+    assert not BatchDecoder.supports(Qwen2ForCausalLM(Qwen2Config(**small, use_sliding_window=True, sliding_window=8, max_window_layers=0)))
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    assert not BatchDecoder.supports(LlamaForCausalLM(LlamaConfig(**small, rope_parameters=dynamic)))
+    assert BatchDecoder.supports(LlamaForCausalLM(LlamaConfig(**small)))
+
+
+def test_a_failing_forward_ends_its_rows_and_a_scheduler_fault_hangs_no_one(tiny_tokenizer, monkeypatch):
+    model = tiny("llama", len(tiny_tokenizer))
+    (p1, params1), (p2, params2) = requests(len(tiny_tokenizer))[1:3]
+    batcher = batcher_for(model, tiny_tokenizer)
+
+    expected = alone(model, tiny_tokenizer, p2, params2)
+    step = batcher._decoder.step
+
+    def broken(rows):  # fails whenever the first request's row is in the step
+        if any(row.state.prompt_tokens == len(p1) for row in rows):
+            raise RuntimeError("the forward broke")
+        return step(rows)
+
+    monkeypatch.setattr(batcher._decoder, "step", broken)
+
+    async def run():
+        return await asyncio.wait_for(asyncio.gather(collect(batcher, p1, params1), collect(batcher, p2, params2), return_exceptions=True), 60)
+
+    failed, other = asyncio.run(run())
+    assert str(failed) == "the forward broke" and same_answer(other, expected)
+    monkeypatch.undo()
+
+    keep_live = Batcher._keep_live
+
+    def fault(self):  # breaks once rows hold keys and values
+        if any(row.keys is not None and row.state.produced >= 2 for row in self._rows):
+            raise KeyError("a scheduler bug")
+        keep_live(self)
+
+    monkeypatch.setattr(Batcher, "_keep_live", fault)
+    batcher = batcher_for(model, tiny_tokenizer)
+    results = asyncio.run(run())
+    assert all(isinstance(result, KeyError) for result in results)
+    assert batcher._rows == [] and not batcher._waiting  # nothing kept: no keys or values leak
+
+
+def test_an_invariant_step_gives_a_row_the_same_logits_in_any_company():
+    """With `batch_invariant` a row's logits are bit for bit the same stepped alone or beside
+    others, so its greedy answer cannot depend on who else is being answered."""
+    model = tiny("llama", 101)
+    decoder = BatchDecoder(model, invariant=True)
+    generator = torch.Generator().manual_seed(4)
+
+    def rows(lengths):
+        made = []
+        for n in lengths:
+            sequence = torch.randint(0, 101, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+            row = Row(sequence, GenerationParams(max_tokens=4))
+            row.state = AnswerState(ByteTokenizer(), sequence, row.params, NO_STOP)
+            decoder.prefill(row)
+            made.append(row)
+        return made
+
+    lone, crowd = rows([20]), rows([20, 7, 33, 12, 25, 9])
+    for _ in range(4):
+        token = int(torch.randint(0, 101, (1,), generator=generator))
+        for row in (lone[0], *crowd):
+            row.state.next_token = token
+        assert torch.equal(decoder.step(lone)[0], decoder.step(crowd)[0])
