@@ -115,9 +115,10 @@ class BatchDecoder:
             x = layer.input_layernorm(hidden)
             hidden = hidden + self._attention(index, layer.self_attn, x, cos, sin, rows)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        for row in rows:
+        logits = model.lm_head(model.model.norm(hidden))[: len(rows), 0]
+        for row in rows:  # only a step that succeeded moves the rows on
             row.length += 1
-        return model.lm_head(model.model.norm(hidden))[: len(rows), 0]
+        return logits
 
     def _attention(self, index: int, attention: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         batch = x.shape[0]
