@@ -152,6 +152,11 @@ class Batcher:
         self._rows: list[Row] = []  # touched on the worker thread only
         self._loop_task: asyncio.Task[None] | None = None
 
+    @property
+    def rows(self) -> int:
+        """Answers in the batch now (admitted, not yet finished)."""
+        return len(self._rows)
+
     async def generate(self, prompt_ids: list[int], params: GenerationParams) -> AsyncIterator[GenerationEvent]:
         """Text deltas, then done; leaving early cancels the row before its next step."""
         row = Row(list(prompt_ids), params)

@@ -349,11 +349,13 @@ class Engine:
             on_disk += not session.resident
         depth = {runtime.worker.name: runtime.worker.depth for runtime in self._models.values()}
         depth[self._embed_worker.name] = self._embed_worker.depth
+        batch_rows = {name: runtime.batcher.rows for name, runtime in self._models.items() if runtime.batcher is not None}
         return EngineStats(
             ready=self._ready,
             active_sessions=len(self.sessions),
             session_memory_bytes=memory_bytes,
             queue_depth=depth,
+            batch_rows=batch_rows,
             queue_limit=self.config.generation.max_queue,
             memory_limit_bytes=self.config.sessions.server_memory_bytes,
             memory_reserved_bytes=self.sessions.reserved_bytes,

@@ -139,6 +139,7 @@ class EngineStats:
     session_memory_bytes: dict[str, int] = field(default_factory=dict)  # by memory kind
     queue_depth: dict[str, int] = field(default_factory=dict)  # by worker name
     queue_limit: int = 0  # requests each worker admits before 429
+    batch_rows: dict[str, int] = field(default_factory=dict)  # answers in each batched model's decode batch
     memory_limit_bytes: int = 0  # what all sessions' memories may hold together
     memory_reserved_bytes: int = 0  # promised to work in flight, not yet committed
     sessions_on_disk: int = 0  # saved, not resident

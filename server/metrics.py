@@ -52,6 +52,10 @@ class _EngineCollector(Collector):
             queue.add_metric([worker], value)
         yield queue
         yield GaugeMetricFamily("longdoc_queue_limit", "requests each worker admits before 429", value=stats.queue_limit)
+        batch = GaugeMetricFamily("longdoc_batch_rows", "answers in the model's decode batch", labels=["model"])
+        for model, value in sorted(stats.batch_rows.items()):
+            batch.add_metric([model], value)
+        yield batch
 
 
 class Metrics:

@@ -183,11 +183,13 @@ def test_an_answers_key_value_cache_is_reserved_while_it_runs(make_client):
         thread, result = in_thread(lambda: client.post(f"/v1/sessions/{session_id}/ask", json={"question": "q", "max_tokens": 8}))
         assert hold.reached.wait(TIMEOUT)
         assert engine.sessions.reserved_bytes == loaded.context_len * loaded.kv_bytes_per_token > 0
+        assert f'longdoc_batch_rows{{model="{loaded.name}"}} 1.0' in client.get("/metrics").text  # the answer is in the batch
         hold.released.set()
         thread.join(TIMEOUT)
     finally:
         handle.remove()
     assert result[0].status_code == 200 and engine.sessions.reserved_bytes == 0
+    assert f'longdoc_batch_rows{{model="{loaded.name}"}} 0.0' in client.get("/metrics").text
 
 
 def test_answers_that_cannot_fit_the_server_budget_are_refused(make_client):
