@@ -509,7 +509,7 @@ class Engine:
             if memory.plain_answer and runtime.batcher is not None:
                 yield memory.retrieval(request)
                 prompt_ids = await asyncio.to_thread(memory.answer_prompt, request)
-                async with contextlib.aclosing(runtime.batcher.generate(prompt_ids, params)) as answer:
+                async with contextlib.aclosing(self._generate(runtime, prompt_ids, params)) as answer:
                     async for event in answer:
                         yield event
                 return
