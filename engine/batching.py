@@ -220,7 +220,7 @@ class Batcher:
         """Run `forward` on `rows` and hand each its logits. A failed step is retried row by row
         (a row's position only moves when its step succeeds), so an error ends only its own row."""
         try:
-            logits = forward(rows)
+            logits = forward(rows).float().cpu()  # one copy for the batch, not one per row
         except Exception as exc:
             if len(rows) > 1:
                 for row in rows:

@@ -43,26 +43,19 @@ def requests(vocab: int) -> list[tuple[list[int], GenerationParams]]:
     return list(zip(prompts, params, strict=True))
 
 
+def answer_of(events: list) -> tuple[str, GenerationDone]:
+    """The text of an answer's deltas, and its done event (last)."""
+    done = events[-1]
+    assert isinstance(done, GenerationDone) and all(isinstance(event, TokenDelta) for event in events[:-1])
+    return "".join(event.text for event in events[:-1]), done
+
+
 def alone(model, tokenizer, prompt: list[int], params: GenerationParams) -> tuple[str, GenerationDone]:
-    text, done = "", None
-    for event in generate_steps(model, tokenizer, prompt, params, NO_STOP):
-        if isinstance(event, TokenDelta):
-            text += event.text
-        else:
-            done = event
-    assert done is not None
-    return text, done
+    return answer_of(list(generate_steps(model, tokenizer, prompt, params, NO_STOP)))
 
 
 async def collect(batcher: Batcher, prompt: list[int], params: GenerationParams) -> tuple[str, GenerationDone]:
-    text, done = "", None
-    async for event in batcher.generate(prompt, params):
-        if isinstance(event, TokenDelta):
-            text += event.text
-        else:
-            done = event
-    assert done is not None
-    return text, done
+    return answer_of([event async for event in batcher.generate(prompt, params)])
 
 
 def batcher_for(model, tokenizer, max_rows: int = 8) -> Batcher:
