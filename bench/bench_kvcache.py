@@ -23,12 +23,12 @@ from transformers import DynamicCache
 
 from bench.bench_neurocache import median_time
 from engine.config import DEFAULT_CACHE_DIR
-from engine.evals import texts
 from engine.memories.kvcache import KVCacheOptions
 from engine.models.kv_select import SelectiveAnswer, SelectiveModel
 from engine.models.kv_store import KVStore
 from engine.models.loader import load_model
 from engine.prompts import after_document, document_frame
+from research.evals import texts
 
 QUESTION = "What did the Mock Turtle sing about?"
 

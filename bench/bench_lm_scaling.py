@@ -6,7 +6,7 @@ transformer at the same length, measured in the same run.
 
     .venv/bin/python -m bench.bench_lm_scaling [--lengths 1024 2048 4096 8192 16384] [--variants ...]
 
-The "compiled flex" rows run the fused attention path (engine/models/flex.py) compiled by
+The "compiled flex" rows run the fused attention path (research/lms/flex.py) compiled by
 torch.compile for CPU, inference only; the compile happens in the warm-up run.
 """
 
@@ -36,14 +36,14 @@ VARIANTS = {  # name: (arch, flags, attention kernel)
 def measure_one(name: str, length: int, repeats: int) -> dict[str, float]:
     import torch
 
-    from engine.models import build
-    from engine.training.lm_train import default_model_config
+    from research.lms import build
+    from research.training.lm_train import default_model_config
 
     arch, flags, kernel = VARIANTS[name]
     torch.manual_seed(0)
     model = build(arch, **default_model_config(max_seq_len=length, **flags)).eval()
     if kernel == "flex-compiled":  # the fused path; the warm-up run below compiles it
-        from engine.models import flex
+        from research.lms import flex
 
         flex.compile_kernels()
         model.use_kernel("flex")

@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx
 
 from clients.client import LongdocClient
-from engine.evals.docs import write_section
-from engine.training.corpus import fetch
+from research.evals.docs import write_section
+from research.training.corpus import fetch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,7 +103,9 @@ def bench_memory(base_url: str, memory: str, text: str, repeats: int, max_tokens
     for i in range(repeats):
         question, expected = MIDDLE_QUESTIONS[i % len(MIDDLE_QUESTIONS)]
         ttft, decode, prompt_tokens, answer = timed_ask(client, session, question, max_tokens)
-        ttfts.append(ttft), decodes.append(decode), prompts.append(prompt_tokens)
+        ttfts.append(ttft)
+        decodes.append(decode)
+        prompts.append(prompt_tokens)
         correct += expected.lower() in answer.lower()
         print(f"  [{memory}] {question} -> {answer.strip()!r}", flush=True)
     sdk_correct = openai_answers(base_url, session, max_tokens)

@@ -29,7 +29,7 @@ from engine.models.loader import load_model
 from engine.models.neurocache import CacheBinding, Neurocache, NeurocacheConfig
 from engine.models.neurocache_io import load_adapter
 from engine.state_cache import StateCache
-from engine.training.corpus import fetch, split
+from research.training.corpus import fetch, split
 
 ROOT = Path(__file__).resolve().parents[1]
 

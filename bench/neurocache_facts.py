@@ -1,6 +1,6 @@
 """Does the Neurocache adapter answer a question about a fact in prose from its cache?
 
-Each trial puts four training-style facts (engine/training/fact_tasks.py: one asked about, three
+Each trial puts four training-style facts (research/training/fact_tasks.py: one asked about, three
 about other people) into a window of a held-out book, the asked one at a depth spread from 10% to
 90% of what lies before the last 1,100 tokens; ingests it into a fresh cache; asks the fact's
 question with greedy decoding; and counts the answer correct when it holds every word of the
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -26,8 +27,9 @@ from engine.models.loader import load_model
 from engine.models.neurocache import CacheBinding
 from engine.models.neurocache_io import load_adapter
 from engine.prompts import render
-from engine.training.corpus import DEFAULT_DIR, fetch, split
-from engine.training.fact_tasks import Fact, facts
+from engine.state_cache import StateCache
+from research.training.corpus import DEFAULT_DIR, fetch, split
+from research.training.fact_tasks import Fact, facts
 
 
 def document(filler: list[int], tokenizer, told: list[Fact], length: int, depth: float, rng: random.Random, start: int) -> list[int]:
@@ -67,8 +69,11 @@ def main() -> None:
         for start in range(0, len(ids), 1024):
             cache.add(neurocache.compress(torch.tensor([ids[start : start + 1024]], device=model.device))[0], document=0)
         prompt = render(tokenizer, [{"role": "user", "content": told[0].question}])
-        steps = generate_steps(model, tokenizer, prompt, GenerationParams(max_tokens=20), StopTokens.of(model, tokenizer),
-                               lambda cache=cache: neurocache.active(CacheBinding([cache])))
+
+        def bound(cache: StateCache = cache) -> AbstractContextManager[object]:  # this trial's cache, bound now
+            return neurocache.active(CacheBinding([cache]))
+
+        steps = generate_steps(model, tokenizer, prompt, GenerationParams(max_tokens=20), StopTokens.of(model, tokenizer), bound)
         answer = "".join(getattr(step, "text", "") for step in steps).strip().replace("\n", " ")
         correct = all(word in answer for word in expected_words(told[0]))
         hits += correct

@@ -24,8 +24,8 @@ from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
 from engine.models.loader import load_model
 from engine.models.neurocache_io import load_adapter
 from engine.prompts import render
-from engine.training.corpus import DEFAULT_DIR, fetch, split
-from engine.training.evaluate import PASSKEY_QUESTION, passkey_document
+from research.training.corpus import DEFAULT_DIR, fetch, split
+from research.training.evaluate import PASSKEY_QUESTION, passkey_document
 
 SEGMENT = 1024  # the server's default segment length
 

@@ -22,9 +22,9 @@ from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
 from engine.models.loader import load_model
 from engine.models.neurocache import Neurocache, NeurocacheConfig
 from engine.models.neurocache_io import load_adapter
-from engine.training.corpus import DEFAULT_DIR, fetch, split
-from engine.training.neurocache_data import EpisodeSampler, tokenize_files
-from engine.training.neurocache_data import needle as needle_ids
+from research.training.corpus import DEFAULT_DIR, fetch, split
+from research.training.neurocache_data import EpisodeSampler, tokenize_files
+from research.training.neurocache_data import needle as needle_ids
 
 
 def needle_digit_positions(ids: list[int], fact: list[int], key_ids: list[int]) -> list[set[int]]:

@@ -46,7 +46,7 @@ def serve(ctx: typer.Context) -> None:
         port=settings.port,
         log_level=settings.log_level,
         limit_concurrency=settings.max_connections,
-        timeout_keep_alive=settings.keep_alive_seconds,
+        timeout_keep_alive=settings.keep_alive_seconds,  # type: ignore[arg-type]  # typed int; a float works (asyncio's call_later)
     )
 
 
@@ -139,7 +139,7 @@ def train_neurocache(
 ) -> None:
     """Adapt a frozen model with Neurocache (W_p, cache attention, gates, FFN LoRA)."""
     from engine.models.neurocache import NeurocacheConfig
-    from engine.training.neurocache_train import TrainConfig, train
+    from research.training.neurocache_train import TrainConfig, train
 
     config = TrainConfig(
         model=model, out=out, device=device, steps=steps, batch_size=batch_size, segment_len=segment_len,
@@ -183,7 +183,7 @@ def train_lm_command(
     """Train a byte-level model on the offline corpus (from scratch, or on from --init); prints the held-out summary."""
     import json
 
-    from engine.training.lm_train import LMTrainConfig, default_model_config, train_lm
+    from research.training.lm_train import LMTrainConfig, default_model_config, train_lm
 
     model = default_model_config(dim=dim, n_layers=layers, n_heads=heads, window=window, segment_len=segment_len,
                                  compressed_per_segment=compressed, overlap=overlap, cache_top_k=cache_top_k,
@@ -200,7 +200,7 @@ AdapterOption = Annotated[Path | None, typer.Option(help="adapter folder (defaul
 
 
 def _setup(model: str, adapter: Path | None, device: str):
-    from engine.training.evaluate import EvalSetup
+    from research.training.evaluate import EvalSetup
 
     return EvalSetup(model=model, adapter=adapter, device=device)
 
@@ -215,7 +215,7 @@ def eval_ppl(
     device: str = "auto",
 ) -> None:
     """Held-out perplexity: local window only, full attention reference, and Neurocache."""
-    from engine.training.evaluate import markdown, perplexity
+    from research.training.evaluate import markdown, perplexity
 
     rows = perplexity(_setup(model, adapter, device), segment_len=segment_len, capacities=tuple(capacity), max_tokens=max_tokens)
     typer.echo(markdown(rows))
@@ -236,7 +236,7 @@ def eval_passkey(
     device: str = "auto",
 ) -> None:
     """Pass-key retrieval accuracy by memory and document length."""
-    from engine.training.evaluate import markdown, passkey
+    from research.training.evaluate import markdown, passkey
 
     rows = passkey(_setup(model, adapter, device), memories=tuple(memory), lengths=tuple(length), depths=tuple(depth),
                    capacity=capacity, seed=seed)
@@ -249,7 +249,7 @@ def _memory_runs(memory: list[str]) -> list[tuple[str, dict]]:
 
 
 def _echo_rows(rows: list) -> None:
-    from engine.evals.qa import table
+    from research.evals.qa import table
 
     typer.echo(table(rows))
     for row in rows:
@@ -266,13 +266,13 @@ def eval_qa(
     write: Annotated[Path | None, typer.Option(help="also write the table into this Markdown file (docs/benchmarks.md)")] = None,
 ) -> None:
     """The QA benchmark: 110 questions about five held-out texts, per memory, with the oracle row."""
-    from engine.evals.qa import bench, section
+    from research.evals.qa import bench, section
 
     runs = _memory_runs(memory)
     rows = bench(_setup(model, adapter, device), runs, limit=limit)
     _echo_rows(rows)
     if write:
-        from engine.evals.docs import write_section
+        from research.evals.docs import write_section
 
         write_section(write, section(rows, "longdoc eval qa " + shlex.join(sys.argv[3:])))
 
@@ -287,7 +287,7 @@ def eval_needles(
     device: str = "auto",
 ) -> None:
     """Invented facts of six kinds placed in held-out filler, asked about per memory and length."""
-    from engine.evals.needles import bench
+    from research.evals.needles import bench
 
     runs = _memory_runs(memory)
     rows = bench(_setup(model, adapter, device), runs, list(length), seeds)
@@ -301,7 +301,7 @@ def eval_lm(
     device: str = "cpu",
 ) -> None:
     """Held-out bits per byte of a from-scratch checkpoint."""
-    from engine.training.lm_train import bits_per_byte, corpus_bytes, load_checkpoint
+    from research.training.lm_train import bits_per_byte, corpus_bytes, load_checkpoint
 
     model = load_checkpoint(checkpoint, device)
     _, held_out = corpus_bytes(Path("data/corpus"))

@@ -60,7 +60,7 @@ def _raise_for_error(status: int, body: bytes) -> None:
 
 def _result(call: Call, response: httpx.Response) -> Any:
     _raise_for_error(response.status_code, response.content)
-    body = response.json() if response.content else None
+    body: Any = response.json() if response.content else None
     return body[call.pick] if call.pick else body
 
 
@@ -205,7 +205,7 @@ class AsyncLongdocClient(_Endpoints[Awaitable[Any], AsyncIterator[Event]]):
             await asyncio.sleep(retry_wait(response, attempt))
         raise AssertionError("unreachable")
 
-    async def _send(self, call: Call) -> Any:  # type: ignore[override]  # the coroutine is the Awaitable
+    async def _send(self, call: Call) -> Any:  # the coroutine is the Awaitable
         response = await self._open(call)
         try:
             await response.aread()
@@ -213,7 +213,7 @@ class AsyncLongdocClient(_Endpoints[Awaitable[Any], AsyncIterator[Event]]):
             await response.aclose()
         return _result(call, response)
 
-    async def _stream(self, call: Call) -> AsyncIterator[Event]:  # type: ignore[override]
+    async def _stream(self, call: Call) -> AsyncIterator[Event]:
         response = await self._open(call)
         try:
             if response.status_code >= 400:

@@ -17,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from torch import nn
+from transformers import DynamicCache, DynamicLayer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from engine.generation import AnswerState, StopTokens
@@ -35,6 +37,36 @@ BATCHED_FAMILIES = ("llama", "qwen2", "mistral")
 # company, at the cost of a 4-row step for a lone answer.
 INVARIANT_ROWS = 4
 log = logging.getLogger(__name__)
+_Events = list[tuple["Row", list[GenerationEvent | BaseException]]]  # what a tick hands each row
+
+
+class _Attention(Protocol):
+    """A Llama-family layer's attention, as stepped here (typed: `nn.Module` attributes read as
+    `Tensor | Module`)."""
+
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    o_proj: nn.Linear
+    scaling: float
+
+
+class _Layer(Protocol):
+    """A Llama-family decoder layer."""
+
+    self_attn: _Attention
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+
+class _Backbone(Protocol):
+    """A Llama-family causal LM's `model`: embeddings, rotary embedding, layers, final norm."""
+
+    embed_tokens: nn.Embedding
+    rotary_emb: nn.Module
+    layers: nn.ModuleList
+    norm: nn.Module
 
 
 @dataclass(eq=False)
@@ -51,9 +83,9 @@ class Row:
     cancelled: bool = False
 
 
-def _base(layer: torch.nn.Module) -> torch.nn.Module:
+def _base(layer: torch.nn.Module) -> _Layer:
     """A decoder layer under a Neurocache wrapper (which adds nothing while no cache is attached)."""
-    return getattr(layer, "base", layer)
+    return cast(_Layer, getattr(layer, "base", layer))
 
 
 class BatchDecoder:
@@ -63,7 +95,7 @@ class BatchDecoder:
         self.model = model
         self.min_rows = INVARIANT_ROWS if invariant else 1
         config = model.config
-        self.layers = [_base(layer) for layer in model.model.layers]
+        self.layers = [_base(layer) for layer in cast(_Backbone, model.model).layers]
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -94,7 +126,8 @@ class BatchDecoder:
         shape = (len(self.layers), self.kv_heads, capacity, self.head_dim)
         row.keys = torch.empty(shape, device=model.device, dtype=model.dtype)
         row.values = torch.empty(shape, device=model.device, dtype=model.dtype)
-        for index, layer in enumerate(cache.layers):  # each layer freed once copied: the peak stays near the reservation
+        for index, layer in enumerate(cast(list[DynamicLayer], cache.layers)):  # each layer freed once copied: the peak stays near the reservation
+            assert layer.keys is not None and layer.values is not None  # filled by the prompt's pass
             row.keys[index, :, : len(ids)] = layer.keys[0]
             row.values[index, :, : len(ids)] = layer.values[0]
             layer.keys = layer.values = None
@@ -106,21 +139,23 @@ class BatchDecoder:
         """Feed each row its next token at its own position; the logits [rows, V]."""
         model, device = self.model, self.model.device
         assert all(row.state is not None for row in rows)
-        padding = [rows[0].state.next_token] * max(0, self.min_rows - len(rows))  # rows computed, then dropped
-        tokens = torch.tensor([[row.state.next_token] for row in rows] + [[t] for t in padding], device=device)
+        states = [cast(AnswerState, row.state) for row in rows]
+        padding = [states[0].next_token] * max(0, self.min_rows - len(rows))  # rows computed, then dropped
+        tokens = torch.tensor([[state.next_token] for state in states] + [[t] for t in padding], device=device)
         positions = torch.tensor([[row.length] for row in rows] + [[rows[0].length]] * len(padding), device=device)
-        hidden = model.model.embed_tokens(tokens)  # [B, 1, d]
-        cos, sin = model.model.rotary_emb(hidden, positions)
+        inner = cast(_Backbone, model.model)
+        hidden = inner.embed_tokens(tokens)  # [B, 1, d]
+        cos, sin = inner.rotary_emb(hidden, positions)
         for index, layer in enumerate(self.layers):
             x = layer.input_layernorm(hidden)
             hidden = hidden + self._attention(index, layer.self_attn, x, cos, sin, rows)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        logits = model.lm_head(model.model.norm(hidden))[: len(rows), 0]
+        logits = cast(nn.Linear, model.lm_head)(inner.norm(hidden))[: len(rows), 0]
         for row in rows:  # only a step that succeeded moves the rows on
             row.length += 1
         return logits
 
-    def _attention(self, index: int, attention: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    def _attention(self, index: int, attention: _Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         batch = x.shape[0]
         q = attention.q_proj(x).view(batch, 1, self.heads, self.head_dim).transpose(1, 2)
         k = attention.k_proj(x).view(batch, 1, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -192,9 +227,9 @@ class Batcher:
             log.exception("the batch scheduler failed; its answers ended with the error")
 
     @torch.inference_mode()
-    def _tick(self) -> list[tuple[Row, list[GenerationEvent | BaseException]]]:
+    def _tick(self) -> _Events:
         """On the worker thread: admit one waiting row (its prefill), then step every row once."""
-        out: list[tuple[Row, list[GenerationEvent | BaseException]]] = []
+        out: _Events = []
         self._keep_live()
         while self._waiting and len(self._rows) < self.max_rows:
             row = self._waiting.popleft()
@@ -216,7 +251,7 @@ class Batcher:
                 row.keys = row.values = None
         self._rows = [row for row in self._rows if row.keys is not None]
 
-    def _advance(self, rows: list[Row], forward, out: list) -> None:
+    def _advance(self, rows: list[Row], forward: Callable[[list[Row]], torch.Tensor], out: _Events) -> None:
         """Run `forward` on `rows` and hand each its logits. A failed step is retried row by row
         (a row's position only moves when its step succeeds), so an error ends only its own row."""
         try:

@@ -9,12 +9,6 @@ from pathlib import Path
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_CACHE_DIR = Path("~/.cache/longdoc").expanduser()  # converted models; sessions under it by default
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent / "adapters"
-SHIPPED_CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"  # from-scratch LMs, served by folder name
-
-
-def shipped_checkpoints() -> list[str]:
-    """Names of the from-scratch LM checkpoints shipped with longdoc (`--model NAME` serves one)."""
-    return sorted(p.parent.name for p in SHIPPED_CHECKPOINTS.glob("*/config.json"))
 
 
 def _require(condition: bool, message: str) -> None:
@@ -111,5 +105,5 @@ class EngineConfig:
     sessions: SessionLimits = field(default_factory=SessionLimits)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     generation: GenerationLimits = field(default_factory=GenerationLimits)
-    default_memory: str = "auto"  # "auto": stream for a streaming LM, else the model's manifest (engine/models/manifest.py)
+    default_memory: str = "auto"  # "auto": a plugin model's own memory, else the model's manifest (engine/models/manifest.py)
     data_dir: Path | None = None  # sessions are saved here as they change; None: kept in RAM only

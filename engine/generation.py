@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
@@ -44,8 +45,8 @@ def word_tokens(tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
     size = len(tokenizer) if hasattr(tokenizer, "__len__") else int(tokenizer.vocab_size)
     if hasattr(tokenizer, "convert_ids_to_tokens"):  # Hugging Face: one call for the whole vocabulary
         texts = [tokenizer.convert_tokens_to_string([p]) for p in tokenizer.convert_ids_to_tokens(list(range(size)))]
-    else:  # engine/models/byte_tokenizer.py: a byte a token
-        texts = [tokenizer.decode([i]) for i in range(size)]
+    else:  # research/lms/byte_tokenizer.py: a byte a token
+        texts = [cast(str, tokenizer.decode([i])) for i in range(size)]  # one sequence in, one text out
     return torch.tensor([any(c.isalpha() for c in text) for text in texts], dtype=torch.bool)
 
 
@@ -99,7 +100,7 @@ class IncrementalDecoder:
         self._read = 0  # text up to here has been returned
 
     def _decode(self, start: int, end: int | None = None) -> str:
-        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=True)
+        return cast(str, self._tokenizer.decode(self._ids[start:end], skip_special_tokens=True))  # one sequence: one text
 
     def add(self, token_id: int) -> str:
         """The new text `token_id` completes ("" while a character is incomplete)."""

@@ -1,17 +1,26 @@
-"""Documents to segments, and the blocking ingestion loop a worker drives step by step."""
+"""Ingestion: documents to segments, the blocking loop a worker drives step by step, and `Ingestion`,
+which admits a document into a session and streams its progress."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from engine.errors import TooLargeError
+from engine.config import IngestConfig
+from engine.errors import InvalidRequestError, NotFoundError, TooLargeError
 from engine.interface import DocumentInfo, IngestDone, IngestEvent, IngestProgress
 from engine.memories import Memory, Segment
+from engine.os_memory import return_free_memory
+from engine.session_service import SessionService
+from engine.sessions import Pin, Reservation, Session
+from engine.worker import EventStream, Releasable, released_on_error
 
 PIECE_CHARS = 65_536  # documents are tokenized this many characters at a time
 
@@ -142,3 +151,55 @@ def _dropped_warning(memory: Memory, dropped: int, tokens: int) -> str | None:
         f"pushed out {dropped:,} tokens of this session's documents, the oldest first, and answers cannot use them. "
         "Make the session with a larger capacity, or with memory 'text', which keeps every document whole."
     )
+
+
+class Ingestion:
+    """Admits a document into a session (checked, tokenized, its bytes reserved) and streams its
+    ingestion on the session's memory worker."""
+
+    def __init__(self, config: IngestConfig, sessions: SessionService) -> None:
+        self.config = config
+        self.sessions = sessions
+
+    async def start(self, session_id: str, text: str, name: str) -> AsyncIterator[IngestEvent]:
+        """Tokenize and check the document now; the returned event stream ingests it segment by segment."""
+        session = self.sessions.store.get(session_id)
+        if not text.strip():
+            raise InvalidRequestError("the document is empty")
+        held: list[Releasable] = [Pin(session)]  # resident and busy until the event stream ends
+        with released_on_error(held):
+            await self.sessions.resident(session)
+            assert session.memory is not None
+            tokenizer = self.sessions.models.named(session.model).loaded.tokenizer
+            document_id = "d-" + secrets.token_hex(6)
+            document = await asyncio.to_thread(tokenize_document, tokenizer, document_id, name, text, self.config.max_document_tokens)
+            # an early refusal; ingest_steps asks again under the ingest lock, where the memory cannot change
+            estimate = session.memory.estimate_bytes(len(text), len(document.token_ids))
+            reservation = self.sessions.store.reserve(session, estimate)
+            held.append(reservation)
+            held.append(self.sessions.memory_worker(session).admit())
+        return EventStream(self._events(session, document, reservation), held)
+
+    def _committed(self, session: Session, document: DocumentInfo) -> None:
+        """A document is in the memory: list it and save the session before `done` is sent."""
+        session.documents.append(document)
+        self.sessions.save(session)
+
+    async def _events(self, session: Session, document: TokenizedDocument, reservation: Reservation) -> AsyncIterator[IngestEvent]:
+        """The event stream's holder releases the pin and the reservation when it ends."""
+        async with session.ingest_lock:
+            try:
+                steps = ingest_steps(
+                    session.memory,
+                    document,
+                    segment_len=self.config.segment_len,
+                    reserve=reservation.grow_to,
+                    on_commit=functools.partial(self._committed, session),
+                )
+                async for event in self.sessions.memory_worker(session).iterate(steps):
+                    if session.deleted:
+                        raise NotFoundError(f"session {session.id} was deleted during ingestion")
+                    yield event
+            finally:
+                session.last_used_at = time.time()
+                return_free_memory()

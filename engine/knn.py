@@ -66,7 +66,7 @@ class FaissBfloat16Rows:
         nbytes = capacity * index.code_size
         address = faiss.rev_swig_ptr(index.codes.data(), nbytes).ctypes.data
         buffer = (ctypes.c_uint8 * nbytes).from_address(address)
-        buffer.owner = index  # every view of `rows` keeps the index, and so its memory, alive
+        buffer.owner = index  # type: ignore[attr-defined]  # ctypes arrays take attributes; every view of `rows` keeps the index, and so its memory, alive
         self.index = index
         self.rows = torch.from_numpy(np.ctypeslib.as_array(buffer)).view(torch.bfloat16).view(capacity, dim)
         self.block_rows, self.batch_queries = block_rows, batch_queries

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -55,7 +55,7 @@ def document_frame(tokenizer: PreTrainedTokenizerBase) -> tuple[str, str]:
     document, the template's end of a turn and the assistant's start). The document sits inside
     the first user turn; the question follows it in the same turn (`after_document`)."""
     turn = [{"role": "user", "content": f"Document:\n\n{DOCUMENT_MARK}"}]
-    text = tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+    text = cast(str, tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=False))  # tokenize=False: the text
     before, after = text.split(DOCUMENT_MARK)
     return before, after
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import secrets
 import threading
 import time
@@ -208,7 +209,7 @@ class SessionStore:
     def _evictable(self, session: Session) -> bool:
         return session.resident and session.busy == 0 and session.reserved == 0 and not session.dirty
 
-    def evict_idle(self) -> list[Session]:
+    def evict_idle(self) -> builtins.list[Session]:  # `list` in this class is the method above
         """Sessions idle longer than the TTL leave RAM: for disk with `keep_on_disk`, else they are
         dropped; sessions on disk unused for `saved_ttl_seconds` are dropped. Returns the dropped
         ones (marked deleted; `on_drop` is told, to remove their files)."""

@@ -1,11 +1,11 @@
-"""Fetch the offline public-domain corpus (see engine/training/corpus.py) into data/corpus."""
+"""Fetch the offline public-domain corpus (see research/training/corpus.py) into data/corpus."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from engine.training.corpus import DEFAULT_DIR, fetch, split
+from research.training.corpus import DEFAULT_DIR, fetch, split
 
 
 def main() -> None:

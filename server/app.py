@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Request, Response
 
@@ -83,7 +83,7 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
         app.include_router(router, dependencies=[Depends(require_api_key)])
 
     @app.middleware("http")
-    async def count_requests(request: Request, call_next: Callable) -> Response:
+    async def count_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         try:
             response = await call_next(request)
         except Exception:  # answered 500 by the catch-all handler, outside this middleware

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, cast
 
 from fastapi import Depends, Request
 
@@ -15,15 +15,15 @@ from server.settings import Settings
 
 
 def get_engine(request: Request) -> EngineClient:
-    return request.app.state.engine
+    return cast(EngineClient, request.app.state.engine)
 
 
 def get_settings(request: Request) -> Settings:
-    return request.app.state.settings
+    return cast(Settings, request.app.state.settings)
 
 
 def get_metrics(request: Request) -> Metrics:
-    return request.app.state.metrics
+    return cast(Metrics, request.app.state.metrics)
 
 
 def require_api_key(request: Request) -> Caller | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -54,11 +55,11 @@ def error_body(kind: str, message: str) -> dict[str, dict[str, str]]:
 def status_of(exc: LongdocError) -> int:
     for cls in type(exc).__mro__:
         if cls in STATUS_BY_ERROR:
-            return STATUS_BY_ERROR[cls]  # type: ignore[index]
+            return STATUS_BY_ERROR[cls]
     return 500
 
 
-def json_error(app: Any, kind: str, message: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
+def json_error(app: Any, kind: str, message: str, status: int, headers: Mapping[str, str] | None = None) -> JSONResponse:
     """The error response, counted by type on `longdoc_errors_total`."""
     app.state.metrics.error(kind)
     return JSONResponse(error_body(kind, message), status_code=status, headers=headers)

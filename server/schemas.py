@@ -45,7 +45,7 @@ class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: Text | None = Field(None, max_length=256, description="a name from GET /v1/models; defaults to the first")
-    memory: Text | None = Field(None, description="'truncate', 'text', 'neurocache' (models with an adapter) or 'stream' (CacheFormer/Long-Short checkpoints); defaults to the server's default")
+    memory: Text | None = Field(None, description="'truncate', 'text', 'neurocache' (models with an adapter), 'kvcache' (Llama-family models) or 'state' (CacheFormer/Long-Short checkpoints); defaults to the server's default")
     options: dict[str, Any] = Field(default_factory=dict, description="memory options, e.g. {'top_k': 4}")
 
 

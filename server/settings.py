@@ -12,14 +12,12 @@ from engine.config import (
     DEFAULT_CACHE_DIR,
     DEFAULT_MODEL,
     SHIPPED_ADAPTERS,
-    SHIPPED_CHECKPOINTS,
     EngineConfig,
     GenerationLimits,
     IngestConfig,
     ModelSpec,
     SessionLimits,
     default_server_memory_bytes,
-    shipped_checkpoints,
 )
 from server.auth import KeyRing, key_name, read_keys_file
 
@@ -71,7 +69,7 @@ class Settings(BaseSettings):
     max_batch: int = Field(GenerationLimits.max_batch, gt=0, description="answers of one model decoded together, one forward pass a step (1: no batching, each answer steps alone, interleaved)")
     max_new_tokens: int = GenerationLimits.max_new_tokens
     default_max_tokens: int = GenerationLimits.default_max_tokens
-    default_memory: str = Field(EngineConfig.default_memory, description="'auto' (stream for a CacheFormer/Long-Short checkpoint, else the memory the model's manifest names, measured on the QA benchmark; text without one), 'text', 'truncate', 'neurocache' or 'stream'")
+    default_memory: str = Field(EngineConfig.default_memory, description="'auto' (state for a CacheFormer/Long-Short checkpoint, else the memory the model's manifest names, measured on the QA benchmark; text without one), 'text', 'truncate', 'neurocache', 'kvcache' or 'state'")
     adapter_dir: Annotated[list[Path], NoDecode] = Field(
         default_factory=list,
         description="extra folders searched for <model name>/adapter.json (Neurocache adapters), before the shipped ones",
@@ -88,13 +86,11 @@ class Settings(BaseSettings):
     @field_validator("model")
     @classmethod
     def _check_models(cls, value: list[str]) -> list[str]:
+        from engine.models.loader import known_source, unknown_source_message  # torch and transformers: only when serving
+
         for source in value:
-            shipped = "/" not in source and (SHIPPED_CHECKPOINTS / source / "config.json").is_file()
-            if source != DEFAULT_MODEL and not shipped and not (Path(source).expanduser() / "config.json").is_file():
-                raise ValueError(
-                    f"{source!r} is neither {DEFAULT_MODEL!r}, a shipped checkpoint ({', '.join(shipped_checkpoints())}) "
-                    "nor a folder with a config.json"
-                )
+            if not known_source(source):
+                raise ValueError(unknown_source_message(source))
         return value
 
     @model_validator(mode="after")

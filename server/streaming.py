@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi.sse import EventSourceResponse, format_sse_event
@@ -33,7 +33,7 @@ def error_event(exc: BaseException, metrics: Metrics) -> bytes:
     return sse(error_body(kind, message), event="error")
 
 
-def event_stream(chunks: AsyncIterator[bytes], upstream: Any, metrics: Metrics) -> EventSourceResponse:
+def event_stream(chunks: AsyncGenerator[bytes, None], upstream: Any, metrics: Metrics) -> EventSourceResponse:
     """Send `chunks` as SSE; `upstream` (an engine stream) is closed however the response ends,
     so a client that disconnects cancels the work behind it."""
 

@@ -7,6 +7,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -97,7 +98,7 @@ def fail_on_third_segment(memory) -> None:
 
 
 def tiny_settings(tiny_dir: Path, **overrides) -> Settings:
-    values = dict(
+    values: dict[str, Any] = dict(
         model=[str(tiny_dir)], cache_dir=CACHE_DIR, dtype="float32", device=TEST_DEVICE, segment_len=64,
         data_dir=Path(tempfile.mkdtemp(prefix="longdoc-sessions-")),  # never the user's saved sessions
     )

@@ -7,8 +7,9 @@ import math
 
 import torch
 
-from engine.models.lm_common import apply_rope, merge_heads, qkv_heads, rope_angles
-from engine.models.long_short import padded_length
+from engine.models.rope import apply_rope
+from research.lms.lm_common import merge_heads, qkv_heads, rope_angles
+from research.lms.long_short import padded_length
 
 
 def _rope(module, x, position):

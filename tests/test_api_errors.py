@@ -97,7 +97,7 @@ def test_401_api_key(make_client):
 def test_429_queue_full_with_retry_after(make_client):
     client = make_client(max_queue=1)
     engine = client.app.state.engine
-    runtime = next(iter(engine._models.values()))
+    runtime = engine.models.runtimes()[0]
     held = runtime.worker.admit()  # the one admitted request, still in flight
     try:
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -66,7 +66,7 @@ def ingest_held(client, session_id: str) -> tuple[Hold, threading.Thread, list]:
 
 def each_step(client):
     """A module every decoding step runs once, batched or not: the model's output layer."""
-    return next(iter(client.app.state.engine._models.values())).loaded.model.lm_head
+    return client.app.state.engine.models.runtimes()[0].loaded.model.lm_head
 
 
 def test_clear_during_ingestion_is_409_and_the_document_lands(make_client):
@@ -144,7 +144,7 @@ def test_clear_during_a_remembered_answer_drops_the_turn(make_client, adapter_di
         assert hold.reached.wait(TIMEOUT)
         # the clear runs on the model's worker, between two decoding steps of the answer
         clearing, cleared = in_thread(lambda: client.delete(f"/v1/sessions/{session_id}/cache"))
-        queue = next(iter(client.app.state.engine._models.values())).worker._executor._work_queue
+        queue = client.app.state.engine.models.runtimes()[0].worker._executor._work_queue
         deadline = time.monotonic() + TIMEOUT
         while queue.qsize() == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -174,7 +174,7 @@ def test_budget_accounting_returns_to_zero_after_everything(make_client, memory)
 def test_an_answers_key_value_cache_is_reserved_while_it_runs(make_client):
     client = make_client()
     engine = client.app.state.engine
-    loaded = next(iter(engine._models.values())).loaded
+    loaded = engine.models.runtimes()[0].loaded
     session_id = new_session(client, memory="text")
     client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT})
     hold = Hold(after=3)

@@ -14,9 +14,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from engine.batching import BatchDecoder, Batcher, Row
 from engine.generation import AnswerState, StopTokens, generate_steps
 from engine.interface import GenerationDone, GenerationParams, TokenDelta
-from engine.models.byte_tokenizer import ByteTokenizer
 from engine.models.neurocache import Neurocache, NeurocacheConfig
 from engine.worker import SerialWorker
+from research.lms.byte_tokenizer import ByteTokenizer
 
 NO_STOP = StopTokens(frozenset())
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}

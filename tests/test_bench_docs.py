@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.evals.docs import replace_section
+from research.evals.docs import replace_section
 
 DOCUMENT = "# Benchmarks\n\n## Memory modes\n\nold table\n\n## Neurocache\n\nkept figures\n"
 

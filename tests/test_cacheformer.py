@@ -3,15 +3,17 @@ against a slow reference, padding, and batch-row independence."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
-from engine.models import build
+from research.lms import build
 from tests.reference_attention import reference_forward
 
 SMALL = dict(vocab_size=50, dim=16, n_layers=2, n_heads=2, max_seq_len=64, window=6, segment_len=4,
              compressed_per_segment=2)
-VARIANTS = {
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "transformer": ("transformer", {}),
     "long-short": ("long-short", {}),
     "cf-overlap": ("cacheformer", {"overlap": True}),
@@ -71,7 +73,7 @@ def test_padding_and_batch_rows_do_not_change_real_outputs(name):
 
 
 def test_selection_never_picks_a_segment_ending_inside_or_after_the_group():
-    from engine.models.segments import segment_ends, select_segments
+    from research.lms.segments import segment_ends, select_segments
 
     S, p = 8, 4
     ends = segment_ends(S, 4, 0, torch.get_default_device())  # 3, 7, 11, ...
@@ -130,7 +132,7 @@ def test_unknown_kernel_is_refused():
 
 def test_compiled_flex_kernel_equals_plain_tensor_path():
     """The same path compiled by torch.compile into fused CPU kernels (inference only on CPU)."""
-    from engine.models import flex
+    from research.lms import flex
 
     model = model_for("cf-both-p8")
     ids = torch.randint(0, 50, (2, 64), generator=torch.Generator(torch.get_default_device()).manual_seed(5))

@@ -8,8 +8,8 @@ import torch
 from fastapi.testclient import TestClient
 
 from engine.knn import FaissCpuKnn, TorchKnn
-from engine.models import build
 from engine.models.loader import load_model
+from research.lms import build
 from server.app import create_app
 from tests.conftest import CACHE_DIR, FIXTURES, tiny_settings, wait_ready
 from tests.test_cacheformer import SMALL, VARIANTS
@@ -34,7 +34,7 @@ def test_compiled_flex_on_cuda_equals_the_cpu_math_path(name):
     ids = torch.randint(0, 50, (2, 64), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         expected = model.use_kernel("math")(ids)
-        got = model.cuda().use_kernel("flex")(ids.cuda())  # compiled on CUDA (engine/models/flex.py)
+        got = model.cuda().use_kernel("flex")(ids.cuda())  # compiled on CUDA (research/lms/flex.py)
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-4)
 
 

@@ -130,7 +130,7 @@ def test_command_line_ingest_and_ask(server, tmp_path: Path):
 def test_a_default_session_answers_about_a_130k_token_book_by_rest_and_the_openai_sdk(server):
     """A session made without `memory` gets the default model's measured default (its manifest),
     and answers a question about the middle of Paradise Lost (132K tokens)."""
-    from engine.training.corpus import fetch
+    from research.training.corpus import fetch
 
     book = (fetch() / "plrabn12.txt").read_text(encoding="utf-8")
     client = LongdocClient(server, api_key="e2e-key")
@@ -204,9 +204,9 @@ async def test_async_client_streams_the_same_answer(server, session):
 def test_cli_asks_the_shipped_cacheformer_through_the_server(server, tmp_path):
     """`longdoc ingest` and `longdoc ask` on the shipped CacheFormer checkpoint: the streamed answer
     is the model's greedy continuation after the whole document, computed here directly."""
-    from engine.config import SHIPPED_CHECKPOINTS
-    from engine.models.lm_io import load_checkpoint
-    from tests.test_api_stream import greedy
+    from research.lms.lm_io import load_checkpoint
+    from research.plugin import SHIPPED_CHECKPOINTS
+    from tests.test_api_state import greedy
 
     text = BOOK.read_text(encoding="utf-8")[:5000]  # ten times the model's 512-byte training length
     (tmp_path / "alice.txt").write_text(text, encoding="utf-8")
@@ -216,7 +216,7 @@ def test_cli_asks_the_shipped_cacheformer_through_the_server(server, tmp_path):
                               env=env, capture_output=True, text=True, timeout=300)
     assert ingested.returncode == 0, ingested.stderr
     session_id = ingested.stdout.split()[1].rstrip(":")
-    assert LongdocClient(server, api_key="e2e-key").session(session_id)["memory"] == "stream"
+    assert LongdocClient(server, api_key="e2e-key").session(session_id)["memory"] == "state"
     asked = subprocess.run([*cli, "ask", "Alice was", "--session", session_id, "--max-tokens", "24"],
                            env=env, capture_output=True, text=True, timeout=300)
     assert asked.returncode == 0, asked.stderr

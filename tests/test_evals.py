@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from engine.evals import needles, texts
-from engine.evals.qa import bench, is_correct, load_questions, overlaps, wilson
 from engine.interface import RetrievedItem
-from engine.training.evaluate import EvalSetup
+from research.evals import needles, texts
+from research.evals.qa import bench, is_correct, load_questions, overlaps, wilson
+from research.training.evaluate import EvalSetup
 from tests.conftest import CACHE_DIR
 
 
@@ -28,7 +28,7 @@ def test_wilson_interval():
 
 
 def test_the_shipped_questions_are_well_formed():
-    rows = [json.loads(line) for line in texts.Path(__file__).parents[1].joinpath("engine/evals/qa.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in texts.Path(__file__).parents[1].joinpath("research/evals/qa.jsonl").read_text().splitlines()]
     assert len(rows) >= 80 and len({r["id"] for r in rows}) == len(rows)
     assert {r["text"] for r in rows} == {t.name for t in texts.TEXTS}
     for r in rows:

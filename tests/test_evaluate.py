@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.models.neurocache import Neurocache, NeurocacheConfig
 from engine.models.neurocache_io import save_adapter
-from engine.training.corpus import CANTERBURY
-from engine.training.evaluate import EvalSetup, markdown, passkey, passkey_document, perplexity
+from research.training.corpus import CANTERBURY
+from research.training.evaluate import EvalSetup, markdown, passkey, passkey_document, perplexity
 from tests.test_memories import filler
 
 

@@ -223,7 +223,7 @@ def test_the_guard_ignores_the_prompt_and_never_bans_digits(tiny_tokenizer):
 
 def test_word_tokens_of_the_byte_tokenizer():
     from engine.generation import word_tokens
-    from engine.models.byte_tokenizer import ByteTokenizer
+    from research.lms.byte_tokenizer import ByteTokenizer
 
     words = word_tokens(ByteTokenizer())
     assert words.shape == (256,) and words[ord("a")] and not words[ord("7")] and not words[ord(" ")]

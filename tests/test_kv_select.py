@@ -4,6 +4,7 @@ everything, causal while streaming, never selecting the current or a future segm
 from __future__ import annotations
 
 import copy
+from typing import Any, cast
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ VOCAB = 97
 
 def tiny_model(family: str = "llama", seed: int = 0):
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    common: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=4096)
     if family == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
@@ -28,7 +29,7 @@ def streamed(model, config: SelectConfig, ids: list[int], chunk: int, storage: s
     selective = SelectiveModel(model, config)
     store = KVStore(selective.store_shape(storage), device=torch.get_default_device(), dtype=torch.float32)
     store.reserve(len(ids))
-    logits = [selective.stream(store, ids[i : i + chunk], logits=True) for i in range(0, len(ids), chunk)]
+    logits = [cast(torch.Tensor, selective.stream(store, ids[i : i + chunk], logits=True)) for i in range(0, len(ids), chunk)]
     return selective, store, torch.cat(logits)
 
 

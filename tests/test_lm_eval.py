@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.models import build
-from engine.training.lm_eval import sliding_losses, streamed_losses
+from research.lms import build
+from research.training.lm_eval import sliding_losses, streamed_losses
 
 
 def test_both_score_every_byte_and_agree_inside_the_first_window():

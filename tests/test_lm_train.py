@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.training.corpus import CANTERBURY
-from engine.training.lm_train import LMTrainConfig, bits_per_byte, corpus_bytes, initial_model, load_checkpoint, train_lm
+from research.training.corpus import CANTERBURY
+from research.training.lm_train import LMTrainConfig, bits_per_byte, corpus_bytes, initial_model, load_checkpoint, train_lm
 from tests.test_memories import filler
 
 TINY = dict(dim=16, n_layers=1, n_heads=2, window=8, segment_len=4, compressed_per_segment=2, group_size=4)
@@ -57,17 +57,17 @@ def test_strict_loading(corpus_dir, tmp_path):
 
 
 def test_the_shipped_cacheformer_loads_by_name_and_stays_small():
-    from engine.config import SHIPPED_CHECKPOINTS
     from engine.models.loader import load_model
+    from research.plugin import SHIPPED_CHECKPOINTS
 
     folder = SHIPPED_CHECKPOINTS / "cacheformer-bytes"
     assert sum(f.stat().st_size for f in folder.iterdir()) <= 10 * 2**20
     loaded = load_model("cacheformer-bytes", cache_dir=Path("/nonexistent"), device="cpu")
-    assert loaded.streaming and loaded.architecture == "cacheformer" and loaded.context_len == 4096
+    assert loaded.own_memory == "state" and loaded.architecture == "cacheformer" and loaded.context_len == 4096
     meta = json.loads((folder / "config.json").read_text())
     manifest = meta["manifest"]
     assert manifest["command"].startswith("longdoc train lm") and manifest["seed"] == 1
-    assert manifest["train_config"]["init"] == "engine/checkpoints/cacheformer-bytes"  # stage 2 of MANIFEST.md
+    assert manifest["train_config"]["init"] == "research/checkpoints/cacheformer-bytes"  # stage 2 of MANIFEST.md
     assert manifest["train_config"]["model"] == meta["config"]
     assert manifest["steps"] == 60 and manifest["eval"]["heldout_bits_per_byte"] < 3.2
     assert (folder / "MANIFEST.md").is_file()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from itertools import pairwise
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 
 from engine.errors import BudgetExceededError, InvalidRequestError, TooLargeError
 from engine.ingest import ingest_steps, piece_bounds, tokenize_document
-from engine.interface import IngestDone
+from engine.interface import DocumentInfo, IngestDone
 from engine.memories import MemoryContext, build_memory
 
 FACT = "The secret harbour of Velmora is guarded by a lighthouse painted violet."
@@ -32,7 +33,7 @@ def limit_to(budget: int):
 
 def ingest(memory, tokenizer, doc_id: str, text: str, *, segment_len: int = 64, budget: int = 10**9) -> list:
     document = tokenize_document(tokenizer, doc_id, doc_id, text)
-    committed = []
+    committed: list[DocumentInfo] = []
     events = list(ingest_steps(memory, document, segment_len=segment_len, reserve=limit_to(budget), on_commit=committed.append))
     assert isinstance(events[-1], IngestDone)
     return committed
@@ -104,6 +105,7 @@ def test_aborted_document_leaves_earlier_documents_intact(context, tiny_tokenize
     document = tokenize_document(tiny_tokenizer, "dropped", "dropped", filler(200))
     steps = ingest_steps(memory, document, segment_len=64, reserve=limit_to(10**9), on_commit=lambda d: None)
     next(steps), next(steps)
+    assert isinstance(steps, Generator)
     steps.close()  # as when the client disconnects mid-ingestion
     assert (memory.stats(), [p.text for p in memory.retrieve("Velmora lighthouse", 4000)]) == before
 
@@ -218,9 +220,14 @@ def test_the_estimate_is_reserved_under_the_ingest_lock_before_anything_is_stage
     """ingest_steps runs under the session's ingest lock: the estimate it reserves there sees the
     memory as it will be written, whatever other documents did while this one waited."""
     memory = build_memory("text", context, {})
-    calls: list[str] = []
+    calls: list[str | int] = []
     original_begin = memory.begin_document
-    memory.begin_document = lambda *args: (calls.append("begin"), original_begin(*args))[1]
+
+    def begin(document_id: str, text: str, tokens: int) -> None:
+        calls.append("begin")
+        original_begin(document_id, text, tokens)
+
+    memory.begin_document = begin  # type: ignore[method-assign]  # a spy on the method
     document = tokenize_document(tiny_tokenizer, "d", "d", filler(40))
     estimate = memory.estimate_bytes(len(document.text), len(document.token_ids))
     steps = ingest_steps(memory, document, segment_len=64, reserve=lambda n: calls.append(n), on_commit=lambda d: None)

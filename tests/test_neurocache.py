@@ -19,6 +19,7 @@ from transformers import (
 )
 
 from engine.models.neurocache import Neurocache, NeurocacheConfig
+from research.training.neurocache_adapter import merge_lora, new_training_cache, training_caches
 
 VOCAB = 97
 
@@ -270,7 +271,7 @@ def test_merged_lora_gives_the_same_logits(arch):
     cache = filled_cache(neurocache)
     with torch.no_grad(), neurocache.attached([cache]):
         before = model(ids).logits
-    neurocache.merge_lora()
+    merge_lora(neurocache)
     with torch.no_grad(), neurocache.attached([cache]):
         after = model(ids).logits
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
@@ -360,12 +361,12 @@ def test_compress_equals_the_states_of_a_full_forward(arch):
 def test_training_reencodes_retrieved_states_so_the_projection_learns():
     model, neurocache, _ = adapted("llama")
     open_gates(neurocache)
-    cache = neurocache.new_training_cache(256)
+    cache = new_training_cache(neurocache, 256)
     first, second = torch.randint(0, VOCAB, (1, 16)), torch.randint(0, VOCAB, (1, 16))
-    with neurocache.training_caches([cache]) as shared:
+    with training_caches(neurocache, [cache]) as shared:
         model(first)
         cache.add(shared.compressed[0], document=0, values=shared.hidden[0])
-    with neurocache.training_caches([cache]) as shared:
+    with training_caches(neurocache, [cache]) as shared:
         loss = model(second).logits.square().mean()
         reencoded = shared.states.detach().clone()
     with torch.no_grad(), neurocache.attached([cache]) as shared:

@@ -14,11 +14,11 @@ from safetensors.torch import load_file
 
 from engine.models.neurocache import Neurocache, NeurocacheConfig
 from engine.models.neurocache_io import read_meta
-from engine.training.corpus import CANTERBURY
-from engine.training.fact_tasks import NAMES, facts
-from engine.training.neurocache_data import DISTRACTOR_NAMES, EpisodeSampler, near_miss, tokenize_files
-from engine.training.neurocache_train import TrainConfig, Trainer, parameter_groups, train
-from engine.training.schedule import lr_factor
+from research.training.corpus import CANTERBURY
+from research.training.fact_tasks import NAMES, facts
+from research.training.neurocache_data import DISTRACTOR_NAMES, EpisodeSampler, near_miss, tokenize_files
+from research.training.neurocache_train import TrainConfig, Trainer, parameter_groups, train
+from research.training.schedule import lr_factor
 from tests.test_memories import filler
 from tests.test_neurocache import CONFIG, tiny
 

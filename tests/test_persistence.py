@@ -148,7 +148,7 @@ def test_a_full_disk_is_507_and_keeps_the_session_in_ram(make_client, tmp_path, 
 
     client = make_client(data_dir=tmp_path / "sessions", session_ttl_seconds=0.2)
     session_id = new_session(client, memory="text")
-    store = client.app.state.engine.snapshots
+    store = client.app.state.engine.session_service.snapshots
 
     def full(snapshot):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -10,7 +10,9 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import httpx
 import pytest
@@ -41,12 +43,20 @@ def chromium() -> str:
     return path
 
 
+class WatchedPage(Page):
+    """A page as `open_page` leaves it; for the type checker only (pages are made by Playwright)."""
+
+    errors: list[object]  # script errors and console errors
+    book_session: str | None  # the `page` fixture's session, holding the book
+
+
 @pytest.fixture(scope="module")
-def server(default_dir, tmp_path_factory) -> Server:
+def server(default_dir, tmp_path_factory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("ui-server") / "server.log"
     env = {"LONGDOC_CACHE_DIR": str(CACHE_DIR), "LONGDOC_API_KEY": KEY}
     running = Server(["--model", "smollm2-135m-instruct", "--default-memory", "text"], env=env, log=log).start()
     yield running
+    assert running.process is not None
     running.process.terminate()
     running.process.wait(timeout=30)
     assert KEY not in log.read_text()
@@ -61,8 +71,8 @@ def browser():
         launched.close()
 
 
-def open_page(browser, server: Server, width: int, height: int) -> Page:
-    page = browser.new_page(viewport={"width": width, "height": height})
+def open_page(browser, server: Server, width: int, height: int) -> WatchedPage:
+    page = cast(WatchedPage, browser.new_page(viewport={"width": width, "height": height}))
     page.errors = []  # script errors and console errors (a script the policy blocked, say): none is expected
 
     def on_console(message) -> None:
@@ -108,7 +118,9 @@ def new_session(page: Page) -> str:
     expect(page.locator(SELECTED)).to_have_count(1)
     if before is not None:
         expect(page.locator(SELECTED)).not_to_have_attribute("data-session", before)
-    return session_id(page)
+    selected = session_id(page)
+    assert selected is not None  # one is selected: expected above
+    return selected
 
 
 def normalized(text: str) -> str:

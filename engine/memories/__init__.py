@@ -8,11 +8,17 @@ from engine.errors import InvalidRequestError
 from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment
 from engine.memories.kvcache import KVCacheMemory
 from engine.memories.neurocache import NeurocacheMemory
-from engine.memories.stream import StreamMemory
 from engine.memories.text import TextMemory
 from engine.memories.truncate import TruncateMemory
 
-MEMORIES: dict[str, type[Memory]] = {cls.kind: cls for cls in (TruncateMemory, TextMemory, NeurocacheMemory, KVCacheMemory, StreamMemory)}
+MEMORIES: dict[str, type[Memory]] = {cls.kind: cls for cls in (TruncateMemory, TextMemory, NeurocacheMemory, KVCacheMemory)}
+
+
+def register_memory(memory: type[Memory]) -> None:
+    """A plugin's memory (engine/plugins.py), chosen by its `kind` like the engine's own."""
+    if MEMORIES.get(memory.kind, memory) is not memory:
+        raise ValueError(f"a different memory is already named {memory.kind!r}")
+    MEMORIES[memory.kind] = memory
 
 
 def memory_type(kind: str) -> type[Memory]:
@@ -28,4 +34,4 @@ def build_memory(kind: str, context: MemoryContext, options: dict[str, Any]) -> 
         raise InvalidRequestError(str(exc)) from exc
 
 
-__all__ = ["MEMORIES", "ContextPiece", "Memory", "MemoryContext", "Segment", "StreamMemory", "build_memory", "memory_type"]
+__all__ = ["MEMORIES", "ContextPiece", "Memory", "MemoryContext", "Segment", "build_memory", "memory_type", "register_memory"]

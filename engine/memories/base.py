@@ -48,8 +48,8 @@ class MemoryContext:
     tokenizer: PreTrainedTokenizerBase
     embedder: Embedder | None = None
     neurocache: Any = None  # engine.models.neurocache.Neurocache when the model has an adapter
-    stream_model: Any = None  # engine.models.lm_common.LanguageModel when the model streams (Long-Short, CacheFormer)
-    model: Any = None  # the served Hugging Face causal LM (None for a streaming research LM)
+    state_model: Any = None  # a plugin's model whose own state is the session's memory (engine/plugins.py)
+    model: Any = None  # the served Hugging Face causal LM (None for a plugin's model)
     context_len: int = 0  # the served model's positions
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -89,7 +89,7 @@ class TruncateMemory(Memory):
             item = RetrievedItem(
                 chunk_id=len(pieces), document_id=document_id, char_start=int(spans[0, 0]), char_end=int(spans[-1, 1])
             )
-            pieces.append(ContextPiece(self._tokenizer.decode(ids.tolist()), item))
+            pieces.append(ContextPiece(cast(str, self._tokenizer.decode(ids.tolist())), item))  # one sequence: one text
         pieces.reverse()
         return pieces
 

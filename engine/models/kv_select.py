@@ -30,14 +30,16 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
+from transformers import PretrainedConfig
 
 from engine.models.kv_store import KVStore, StoreShape
-from engine.models.lm_common import apply_rope as rotate
+from engine.models.rope import apply_rope as rotate
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -85,20 +87,64 @@ def pick_segments(scores: torch.Tensor, eligible: int, top_k: int, neighbours: i
     return picks
 
 
+class _Attention(Protocol):
+    """The attention of a Llama-family decoder layer, as used here (typed: `nn.Module` attributes
+    read as `Tensor | Module`)."""
+
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    o_proj: nn.Linear
+
+
+class _NormedAttention(_Attention, Protocol):
+    """Qwen3's attention: each head's queries and keys normalised before rotary."""
+
+    q_norm: nn.Module
+    k_norm: nn.Module
+
+
+class _Layer(Protocol):
+    """A Llama-family decoder layer."""
+
+    self_attn: _Attention
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+
+class _Backbone(Protocol):
+    """A Llama-family causal LM's `model`: embeddings, rotary embedding, layers, final norm."""
+
+    embed_tokens: nn.Embedding
+    rotary_emb: nn.Module
+    layers: nn.ModuleList
+    norm: nn.Module
+
+
 class SelectiveModel:
     """A Llama-family causal LM run with segment-selection attention (module docstring)."""
 
     def __init__(self, model: nn.Module, config: SelectConfig) -> None:
-        if model.config.model_type not in ARCHITECTURES:
-            raise ValueError(f"memory 'kvcache' runs Llama-family models ({', '.join(ARCHITECTURES)}), not {model.config.model_type!r}")
+        cfg = cast(PretrainedConfig, model.config)
+        if cfg.model_type not in ARCHITECTURES:
+            raise ValueError(f"memory 'kvcache' runs Llama-family models ({', '.join(ARCHITECTURES)}), not {cfg.model_type!r}")
         self.model, self.config = model, config
-        cfg = model.config
-        self.q_heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.q_heads
+        self.q_heads: int = cfg.num_attention_heads
+        self.kv_heads: int = cfg.num_key_value_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.q_heads
         # a Neurocache adapter wraps some layers; outside its binding they compute the base layer
-        self.layers = [getattr(layer, "base", layer) for layer in model.model.layers]
+        self.layers = [cast(_Layer, getattr(layer, "base", layer)) for layer in self._backbone.layers]
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+
+    @property
+    def _backbone(self) -> _Backbone:
+        return cast(_Backbone, self.model.model)
+
+    @property
+    def _lm_head(self) -> nn.Linear:
+        return cast(nn.Linear, self.model.lm_head)
 
     def store_shape(self, storage: str) -> StoreShape:
         c = self.config
@@ -113,10 +159,10 @@ class SelectiveModel:
         """cos, sin [*positions.shape, D] in the compute dtype."""
         flat = positions.reshape(1, positions.numel()).to(self.device)
         probe = torch.empty(0, device=self.device, dtype=self.dtype)
-        cos, sin = self.model.model.rotary_emb(probe, flat)
+        cos, sin = self._backbone.rotary_emb(probe, flat)
         return cos.view(*positions.shape, cos.shape[-1]), sin.view(*positions.shape, sin.shape[-1])
 
-    def _project(self, layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _project(self, layer: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries [Hq, T, D], keys and values [T, Hkv, D], all before rotary."""
         T = x.shape[0]
         a = layer.self_attn
@@ -125,7 +171,8 @@ class SelectiveModel:
         k = a.k_proj(h).view(T, self.kv_heads, self.head_dim)
         v = a.v_proj(h).view(T, self.kv_heads, self.head_dim)
         if hasattr(a, "q_norm"):  # Qwen3 normalises each head before rotary
-            q, k = a.q_norm(q), a.k_norm(k)
+            normed = cast(_NormedAttention, a)
+            q, k = normed.q_norm(q), normed.k_norm(k)
         return q.transpose(0, 1), k, v
 
     def _query_mean(self, q: torch.Tensor) -> torch.Tensor:
@@ -175,12 +222,12 @@ class SelectiveModel:
         out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True)[0]
         return out.transpose(0, 1).reshape(T, -1)
 
-    def _finish_layer(self, layer: nn.Module, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    def _finish_layer(self, layer: _Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         x = x + layer.self_attn.o_proj(attended)
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.model.model.norm(x[-1:]))[0]
+        return self._lm_head(self._backbone.norm(x[-1:]))[0]
 
     # ---- streaming a document ------------------------------------------------------------------
 
@@ -205,18 +252,22 @@ class SelectiveModel:
         own_rope = self._rope(torch.arange(offset, offset + T))
         sink_rope = self._rope(torch.arange(sinks))
         window_rope = self._rope(torch.arange(window_position, window_position + start - window_start)) if start > c.sinks else None
-        x = self.model.model.embed_tokens(torch.tensor(token_ids, device=self.device))
+        x = self._backbone.embed_tokens(torch.tensor(token_ids, device=self.device))
         means = []
         for i, layer in enumerate(self.layers):
             q, k, v = self._project(layer, x)
             parts_k = [rotate(store.sink_k[i].transpose(0, 1), *sink_rope)]
             parts_v = [store.sink_v[i].transpose(0, 1)]
             if select:
-                scores = self.scores(self.summaries(i, store, eligible), store.query_mean[i])
+                query_mean = store.query_mean[i]
+                assert query_mean is not None  # `select` holds only once the store has its query means
+                scores = self.scores(self.summaries(i, store, eligible), query_mean)
                 picks = pick_segments(scores, eligible, c.top_k, c.neighbours)
                 selected_k, selected_v = self._selected(i, store, picks, window_position)
-                parts_k.append(selected_k), parts_v.append(selected_v)
+                parts_k.append(selected_k)
+                parts_v.append(selected_v)
             if start > c.sinks:
+                assert window_rope is not None
                 window_k, window_v = store.read(i, window_start, start)
                 parts_k.append(rotate(window_k.transpose(0, 1), *window_rope))
                 parts_v.append(window_v.transpose(0, 1))
@@ -229,7 +280,7 @@ class SelectiveModel:
             means.append(mean)
             x = self._finish_layer(layer, x, attended)
         store.advance(T, means)
-        return self.model.lm_head(self.model.model.norm(x)) if logits else None
+        return self._lm_head(self._backbone.norm(x)) if logits else None
 
 
 class SelectiveAnswer:
@@ -261,7 +312,8 @@ class SelectiveAnswer:
         H, D, size = selective.kv_heads, selective.head_dim, self.window_position + window + new_tokens
         sink_rope = selective._rope(torch.arange(self.sinks))
         window_rope = selective._rope(torch.arange(window) + self.window_position)
-        self._k, self._v = [], []
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
         for i in range(len(selective.layers)):
             keys = torch.zeros(H, size, D, device=selective.device, dtype=selective.dtype)
             values = torch.zeros_like(keys)
@@ -271,7 +323,8 @@ class SelectiveAnswer:
                 wk, wv = store.read(i, window_start, N)
                 keys[:, self.window_position : self.window_position + window] = rotate(wk.transpose(0, 1), *window_rope)
                 values[:, self.window_position : self.window_position + window] = wv.transpose(0, 1)
-            self._k.append(keys), self._v.append(values)
+            self._k.append(keys)
+            self._v.append(values)
         self._length = self.window_position + window  # buffer columns in use
         self.position = self._length  # the buffer's column is the token's position
 
@@ -298,7 +351,7 @@ class SelectiveAnswer:
         T = len(token_ids)
         start, end = self._length, self._length + T
         cos, sin = m._rope(torch.arange(start, end))
-        x = m.model.model.embed_tokens(torch.tensor(token_ids, device=m.device))
+        x = m._backbone.embed_tokens(torch.tensor(token_ids, device=m.device))
         for i, layer in enumerate(m.layers):
             q, k, v = m._project(layer, x)
             self._select(i, q)
@@ -317,9 +370,10 @@ class SelectiveAnswer:
             if (self._steps[layer_index] - 1) % c.reselect_every:
                 return
         started = time.perf_counter()
-        if self._summaries[layer_index] is None:  # the store is read-only while answering
-            self._summaries[layer_index] = m.summaries(layer_index, self.store, self.eligible)
-        scores = m.scores(self._summaries[layer_index], m._query_mean(q))
+        summaries = self._summaries[layer_index]
+        if summaries is None:  # the store is read-only while answering
+            summaries = self._summaries[layer_index] = m.summaries(layer_index, self.store, self.eligible)
+        scores = m.scores(summaries, m._query_mean(q))
         picks = pick_segments(scores, self.eligible, c.top_k, c.neighbours)
         if picks != self._picks[layer_index]:  # a step that picks as the last one keeps its rows
             self._picks[layer_index] = picks

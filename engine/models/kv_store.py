@@ -242,7 +242,10 @@ class KVStore:
         if len(state["pages"]) != self.shape.layers or (state["pages"][0] and state["pages"][0][0]["k"].shape[1:] != (
             self.shape.segment_len, self.shape.kv_heads, self.shape.head_dim)):
             raise ValueError("saved kvcache has another shape")
-        move = lambda t: None if t is None else t.to(self.device)  # noqa: E731
+
+        def move(t: torch.Tensor | None) -> Any:  # a saved tensor on this store's device (None: no query mean yet)
+            return None if t is None else t.to(self.device)
+
         self.tokens, self.segments = int(state["tokens"]), int(state["segments"])
         self.sink_k, self.sink_v = [move(t) for t in state["sink_k"]], [move(t) for t in state["sink_v"]]
         self.tail_k, self.tail_v = [move(t) for t in state["tail_k"]], [move(t) for t in state["tail_v"]]

@@ -17,10 +17,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.config import DEFAULT_MODEL, SHIPPED_CHECKPOINTS
-from engine.models.byte_tokenizer import ByteTokenizer
-from engine.models.lm_io import is_checkpoint, load_checkpoint
-from engine.models.lm_stream import check_streamable
+from engine.config import DEFAULT_MODEL
+from engine.plugins import family_of, shipped_models
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +37,13 @@ class LoadedModel:
     dtype: torch.dtype
     architecture: str
     context_len: int
-    streaming: bool = False  # a from-scratch Long-Short/CacheFormer LM: sessions stream documents through it
+    own_memory: str | None = None  # a plugin's model whose state is the session's memory: the one memory it takes
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes one token adds to a generation's key/value cache (0 for the streaming research LMs,
-        whose state is the session's memory and budgeted there)."""
-        if self.streaming:
+        """Bytes one token adds to a generation's key/value cache (0 for a plugin's model whose own
+        state is the session's memory, budgeted there)."""
+        if self.own_memory is not None:
             return 0
         config = self.model.config
         heads = config.num_attention_heads
@@ -129,31 +127,42 @@ def _readable_by_all(folder: Path) -> None:
 def _model_path(source: str, cache_dir: Path) -> tuple[str, Path]:
     if source == DEFAULT_MODEL:
         return DEFAULT_MODEL, default_model_dir(cache_dir)
-    shipped = SHIPPED_CHECKPOINTS / source
-    if "/" not in source and is_checkpoint(shipped):
-        return source, shipped
+    shipped = shipped_models()
+    if "/" not in source and source in shipped:
+        return source, shipped[source]
     path = Path(source).expanduser()
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{source!r} is neither {DEFAULT_MODEL!r}, a local Hugging Face model folder nor a longdoc LM checkpoint"
-        )
+        raise FileNotFoundError(unknown_source_message(source))
     return path.resolve().name, path
+
+
+def unknown_source_message(source: str) -> str:
+    shipped = ", ".join(sorted(shipped_models())) or "none"
+    return f"{source!r} is neither {DEFAULT_MODEL!r}, a shipped model ({shipped}) nor a local Hugging Face model folder (one with a config.json)"
+
+
+def known_source(source: str) -> bool:
+    """Whether `load_model` can find `source` (it may still fail to load it)."""
+    if source == DEFAULT_MODEL or ("/" not in source and source in shipped_models()):
+        return True
+    return (Path(source).expanduser() / "config.json").is_file()
 
 
 def load_model(source: str, *, cache_dir: Path, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     """Load one causal LM and its tokenizer, ready for inference.
 
     Args:
-        source: `DEFAULT_MODEL`, a path to a local Hugging Face model folder, or a folder holding a
-            longdoc Long-Short/CacheFormer checkpoint (`longdoc train lm`).
+        source: `DEFAULT_MODEL`, a path to a local Hugging Face model folder, or a model a plugin
+            loads (engine/plugins.py): one it ships, by name, or a folder it recognises.
         cache_dir: where converted models are kept.
         device: "auto", "cpu", "cuda" or "cuda:N".
         dtype: "auto" (bfloat16 where the hardware is fast at it, else float32) or a torch dtype name.
     """
     name, path = _model_path(source, cache_dir)
     torch_device = resolve_device(device)
-    if is_checkpoint(path):
-        return _load_streaming_lm(name, source, path, torch_device)
+    family = family_of(path)
+    if family is not None:
+        return family.load(name, source, path, torch_device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(torch_device).eval()
@@ -162,14 +171,4 @@ def load_model(source: str, *, cache_dir: Path, device: str = "auto", dtype: str
     return LoadedModel(
         name=name, source=source, model=model, tokenizer=tokenizer, device=torch_device, dtype=torch_dtype,
         architecture=str(model.config.model_type), context_len=int(getattr(model.config, "max_position_embeddings", 2048)),
-    )
-
-
-def _load_streaming_lm(name: str, source: str, path: Path, device: torch.device) -> LoadedModel:
-    """A byte-level Long-Short or CacheFormer checkpoint, kept in float32 (it was trained in it)."""
-    model = load_checkpoint(path, device)
-    check_streamable(model)
-    return LoadedModel(
-        name=name, source=source, model=model, tokenizer=ByteTokenizer(), device=device, dtype=torch.float32,  # type: ignore[arg-type]
-        architecture=model.arch, context_len=model.config.max_seq_len, streaming=True,
     )

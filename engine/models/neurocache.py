@@ -499,22 +499,6 @@ class Neurocache(nn.Module):
         with self.active(CacheBinding(caches)) as shared:
             yield shared
 
-    @contextmanager
-    def training_caches(self, caches: list[StateCache]) -> Iterator[RetrievalState]:
-        """`attached` for training: caches keep H, and retrieved H is re-projected with gradients so
-        that W_p learns through the cache attention."""
-        with self.attached(caches) as shared:
-            shared.reencode = True
-            try:
-                yield shared
-            finally:
-                shared.reencode, shared.hidden = False, None
-
-    def new_training_cache(self, capacity: int) -> StateCache:
-        weight = next(self.projection.parameters())
-        hidden = self.model[0].config.hidden_size
-        return StateCache(capacity=capacity, dim=self.compressed_dim, device=weight.device, value_dim=hidden)
-
     @torch.inference_mode()
     def compress(self, input_ids: torch.Tensor) -> torch.Tensor:
         """C [B, T, d] for a segment: the base model up to layer r and W_p, nothing above."""
@@ -527,16 +511,6 @@ class Neurocache(nn.Module):
         finally:
             shared.caches, shared.compress_only, shared.compressed = None, False, None
         raise RuntimeError("the retrieval layer was never reached")
-
-    def merge_lora(self) -> None:
-        """Fold each LoRA update into its base weight; the adapter can no longer train. The merged
-        weights apply outside a binding too, so a model that also serves `truncate` or `text`
-        sessions must not be merged (the engine never merges: serving uses each LoRALinear's own
-        merged copy, which applies inside a binding only)."""
-        with torch.no_grad():
-            for lora in self.lora.values():
-                lora.base.weight += lora.delta().to(lora.base.weight.dtype)
-                lora.lora_b.weight.zero_()
 
     def cache_bytes(self, capacity: int | None = None) -> int:
         """Bytes `new_cache(capacity=...)` allocates."""

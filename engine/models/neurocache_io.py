@@ -6,11 +6,11 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.models.neurocache import Neurocache, NeurocacheConfig, shapes_digest
 
@@ -25,7 +25,7 @@ def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
 
 def fingerprint(model: nn.Module, tokenizer: PreTrainedTokenizerBase, base_shapes: str | None = None) -> dict[str, Any]:
     """What an adapter must match: architecture, sizes, parameter structure and tokenizer."""
-    config = model.config
+    config = cast(PretrainedConfig, model.config)
     return {
         "architecture": config.model_type,
         "hidden_size": config.hidden_size,

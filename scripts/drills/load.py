@@ -44,7 +44,7 @@ class Secret:
 
 def secrets_for(n: int, seed: int = 0) -> list[Secret]:
     rng = random.Random(seed)
-    codes = set()
+    codes: set[str] = set()
     while len(codes) < n:
         codes.add("".join(rng.choices(string.ascii_uppercase, k=2)) + "-" + "".join(rng.choices(string.digits, k=4)))
     return [Secret(CODENAMES[i % len(CODENAMES)] + (str(i // len(CODENAMES)) if i >= len(CODENAMES) else ""), code)
@@ -144,7 +144,8 @@ async def one_session(server: Server, tally: Tally, index: int, key: str, secret
 
 
 async def run_load(server: Server, keys: list[str], sessions: int) -> dict:
-    tally, made = Tally(), {}
+    tally = Tally()
+    made: dict[str, set[str]] = {}  # API key -> the sessions made with it
     secrets = secrets_for(sessions)
     rss_before = server.rss_bytes()
     started = time.perf_counter()

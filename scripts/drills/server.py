@@ -61,7 +61,9 @@ class Server:
         """Resident memory of the server process, from /proc."""
         assert self.process is not None
         status = Path(f"/proc/{self.process.pid}/status").read_text()
-        return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
+        match = re.search(r"VmRSS:\s+(\d+) kB", status)
+        assert match is not None, "no VmRSS line in /proc/<pid>/status"
+        return int(match.group(1)) * 1024
 
     def metric(self, name: str) -> float:
         """The sum of a metric's samples on /metrics (0 when absent)."""

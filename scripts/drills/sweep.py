@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -106,7 +107,8 @@ def run_sweep(server: Server, max_document_bytes: int, reference_text: str) -> d
     session_id = client.post("/v1/sessions", json={"memory": "text"}).json()["id"]
     client.post(f"/v1/sessions/{session_id}/documents", json={"text": reference_text, "name": "reference"})
     before = fingerprint(client, session_id)
-    rows, started = [], time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    started = time.perf_counter()
     for case in cases(max_document_bytes):
         response = client.request(case.method, server.url + case.path.replace("{s}", session_id), content=case.body, headers=case.headers)
         ok = response.status_code in case.expect

@@ -13,7 +13,7 @@ if [ ! -d /tmp/site ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     /tmp/payload/whl/*.whl || exit 1
 fi
-mkdir -p data && cp -rn /tmp/payload/corpus data/  # engine.training.corpus.fetch() finds it and downloads nothing
+mkdir -p data && cp -rn /tmp/payload/corpus data/  # research.training.corpus.fetch() finds it and downloads nothing
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 LONGDOC_CACHE_DIR=/tmp/longdoc-cache
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 case "${1:-tests}" in

@@ -10,7 +10,7 @@ rm -rf .gpu && mkdir -p .gpu/payload/whl
 grep -v '^#' scripts/gpu/wheels.txt | xargs python3 -m pip download -q --no-deps --only-binary=:all: \
   --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/payload/whl
-.venv/bin/python -c "from engine.training.corpus import fetch; print(fetch())" >/dev/null
+.venv/bin/python -c "from research.training.corpus import fetch; print(fetch())" >/dev/null
 cp -r data/corpus .gpu/payload/corpus
 tar cf .gpu/payload.tar -C .gpu/payload .
 split -b "${PART_MIB}M" -d -a 2 .gpu/payload.tar .gpu/part-

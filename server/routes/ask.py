@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import asdict
+from typing import cast
 
 from fastapi import APIRouter
+from fastapi.sse import EventSourceResponse
 
 from engine.interface import GenerationDone, GenerationEvent, GenerationParams, Retrieval, TokenDelta
 from server.deps import CallerDep, EngineDep, MetricsDep, SettingsDep, visible_session
@@ -43,13 +45,13 @@ def observe(metrics: Metrics, event: GenerationEvent, timer: GenerationTimer) ->
 
 def timings(timer: GenerationTimer, done: GenerationDone, retrieval: Retrieval | None) -> Timings:
     total = timer.finish(done.prompt_tokens, done.completion_tokens)
-    return Timings(ttft_seconds=timer.ttft, total_seconds=total, retrieval_seconds=retrieval and retrieval.seconds)
+    return Timings(ttft_seconds=timer.ttft, total_seconds=total, retrieval_seconds=retrieval.seconds if retrieval else None)
 
 
 @router.post("/{session_id}/ask", response_model=AskResponse)
 async def ask(
     session_id: str, body: AskRequest, engine: EngineDep, settings: SettingsDep, metrics: MetricsDep, caller: CallerDep
-):
+) -> EventSourceResponse | AskResponse:
     visible_session(engine, session_id, caller)
     timer = GenerationTimer(metrics, ENDPOINT)
     params = GenerationParams(
@@ -66,7 +68,7 @@ async def ask(
         return event_stream(_ask_events(events, metrics, timer), events, metrics)
     answer: list[str] = []
     retrieval: Retrieval | None = None
-    async with contextlib.aclosing(events):
+    async with contextlib.aclosing(cast(AsyncGenerator[GenerationEvent, None], events)):  # the engine's are async generators
         async for event in events:
             observe(metrics, event, timer)
             if isinstance(event, Retrieval):
@@ -86,7 +88,7 @@ async def ask(
 
 async def _ask_events(
     events: AsyncIterator[GenerationEvent], metrics: Metrics, timer: GenerationTimer
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     retrieval: Retrieval | None = None
     async for event in events:
         observe(metrics, event, timer)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import codecs
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import asdict
+from typing import cast
 
 from fastapi import APIRouter, Query, Request
+from fastapi.sse import EventSourceResponse
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
@@ -130,7 +132,7 @@ async def add_document(
     metrics: MetricsDep,
     caller: CallerDep,
     stream: bool = Query(False, description="stream ingestion progress as server-sent events"),
-):
+) -> EventSourceResponse | DocumentPublic:
     text, name, stream_body = await parse_document(request, settings.max_document_bytes)
     memory = visible_session(engine, session_id, caller).memory
     events = await engine.ingest(session_id, text, name or "document")
@@ -139,7 +141,7 @@ async def add_document(
         return event_stream(_progress_events(events, meter), events, metrics)
     done: IngestDone | None = None
     try:
-        async with contextlib.aclosing(events):
+        async with contextlib.aclosing(cast(AsyncGenerator[IngestEvent, None], events)):  # the engine's are async generators
             async for event in events:
                 meter.on_event(event)
                 if isinstance(event, IngestDone):
@@ -150,7 +152,7 @@ async def add_document(
     return DocumentPublic.model_validate(asdict(done.document))
 
 
-async def _progress_events(events: AsyncIterator[IngestEvent], meter: IngestionMeter) -> AsyncIterator[bytes]:
+async def _progress_events(events: AsyncIterator[IngestEvent], meter: IngestionMeter) -> AsyncGenerator[bytes, None]:
     try:
         async for event in events:
             meter.on_event(event)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, cast
 
 from fastapi import APIRouter
+from fastapi.sse import EventSourceResponse
 
 from engine.interface import GenerationDone, GenerationEvent, GenerationParams, TokenDelta
 from server.deps import CallerDep, EngineDep, MetricsDep, SettingsDep, visible_session
@@ -38,10 +39,10 @@ def _chunk(base: dict[str, Any], delta: dict[str, Any], finish_reason: str | Non
     return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", response_model=None)  # None: the return annotation is no response model
 async def chat_completions(
     body: ChatCompletionRequest, engine: EngineDep, settings: SettingsDep, metrics: MetricsDep, caller: CallerDep
-):
+) -> EventSourceResponse | dict[str, Any]:
     session = visible_session(engine, body.session_id, caller) if body.session_id else None
     timer = GenerationTimer(metrics, ENDPOINT)
     params = GenerationParams(
@@ -61,7 +62,7 @@ async def chat_completions(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return event_stream(_chunks(events, base, include_usage, metrics, timer), events, metrics)
     text: list[str] = []
-    async with contextlib.aclosing(events):
+    async with contextlib.aclosing(cast(AsyncGenerator[GenerationEvent, None], events)):  # the engine's are async generators
         async for event in events:
             observe(metrics, event, timer)
             if isinstance(event, TokenDelta):
@@ -85,7 +86,7 @@ async def _chunks(
     include_usage: bool,
     metrics: Metrics,
     timer: GenerationTimer,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     base = {**base, "object": "chat.completion.chunk"}
     yield sse(_chunk(base, {"role": "assistant", "content": ""}, None))
     async for event in events:

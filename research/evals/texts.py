@@ -1,10 +1,10 @@
 """The QA benchmark's texts: held-out public-domain books from package registries, one per genre.
 
-Three come from the project corpus (engine/training/corpus.py, never trained on: HELD_OUT there);
+Three come from the project corpus (research/training/corpus.py, never trained on: HELD_OUT there);
 two come from Debian packages that no training run reads. Each is cut to whole units (books,
 lexicon letters) so that it holds 30K-130K tokens of the default model.
 
-    .venv/bin/python -m engine.evals.texts     # fetch and print each text's size
+    .venv/bin/python -m research.evals.texts     # fetch and print each text's size
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import DEFAULT_CACHE_DIR
-from engine.training.corpus import DEFAULT_DIR, HELD_OUT, fetch
+from research.training.corpus import DEFAULT_DIR, HELD_OUT, fetch
 
 QA_DIR = Path("data/qa")
 

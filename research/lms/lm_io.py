@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.models import build
-from engine.models.lm_common import LanguageModel
+from research.lms import build
+from research.lms.lm_common import LanguageModel
 
 CHECKPOINT_FORMAT = "longdoc-lm-v1"
 

@@ -1,4 +1,4 @@
-"""The QA benchmark: questions about held-out books (engine/evals/qa.jsonl), asked through the real
+"""The QA benchmark: questions about held-out books (research/evals/qa.jsonl), asked through the real
 engine, per memory, beside an oracle row (the same model handed only the gold passage).
 
 An answer is correct when it contains one of the question's accepted keywords as a word (a plural
@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from engine.engine import Engine
-from engine.evals import texts
 from engine.interface import GenerationDone, GenerationEvent, GenerationParams, IngestDone, Retrieval, RetrievedItem, TokenDelta
 from engine.memories import ContextPiece
 from engine.prompts import with_context
-from engine.training.evaluate import EvalSetup, run_with_engine
+from research.evals import texts
+from research.training.evaluate import EvalSetup, run_with_engine
 
 QUESTIONS = Path(__file__).with_name("qa.jsonl")
 ORACLE = "oracle"
@@ -210,7 +210,7 @@ def section(rows: list[Row], command: str) -> str:
     return (
         f"## QA benchmark ({machine})\n\n"
         f"{rows[0].asked} questions about {len(texts.TEXTS)} held-out texts: {names}; "
-        "engine/evals/qa.jsonl, texts by engine/evals/texts.py. Greedy answers of at most "
+        "research/evals/qa.jsonl, texts by research/evals/texts.py. Greedy answers of at most "
         f"{ANSWER_TOKENS} tokens; correct when an accepted keyword appears as a word. Accuracy with its 95% "
         "Wilson interval; gold recall: the share of questions whose prompt held (part of) the gold passage. "
         "The oracle row hands the model the gold passage alone: the ceiling retrieval can reach with it. Command:\n\n"

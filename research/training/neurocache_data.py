@@ -8,7 +8,7 @@ Three kinds of episode:
   distractors: other facts in the needle's very form ("The door code is 60419. ...") whose numbers
   share digits with the key, so that a digit's nearest match is often the wrong one and only the
   words "pass key" tell the facts apart;
-- facts in prose (engine/training/fact_tasks.py), placed and asked the same way, with facts about
+- facts in prose (research/training/fact_tasks.py), placed and asked the same way, with facts about
   other people as distractors: the answer repeats the fact's words.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.training.fact_tasks import NAMES, facts
+from research.training.fact_tasks import NAMES, facts
 
 
 @dataclass(frozen=True)

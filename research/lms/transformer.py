@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.lm_common import LanguageModel, LMConfig, apply_rope, merge_heads, positions, qkv_heads, rope_angles
+from engine.models.rope import apply_rope
+from research.lms.lm_common import LanguageModel, LMConfig, merge_heads, positions, qkv_heads, rope_angles
 
 
 class CausalAttention(nn.Module):

@@ -1,4 +1,4 @@
-"""`longdoc eval ppl|passkey`: Neurocache against the baselines, on held-out text only (`eval qa`: engine/evals/qa.py).
+"""`longdoc eval ppl|passkey`: Neurocache against the baselines, on held-out text only (`eval qa`: research/evals/qa.py).
 
 - ppl: held-out documents streamed in segments of n tokens; the base model with its local window
   only (each segment alone, positions restarting) against the same segments with the Neurocache
@@ -24,7 +24,7 @@ from engine.engine import Engine
 from engine.interface import GenerationParams, TokenDelta
 from engine.models.loader import load_model
 from engine.models.neurocache_io import load_adapter
-from engine.training.corpus import DEFAULT_DIR, fetch, split
+from research.training.corpus import DEFAULT_DIR, fetch, split
 
 PASSKEY_QUESTION = "What is the pass key? Answer with the number."
 

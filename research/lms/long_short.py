@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models import flex
-from engine.models.lm_common import LanguageModel, LMConfig, apply_rope, merge_heads, qkv_heads, rope_angles
-from engine.models.segments import compress, ends_before_rows, segment_ends, window_mask, window_span
+from engine.models.rope import apply_rope
+from research.lms import flex
+from research.lms.lm_common import LanguageModel, LMConfig, merge_heads, qkv_heads, rope_angles
+from research.lms.segments import compress, ends_before_rows, segment_ends, window_mask, window_span
 
 
 def padded_length(T: int, config: LMConfig) -> int:

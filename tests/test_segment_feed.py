@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models import build
-from engine.models.lm_stream import StreamState, feed
+from research.lms import build
+from research.lms.segment_feed import FeedState, feed
 
 SMALL = dict(vocab_size=50, dim=16, n_layers=2, n_heads=2, max_seq_len=128, window=6, segment_len=4,
              compressed_per_segment=2)
@@ -28,7 +28,7 @@ def model_for(name: str, seed: int = 0):
 
 
 def streamed(model, ids: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    state, out, at = StreamState(model), [], 0
+    state, out, at = FeedState(model), [], 0
     for size in sizes:
         out.append(feed(model, state, ids[at : at + size]))
         at += size
@@ -61,7 +61,7 @@ def test_rollback_forgets_what_was_fed_after_the_mark(name):
     model = model_for(name)
     gen = torch.Generator(torch.get_default_device()).manual_seed(3)
     prefix, detour, suffix = (torch.randint(0, 50, (n,), generator=gen) for n in (37, 23, 11))
-    state = StreamState(model)
+    state = FeedState(model)
     feed(model, state, prefix)
     mark, size = state.mark(), state.nbytes
     feed(model, state, detour)
@@ -76,16 +76,16 @@ def test_rollback_forgets_what_was_fed_after_the_mark(name):
 def test_a_plain_transformer_is_refused():
     model = build("transformer", **SMALL)
     with pytest.raises(ValueError, match="only long-short and cacheformer"):
-        feed(model, StreamState(model), [1, 2])
+        feed(model, FeedState(model), [1, 2])
 
 
 def test_saved_state_restores_to_the_same_continuation():
     model = model_for("cf-both-p8")
     gen = torch.Generator(torch.get_default_device()).manual_seed(4)
     prefix, suffix = torch.randint(0, 50, (45,), generator=gen), torch.randint(0, 50, (9,), generator=gen)
-    state = StreamState(model)
+    state = FeedState(model)
     feed(model, state, prefix)
-    restored = StreamState(model)
+    restored = FeedState(model)
     restored.load_state_dict(state.state_dict())
     assert restored.length == 45 and restored.nbytes == state.nbytes
     torch.testing.assert_close(feed(model, restored, suffix), feed(model, state, suffix), rtol=0, atol=0)

@@ -11,7 +11,7 @@ Per layer the state holds what the one-pass forward would compute for the past:
 Cache attention's top-k lookup reuses the long-attention scores: every query already scores every
 compressed key, and the model's relevance (the mean |q·k̄| of a segment) is read off them, so the
 lookup is exact and costs no extra pass. Streaming a text in chunks of any size gives the logits
-of one forward pass over it (tests/test_lm_stream.py). Positions keep counting past the training
+of one forward pass over it (tests/test_segment_feed.py). Positions keep counting past the training
 length: beyond it the model runs where it was never trained, under the same equations.
 """
 
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.models.lm_common import LanguageModel, qkv_heads
-from engine.models.long_short import LongShortAttention
-from engine.models.segments import compress, select_segments
+from research.lms.lm_common import LanguageModel, qkv_heads
+from research.lms.long_short import LongShortAttention
+from research.lms.segments import compress, select_segments
 
 CHUNK = 128  # query rows per pass: bounds the [heads, rows, past segments] score tensors
 
@@ -91,13 +91,13 @@ GROWABLE_NAMES = ("window_k", "window_v", "long_k", "long_v", "overlap_k", "over
 
 @dataclass(frozen=True)
 class Mark:
-    """Where a state stood; `StreamState.rollback` returns to it."""
+    """Where a state stood; `FeedState.rollback` returns to it."""
 
     length: int
     layers: tuple[tuple[tuple[int, ...], torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor], ...]
 
 
-class StreamState:
+class FeedState:
     """One session's past, for one model. Not thread-safe: the model's worker owns it."""
 
     def __init__(self, model: LanguageModel) -> None:
@@ -147,15 +147,15 @@ class StreamState:
             s.raw_k, s.raw_v, s.raw_start, s.previous_sum, s.current_sum = raw_k, raw_v, raw_start, previous, current
 
 
-def check_streamable(model: LanguageModel) -> None:
+def check_feedable(model: LanguageModel) -> None:
     if not isinstance(model.blocks[0].attn, LongShortAttention):
         raise ValueError(f"only long-short and cacheformer models stream; this one is {model.arch!r}")
 
 
 @torch.inference_mode()
-def feed(model: LanguageModel, state: StreamState, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
+def feed(model: LanguageModel, state: FeedState, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
     """Run `token_ids` after everything the state holds; returns their logits [n, V] and keeps them."""
-    check_streamable(model)
+    check_feedable(model)
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=next(model.parameters()).device).view(-1)
     outputs = []
     for start in range(0, len(ids), CHUNK):

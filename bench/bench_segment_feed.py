@@ -2,7 +2,7 @@
 (streamed through the segment cache) against a sliding window of the training length, by position,
 and the streaming cost as the history grows.
 
-    .venv/bin/python -m bench.bench_lm_stream --bytes 32768
+    .venv/bin/python -m bench.bench_segment_feed --bytes 32768
 
 Prints Markdown tables and writes them to docs/lm_stream.md.
 """
@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.config import SHIPPED_CHECKPOINTS
-from engine.models.lm_io import load_checkpoint
-from engine.training.corpus import fetch, split
-from engine.training.lm_eval import sliding_losses, streamed_losses
+from research.lms.lm_io import load_checkpoint
+from research.plugin import SHIPPED_CHECKPOINTS
+from research.training.corpus import fetch, split
+from research.training.lm_eval import sliding_losses, streamed_losses
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,8 @@ def main() -> None:
         sliding_seconds = time.perf_counter() - started
         streamed, seconds, nbytes = streamed_losses(model, data)
         per_doc.append((path.name, len(data), sliding.mean() * BITS, streamed.mean() * BITS))
-        sliding_all.append(sliding), streamed_all.append(streamed)
+        sliding_all.append(sliding)
+        streamed_all.append(streamed)
         costs.append((path.name, len(data), seconds, nbytes, sliding_seconds))
         print(per_doc[-1], flush=True)
     lines = [f"Checkpoint `{args.checkpoint.relative_to(ROOT) if args.checkpoint.is_relative_to(ROOT) else args.checkpoint}`"
@@ -74,7 +75,7 @@ def main() -> None:
         lines.append(f"| {name} | {size / seconds[-1]:,.0f} | {last:,.0f} | {size / sliding_seconds:,.0f} | {nbytes / size:,.0f} |")
     table = "\n".join(lines)
     print(table)
-    command = "python -m bench.bench_lm_stream " + " ".join(sys.argv[1:])
+    command = "python -m bench.bench_segment_feed " + " ".join(sys.argv[1:])
     args.out.write_text(
         "# CacheFormer past its training length (streamed)\n\nCommand:\n\n```\n" + command.strip() + "\n```\n\n" + table + "\n"
     )

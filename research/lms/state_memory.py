@@ -1,7 +1,7 @@
-"""Stream memory: the session's documents streamed through a Long-Short or CacheFormer model.
+"""State memory: the session's documents fed, segment by segment, through a Long-Short or
+CacheFormer model, whose own state is the memory.
 
-The model itself is the memory. Ingestion runs each segment through the model, whose per-session
-state keeps every past segment (compressed keys/values per layer, and the uncompressed segments
+Ingestion runs each segment through the model, whose per-session state keeps every past segment (compressed keys/values per layer, and the uncompressed segments
 that cache attention fetches). Answering feeds the question after the documents and generates,
 then rolls the state back, so the memory stays read-only while answering. Documents follow one
 another, separated by a blank line, as one continuous text.
@@ -18,36 +18,36 @@ import torch
 from engine.generation import decode_steps
 from engine.interface import CacheInfo, GenerationEvent, Retrieval
 from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, MemoryWrite, Segment, parse_options
-from engine.models.lm_stream import Mark, StreamState, feed
 from engine.prompts import render
+from research.lms.segment_feed import FeedState, Mark, feed
 
 SEPARATOR = "\n\n"
 
 
 @dataclass(frozen=True)
-class StreamOptions:
+class StateOptions:
     pass  # the model's checkpoint fixes every setting
 
 
-class StreamMemory(Memory):
-    kind = "stream"
+class StateMemory(Memory):
+    kind = "state"
     runs_on_model = True
     answer_holds_lock = True  # answering feeds the state (and rolls it back)
 
     def __init__(self, context: MemoryContext, options: dict[str, Any]) -> None:
-        self.options: StreamOptions = parse_options(StreamOptions, options)
-        if context.stream_model is None:
-            raise ValueError("memory 'stream' needs a Long-Short or CacheFormer checkpoint as the session's model")
-        self.model = context.stream_model
+        self.options: StateOptions = parse_options(StateOptions, options)
+        if context.state_model is None:
+            raise ValueError("memory 'state' needs a Long-Short or CacheFormer checkpoint as the session's model")
+        self.model = context.state_model
         self._separator = context.tokenizer(SEPARATOR)["input_ids"]
-        self.state = StreamState(self.model)
+        self.state = FeedState(self.model)
         self._documents: list[str] = []
         self._staged: tuple[str, Mark, int] | None = None  # (document id, mark, bytes before it)
         self._committed_bytes = self.state.nbytes  # what stats count: not a staged document, not an answer in flight
 
     @classmethod
     def available(cls, context: MemoryContext) -> bool:
-        return context.stream_model is not None
+        return context.state_model is not None
 
     def begin_document(self, document_id: str, text: str, tokens: int) -> None:
         self._staged = (document_id, self.state.mark(), self.state.nbytes)
@@ -85,7 +85,7 @@ class StreamMemory(Memory):
         return []  # the documents are in the model's state, not in the prompt
 
     def answer_room(self, context_len: int) -> int | None:
-        return None  # the state streams on; the answer grows it, reserved in answer_bytes
+        return None  # the state has no fixed room; the answer grows it, reserved in answer_bytes
 
     def answer_bytes(self, overhead: int, max_tokens: int, context_len: int, kv_bytes_per_token: int) -> tuple[int, int]:
         return (overhead + max_tokens + len(self._separator)) * self.bytes_per_token(), 0
@@ -114,7 +114,7 @@ class StreamMemory(Memory):
         )
 
     def reset(self) -> None:
-        self.state = StreamState(self.model)
+        self.state = FeedState(self.model)
         self._documents, self._staged = [], None
         self._committed_bytes = self.state.nbytes
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models import flex
-from engine.models.lm_common import LanguageModel, LMConfig
-from engine.models.long_short import LongShortAttention
-from engine.models.segments import ends_before_rows, gather_segments, group_scores, select_segments
+from research.lms import flex
+from research.lms.lm_common import LanguageModel, LMConfig
+from research.lms.long_short import LongShortAttention
+from research.lms.segments import ends_before_rows, gather_segments, group_scores, select_segments
 
 
 class CacheFormerAttention(LongShortAttention):

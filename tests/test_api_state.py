@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models import build
-from engine.models.byte_tokenizer import ByteTokenizer
-from engine.models.lm_io import save_checkpoint
-from engine.models.lm_stream import StreamState, feed
+from research.lms import build
+from research.lms.byte_tokenizer import ByteTokenizer
+from research.lms.lm_io import save_checkpoint
+from research.lms.segment_feed import FeedState, feed
 from tests.conftest import FIXTURES, fail_on_third_segment
 
 TEXT = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")[:3000]  # longer than max_seq_len
@@ -35,7 +35,7 @@ def lm_client(make_client, checkpoint, tiny_dir):
 
 def greedy(model, context: str, question: str, n: int) -> str:
     """The answer computed directly: documents, a blank line, the question as the template renders it."""
-    tokenizer, state = ByteTokenizer(), StreamState(model)
+    tokenizer, state = ByteTokenizer(), FeedState(model)
     feed(model, state, tokenizer(context)["input_ids"])
     prompt = tokenizer("\n\n" + tokenizer.apply_chat_template([{"role": "user", "content": question}]))["input_ids"]
     logits, out = feed(model, state, prompt)[-1], []
@@ -49,11 +49,11 @@ def test_checkpoint_is_listed_with_the_stream_memory(lm_client, checkpoint, tiny
     models = {m["id"]: m for m in lm_client.get("/v1/models").json()["data"]}
     lm = models[checkpoint.name]
     assert lm["architecture"] == "cacheformer" and lm["context_length"] == 256
-    assert "stream" in lm["memories"] and "neurocache" not in lm["memories"]
-    assert "stream" not in models[tiny_dir.name]["memories"]
+    assert "state" in lm["memories"] and "neurocache" not in lm["memories"]
+    assert "state" not in models[tiny_dir.name]["memories"]
     session = lm_client.post("/v1/sessions", json={"model": checkpoint.name}).json()
-    assert session["memory"] == "stream"
-    refused = lm_client.post("/v1/sessions", json={"model": tiny_dir.name, "memory": "stream"})
+    assert session["memory"] == "state"
+    refused = lm_client.post("/v1/sessions", json={"model": tiny_dir.name, "memory": "state"})
     assert refused.status_code == 400 and "CacheFormer" in refused.json()["error"]["message"]
 
 
@@ -65,7 +65,7 @@ def test_ingest_and_ask_continue_from_the_streamed_document(lm_client, checkpoin
     assert cache["entries"] == doc["tokens"] and cache["bytes"] > 0
     body = {"question": "Who was sitting by her sister?", "max_tokens": 12, "no_repeat_ngram_size": 0}  # plain greedy
     answer = lm_client.post(f"/v1/sessions/{session}/ask", json=body).json()
-    model = lm_client.app.state.engine._models[checkpoint.name].loaded.model
+    model = lm_client.app.state.engine.models.named(checkpoint.name).loaded.model
     assert answer["answer"] == greedy(model, TEXT, body["question"], 12)
     shorter = lm_client.post("/v1/sessions", json={"model": checkpoint.name}).json()["id"]
     lm_client.post(f"/v1/sessions/{shorter}/documents", json={"text": TEXT[:1500]})

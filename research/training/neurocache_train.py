@@ -24,9 +24,10 @@ from engine.models.loader import load_model
 from engine.models.neurocache import Neurocache, NeurocacheConfig
 from engine.models.neurocache_io import load_adapter, read_meta, save_adapter
 from engine.state_cache import StateCache
-from engine.training.corpus import DEFAULT_DIR, fetch, split
-from engine.training.neurocache_data import Episode, EpisodeSampler, tokenize_files
-from engine.training.schedule import lr_factor
+from research.training.corpus import DEFAULT_DIR, fetch, split
+from research.training.neurocache_adapter import new_training_cache, training_caches
+from research.training.neurocache_data import Episode, EpisodeSampler, tokenize_files
+from research.training.schedule import lr_factor
 
 
 @dataclass
@@ -128,7 +129,7 @@ class Trainer:
             repeats=config.repeats, fact_ratio=config.fact_ratio,
         )
         capacity = max(self.neurocache.config.capacity, config.segment_len * config.n_segments)
-        self.rows = [Row(self.neurocache.new_training_cache(capacity)) for _ in range(config.batch_size)]
+        self.rows = [Row(new_training_cache(self.neurocache, capacity)) for _ in range(config.batch_size)]
         self.step = 0
         self.train_tokens = len(corpus)
         if resuming:
@@ -150,7 +151,7 @@ class Trainer:
 
     def _micro_step(self) -> tuple[float, float | None]:
         ids, answers = self._next_batch()
-        with self.neurocache.training_caches([row.cache for row in self.rows]) as shared:
+        with training_caches(self.neurocache, [row.cache for row in self.rows]) as shared:
             final = self.model.base_model(input_ids=ids).last_hidden_state  # B, L, h (no LM head yet)
             compressed, hidden = shared.compressed, shared.hidden
         lm_loss, answer_loss = segment_loss(self.model, final, ids, answers, self.config.lm_stride)

@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from engine.models import build
-from engine.models.lm_common import LanguageModel, LMConfig
-from engine.models.lm_io import load_checkpoint, save_checkpoint
-from engine.training.corpus import DEFAULT_DIR, fetch, split
-from engine.training.schedule import lr_factor
+from research.lms import build
+from research.lms.lm_common import LanguageModel, LMConfig
+from research.lms.lm_io import load_checkpoint, save_checkpoint
+from research.training.corpus import DEFAULT_DIR, fetch, split
+from research.training.schedule import lr_factor
 
 
 @dataclass

@@ -64,12 +64,6 @@ def rope_angles(positions: torch.Tensor, head_dim: int, base: float) -> tuple[to
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
 class MLP(nn.Module):
     def __init__(self, dim: int, ratio: int) -> None:
         super().__init__()
@@ -123,7 +117,7 @@ class LanguageModel(nn.Module):
     def use_kernel(self, kernel: str) -> LanguageModel:
         """Attention kernel of Long-Short and CacheFormer layers: "auto" (fused flex attention on
         CUDA, plain tensors on CPU), "math" or "flex". The plain transformer always uses SDPA."""
-        from engine.models.flex import KERNELS
+        from research.lms.flex import KERNELS
 
         if kernel not in KERNELS:
             raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {KERNELS}")

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.engine import Engine
-from engine.evals import texts
-from engine.evals.qa import ANSWER_TOKENS, RECALLING, Row, ingested, score
 from engine.interface import GenerationParams
-from engine.training.evaluate import EvalSetup, run_with_engine
+from research.evals import texts
+from research.evals.qa import ANSWER_TOKENS, RECALLING, Row, ingested, score
+from research.training.evaluate import EvalSetup, run_with_engine
 
 FILLER = texts.QaText("jargon-d-z", "filler", texts.BY_NAME["jargon"].source, start="   :daemon:")
 

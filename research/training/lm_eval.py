@@ -10,8 +10,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.models.lm_common import LanguageModel
-from engine.models.lm_stream import StreamState, feed
+from research.lms.lm_common import LanguageModel
+from research.lms.segment_feed import FeedState, feed
 
 
 @torch.inference_mode()
@@ -39,7 +39,7 @@ def streamed_losses(model: LanguageModel, data: np.ndarray, chunk: int = 1024) -
     """
     device = next(model.parameters()).device
     ids = torch.from_numpy(data.astype(np.int64)).to(device)
-    state, losses, seconds = StreamState(model), [], []
+    state, losses, seconds = FeedState(model), [], []
     started = time.perf_counter()
     for start in range(0, len(ids) - 1, chunk):
         piece = ids[start : start + chunk + 1]

@@ -1,0 +1,159 @@
+"""Answering: chat completions with or without a session, checked and admitted before any event,
+then generated on the model's worker (decode-batched where the model allows)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+
+from engine.config import GenerationLimits
+from engine.errors import InvalidRequestError, TooLargeError
+from engine.generation import generate_steps
+from engine.interface import MAX_TEMPERATURE, SEED_RANGE, GenerationEvent, GenerationParams
+from engine.memories import ContextPiece
+from engine.memories.base import AnswerRequest, MemoryWrite
+from engine.prompts import Messages, overhead_tokens, render
+from engine.registry import ModelRuntime
+from engine.session_service import SessionService
+from engine.sessions import Pin, Session
+from engine.worker import EventStream, Releasable, released_on_error
+
+
+class Answering:
+    def __init__(self, limits: GenerationLimits, sessions: SessionService) -> None:
+        self.limits = limits
+        self.sessions = sessions
+        self.models = sessions.models
+
+    def _check_params(self, params: GenerationParams) -> GenerationParams:
+        """Bounds the HTTP schema also states, checked again here for every caller of the engine;
+        fills in the generation time limit."""
+        limits = self.limits
+        if not 1 <= params.max_tokens <= limits.max_new_tokens:
+            raise InvalidRequestError(f"max_tokens must be between 1 and {limits.max_new_tokens}")
+        if not 0.0 <= params.temperature <= MAX_TEMPERATURE:  # also false for NaN
+            raise InvalidRequestError(f"temperature must be between 0 and {MAX_TEMPERATURE:g}")
+        if not 0.0 < params.top_p <= 1.0:
+            raise InvalidRequestError("top_p must be above 0 and at most 1")
+        if params.seed is not None and not SEED_RANGE[0] <= params.seed <= SEED_RANGE[1]:
+            raise InvalidRequestError(f"seed must be between {SEED_RANGE[0]} and {SEED_RANGE[1]}")
+        return dataclasses.replace(params, max_seconds=limits.max_generation_seconds)
+
+    def _check_prompt_chars(self, messages: Messages) -> None:
+        """Refuse an over-long prompt by its characters, before any tokenizing."""
+        chars = sum(len(m.get("content", "")) for m in messages)
+        limit = self.limits.max_prompt_chars
+        if chars > limit:
+            raise TooLargeError(f"the prompt has {chars} characters; the limit is {limit} (LONGDOC_MAX_PROMPT_CHARS)")
+
+    async def chat(
+        self, messages: Messages, params: GenerationParams, model: str | None, session_id: str | None
+    ) -> AsyncIterator[GenerationEvent]:
+        """Chat completion; with a session, the last user turn is answered from the session's memory."""
+        params = self._check_params(params)
+        self._check_prompt_chars(messages)
+        if not messages or messages[-1].get("role") != "user" or not messages[-1].get("content", "").strip():
+            raise InvalidRequestError("the last message must be a non-empty user message")
+        session = self.sessions.store.get(session_id) if session_id else None
+        held: list[Releasable] = [Pin(session)] if session is not None else []
+        with released_on_error(held):
+            events = await self._admit(messages, params, model, session, held)
+        return EventStream(events, held)
+
+    async def _admit(
+        self, messages: Messages, params: GenerationParams, model: str | None, session: Session | None, held: list[Releasable]
+    ) -> AsyncIterator[GenerationEvent]:
+        """Check and admit a chat; what it holds (reservation, worker slot) is appended to `held`."""
+        if session is not None:
+            await self.sessions.resident(session)
+        if session is not None and model is not None and model != session.model:
+            raise InvalidRequestError(f"session {session.id} uses model {session.model!r}, not {model!r}")
+        runtime = self.models.runtime(session.model if session else model)
+        tokenizer = runtime.loaded.tokenizer
+        context_len, kv_bytes = runtime.loaded.context_len, runtime.loaded.kv_bytes_per_token
+        store = self.sessions.store
+        if session is None:
+            prompt_ids = await asyncio.to_thread(render, tokenizer, messages)
+            _check_context(context_len, len(prompt_ids), params)
+            transient = (len(prompt_ids) + params.max_tokens) * kv_bytes
+            events = self._generate(runtime, prompt_ids, params)
+        else:
+            memory = session.memory
+            assert memory is not None
+            overhead = await asyncio.to_thread(overhead_tokens, tokenizer, messages[:-1], messages[-1]["content"])
+            room = memory.answer_room(context_len)
+            if room is not None:
+                _check_context(room, overhead, params)
+            budget = (context_len if room is None else room) - params.max_tokens - overhead
+            kept, transient = memory.answer_bytes(overhead, params.max_tokens, context_len, kv_bytes)
+            if kept:
+                held.append(store.reserve(session, kept))
+            events = self._session_events(runtime, session, messages, params, budget)
+        # what the answer allocates at its largest is reserved before it exists
+        held.append(store.reserve(None, transient, transient=True))
+        held.append(runtime.worker.admit())
+        return events
+
+    async def _session_events(
+        self, runtime: ModelRuntime, session: Session, messages: Messages, params: GenerationParams, budget: int
+    ) -> AsyncIterator[GenerationEvent]:
+        """Retrieve up to `budget` tokens of context for the last user turn, then let the memory
+        answer on the model's worker (the request's pin keeps the session busy)."""
+        memory = session.memory
+        assert memory is not None
+        worker = self.sessions.memory_worker(session)
+        try:
+            started = time.perf_counter()
+            pieces: list[ContextPiece] = await worker.run(memory.retrieve, messages[-1]["content"], budget)
+            loaded = runtime.loaded
+            request = AnswerRequest(
+                loaded.model, loaded.tokenizer, runtime.stop_tokens, messages, pieces, params, time.perf_counter() - started
+            )
+            if memory.plain_answer and runtime.batcher is not None:
+                yield memory.retrieval(request)
+                prompt_ids = await asyncio.to_thread(memory.answer_prompt, request)
+                async with contextlib.aclosing(self._generate(runtime, prompt_ids, params)) as answer:
+                    async for event in answer:
+                        yield event
+                return
+            lock = session.ingest_lock if memory.answer_holds_lock else contextlib.nullcontext()
+            async with lock:
+                async for event in runtime.worker.iterate(memory.answer_steps(request)):
+                    if isinstance(event, MemoryWrite):
+                        await self._write_answer(session, event, holding_lock=memory.answer_holds_lock)
+                    else:
+                        yield event
+        finally:
+            session.last_used_at = time.time()
+
+    async def _write_answer(self, session: Session, write: MemoryWrite, *, holding_lock: bool) -> None:
+        """Apply an answer's write to the memory on its worker, with no ingestion half-way, then save."""
+
+        def apply() -> None:
+            if write.apply():
+                self.sessions.save(session)
+
+        async with contextlib.nullcontext() if holding_lock else session.ingest_lock:
+            await self.sessions.memory_worker(session).run(apply)
+
+    async def _generate(self, runtime: ModelRuntime, prompt_ids: list[int], params: GenerationParams) -> AsyncIterator[GenerationEvent]:
+        if runtime.batcher is not None:
+            async with contextlib.aclosing(runtime.batcher.generate(prompt_ids, params)) as answer:
+                async for event in answer:
+                    yield event
+            return
+        loaded = runtime.loaded
+        steps = generate_steps(loaded.model, loaded.tokenizer, prompt_ids, params, runtime.stop_tokens)
+        async for event in runtime.worker.iterate(steps):
+            yield event
+
+
+def _check_context(room: int, prompt_tokens: int, params: GenerationParams) -> None:
+    if prompt_tokens + params.max_tokens > room:
+        raise InvalidRequestError(
+            f"the prompt has {prompt_tokens} tokens and max_tokens is {params.max_tokens}; "
+            f"together they exceed the {room} tokens of context the model can take here"
+        )

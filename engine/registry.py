@@ -1,0 +1,135 @@
+"""The served models: each loaded once, with its worker, stop tokens, adapter and decode batcher."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.batching import BatchDecoder, Batcher
+from engine.config import EngineConfig
+from engine.embedder import Embedder
+from engine.errors import NotFoundError
+from engine.generation import StopTokens
+from engine.interface import ModelInfo
+from engine.memories import MEMORIES, MemoryContext
+from engine.models.loader import LoadedModel, load_model
+from engine.models.manifest import FALLBACK_MEMORY, default_memory_of
+from engine.models.neurocache import Neurocache
+from engine.models.neurocache_io import load_adapter
+from engine.worker import SerialWorker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelRuntime:
+    loaded: LoadedModel
+    worker: SerialWorker
+    stop_tokens: StopTokens
+    neurocache: Neurocache | None = None
+    batcher: Batcher | None = None  # None: the model's answers are decoded one request at a time
+
+    @functools.cached_property
+    def manifest_memory(self) -> str:
+        """The default memory the model's manifest names (read once)."""
+        return default_memory_of(self.loaded.name, self.loaded.source)
+
+    def memory_context(self, embedder: Embedder | None) -> MemoryContext:
+        loaded = self.loaded
+        return MemoryContext(
+            tokenizer=loaded.tokenizer,
+            embedder=embedder,
+            neurocache=self.neurocache,
+            state_model=loaded.model if loaded.own_memory else None,
+            model=None if loaded.own_memory else loaded.model,
+            context_len=loaded.context_len,
+        )
+
+    @functools.cached_property
+    def memories(self) -> tuple[str, ...]:
+        """The memories a session on this model can use."""
+        context = self.memory_context(None)
+        return tuple(kind for kind, memory in MEMORIES.items() if memory.available(context))
+
+    def info(self) -> ModelInfo:
+        return ModelInfo(
+            name=self.loaded.name,
+            source=self.loaded.source,
+            architecture=self.loaded.architecture,
+            context_len=self.loaded.context_len,
+            device=str(self.loaded.device),
+            dtype=str(self.loaded.dtype).removeprefix("torch."),
+            memories=self.memories,
+        )
+
+
+class ModelRegistry:
+    """Loads every configured model and finds one by name (the first by default)."""
+
+    def __init__(self, config: EngineConfig, require_ready: Callable[[], None]) -> None:
+        self.config = config
+        self._require_ready = require_ready
+        self._runtimes: dict[str, ModelRuntime] = {}
+
+    def load_all(self) -> None:
+        spec = self.config.models
+        for source in spec.sources:
+            loaded = load_model(source, cache_dir=spec.cache_dir, device=spec.device, dtype=spec.dtype)
+            if loaded.name in self._runtimes:
+                raise ValueError(f"two models are named {loaded.name!r}; serve each folder once")
+            worker = SerialWorker(f"model:{loaded.name}", self.config.generation.max_queue)
+            neurocache = None if loaded.own_memory else self._find_adapter(loaded)
+            stop = StopTokens.of(loaded.model, loaded.tokenizer)
+            self._runtimes[loaded.name] = ModelRuntime(loaded, worker, stop, neurocache, self._batcher(loaded, worker, stop))
+            log.info("loaded model %s (%s, %s on %s)", loaded.name, loaded.architecture, loaded.dtype, loaded.device)
+
+    def _batcher(self, loaded: LoadedModel, worker: SerialWorker, stop: StopTokens) -> Batcher | None:
+        if self.config.generation.max_batch == 1 or loaded.own_memory or not BatchDecoder.supports(loaded.model):
+            return None
+        limits = self.config.generation
+        return Batcher(BatchDecoder(loaded.model, limits.batch_invariant), worker, loaded.tokenizer, stop, limits.max_batch)
+
+    def _find_adapter(self, loaded: LoadedModel) -> Neurocache | None:
+        """The first Neurocache adapter named after the model in the adapter folders, if any."""
+        for folder in self.config.models.adapter_dirs:
+            candidate = Path(folder).expanduser() / loaded.name
+            if (candidate / "adapter.json").is_file():
+                neurocache = load_adapter(loaded.model, loaded.tokenizer, candidate)
+                log.info("model %s: Neurocache adapter from %s", loaded.name, candidate)
+                return neurocache
+        return None
+
+    def runtime(self, model: str | None = None) -> ModelRuntime:
+        self._require_ready()
+        name = model or next(iter(self._runtimes))
+        if name not in self._runtimes:
+            raise NotFoundError(f"no model {name!r}; loaded: {sorted(self._runtimes)}")
+        return self._runtimes[name]
+
+    def serves(self, name: str) -> bool:
+        return name in self._runtimes
+
+    def named(self, name: str) -> ModelRuntime:
+        """A served model by name, ready or not (a session's model, known to be served)."""
+        return self._runtimes[name]
+
+    def runtimes(self) -> list[ModelRuntime]:
+        return list(self._runtimes.values())
+
+    def default_memory(self, runtime: ModelRuntime) -> str:
+        if self.config.default_memory != "auto":
+            return self.config.default_memory
+        if runtime.loaded.own_memory is not None:
+            return runtime.loaded.own_memory
+        kind = runtime.manifest_memory
+        if kind not in runtime.memories:
+            log.warning("model %s: its manifest's default memory %r is not usable here; using %r", runtime.loaded.name, kind, FALLBACK_MEMORY)
+            return FALLBACK_MEMORY
+        return kind
+
+    def shutdown(self) -> None:
+        for runtime in self._runtimes.values():
+            runtime.worker.shutdown()

@@ -1,0 +1,38 @@
+"""The from-scratch LMs as a longdoc plugin (engine/plugins.py): `longdoc serve --model NAME` serves
+a shipped checkpoint by name, or any `longdoc train lm` checkpoint folder, each session on the
+`state` memory. pyproject.toml lists `register` under the `longdoc.plugins` entry points."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.memories import register_memory
+from engine.models.loader import LoadedModel
+from engine.plugins import ModelFamily, register_family
+from research.lms.byte_tokenizer import ByteTokenizer
+from research.lms.lm_io import is_checkpoint, load_checkpoint
+from research.lms.segment_feed import check_feedable
+from research.lms.state_memory import StateMemory
+
+SHIPPED_CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
+
+
+def shipped_checkpoints() -> dict[str, Path]:
+    return {folder.name: folder for folder in sorted(SHIPPED_CHECKPOINTS.iterdir()) if is_checkpoint(folder)}
+
+
+def load(name: str, source: str, folder: Path, device: torch.device) -> LoadedModel:
+    """A byte-level Long-Short or CacheFormer checkpoint, kept in float32 (it was trained in it)."""
+    model = load_checkpoint(folder, device)
+    check_feedable(model)
+    return LoadedModel(
+        name=name, source=source, model=model, tokenizer=ByteTokenizer(), device=device, dtype=torch.float32,  # type: ignore[arg-type]
+        architecture=model.arch, context_len=model.config.max_seq_len, own_memory=StateMemory.kind,
+    )
+
+
+def register() -> None:
+    register_memory(StateMemory)
+    register_family(ModelFamily("from-scratch LM", shipped_checkpoints, is_checkpoint, load))
