@@ -30,6 +30,8 @@ serve: $(STAMP)
 
 test: $(STAMP) chromium
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Debian's Chromium for the web page's browser test (tests/test_ui_browser.py), driven by Playwright

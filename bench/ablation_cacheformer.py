@@ -3,7 +3,8 @@ schedule, same width, several seeds; held-out bits per byte, training tokens/s a
 
     .venv/bin/python -m bench.ablation_cacheformer --steps 300 --seeds 0 1
 
-Prints a Markdown table (mean ± spread over seeds) and writes it to docs/ablation.md.
+Prints a Markdown table (mean ± spread over seeds) and writes it to docs/ablation.md, in the section
+named after its steps, batch and seeds (the other sections are kept).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from research.evals.docs import write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,12 +80,13 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     command = "python -m bench.ablation_cacheformer " + " ".join(sys.argv[1:])
-    (ROOT / "docs" / "ablation.md").write_text(
-        "# CacheFormer ablation (byte-level, offline corpus)\n\n"
-        f"Command:\n\n```\n{command.strip()}\n```\n\nSeeds {args.seeds}, {args.steps} steps of {args.batch_size} × "
-        f"{args.seq_len} bytes, same schedule and data for every variant; held-out bits per byte on the first 64 KiB "
-        "of the held-out split. Peak RSS is the training process's maximum resident memory.\n\n" + table + "\n"
+    seeds = " ".join(str(seed) for seed in args.seeds)
+    section = (
+        f"## {args.steps} steps of {args.batch_size} × {args.seq_len} bytes, seeds {seeds}\n\n"
+        f"Command:\n\n```\n{command.strip()}\n```\n\nSame schedule and data for every variant; held-out bits per byte on "
+        "the first 64 KiB of the held-out split. Peak RSS is the training process's maximum resident memory.\n\n" + table + "\n"
     )
+    write_section(ROOT / "docs" / "ablation.md", section, title="# CacheFormer ablation (byte-level, offline corpus)")
 
 
 if __name__ == "__main__":

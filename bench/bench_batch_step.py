@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.batching import BatchDecoder, Row
-from engine.config import DEFAULT_CACHE_DIR
+from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
 from engine.generation import AnswerState, StopTokens
 from engine.interface import GenerationParams
 from engine.models.loader import load_model
@@ -69,7 +69,7 @@ def linear_regimes(model) -> None:
 
 
 def main() -> None:
-    loaded = load_model("smollm2-135m-instruct", cache_dir=DEFAULT_CACHE_DIR, device="cpu", dtype="float32")
+    loaded = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu", dtype="float32")
     print(f"torch threads: {torch.get_num_threads()}, context {CONTEXT} tokens, medians of {REPEATS}\n")
     step_times(loaded.model, loaded.tokenizer)
     linear_regimes(loaded.model)

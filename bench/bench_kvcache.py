@@ -1,6 +1,6 @@
 """kvcache speed against the plain model, in process, on the default model (2 CPU cores here).
 
-- ingestion: tokens/s streaming a held-out text through the selective model, against the plain
+- ingestion: tokens/s feeding a held-out text through the selective model, against the plain
   model's forward over chunks of the window's size (the issue's yardstick);
 - decode: tokens/s of a kvcache answer after that text, against plain decoding after (a) the same
   question alone and (b) a prompt as long as what the kvcache answer attends to;
@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from bench.bench_neurocache import median_time
-from engine.config import DEFAULT_CACHE_DIR
+from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
 from engine.memories.kvcache import KVCacheOptions
 from engine.models.kv_select import SelectiveAnswer, SelectiveModel
 from engine.models.kv_store import KVStore
@@ -48,13 +48,13 @@ def plain_decode(model, prompt: list[int], steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", type=int, default=16384, help="document tokens to stream")
+    parser.add_argument("--tokens", type=int, default=16384, help="document tokens to feed")
     parser.add_argument("--options", default="{}", help="kvcache options, JSON")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
-    loaded = load_model("smollm2-135m-instruct", cache_dir=DEFAULT_CACHE_DIR, device="cpu")
+    loaded = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu")
     model, tokenizer = loaded.model, loaded.tokenizer
     options = KVCacheOptions(**json.loads(args.options))
     selective = SelectiveModel(model, options.select_config())
@@ -71,7 +71,7 @@ def main() -> None:
     store.reserve(len(ids))
     started = time.perf_counter()
     for at in range(0, len(ids), 1024):
-        selective.stream(store, ids[at : at + 1024])
+        selective.feed(store, ids[at : at + 1024])
     ingest_rate = len(ids) / (time.perf_counter() - started)
 
     prompt = tokenizer(after_document(tokenizer, [], QUESTION), add_special_tokens=False)["input_ids"]

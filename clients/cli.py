@@ -12,6 +12,7 @@ import typer
 from tqdm import tqdm
 
 from clients.client import DEFAULT_URL, ApiError, LongdocClient
+from engine.config import DEFAULT_MODEL
 
 app = typer.Typer(help="longdoc: ask questions about documents far longer than a model's context.", no_args_is_help=True)
 
@@ -54,7 +55,7 @@ def serve(ctx: typer.Context) -> None:
 def ingest(
     file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, readable=True, help="a UTF-8 text file")],
     session: Annotated[str | None, typer.Option(help="session id; a new session is made without one")] = None,
-    memory: Annotated[str | None, typer.Option(help="memory of a new session: truncate, text, neurocache or stream (default: the model's)")] = None,
+    memory: Annotated[str | None, typer.Option(help="memory of a new session: truncate, text, neurocache, kvcache or state (default: the model's)")] = None,
     model: Annotated[str | None, typer.Option(help="model of a new session")] = None,
     url: UrlOption = DEFAULT_URL,
     api_key: KeyOption = None,
@@ -111,7 +112,7 @@ app.add_typer(train_app, name="train")
 @train_app.command("neurocache")
 def train_neurocache(
     out: Annotated[Path, typer.Option(help="run folder: adapter/, trainer.pt, log.jsonl")] = Path("runs/neurocache"),
-    model: Annotated[str, typer.Option(help="base model: the default or a local HF folder")] = "smollm2-135m-instruct",
+    model: Annotated[str, typer.Option(help="base model: the default or a local HF folder")] = DEFAULT_MODEL,
     steps: Annotated[int, typer.Option(help="optimizer steps")] = 200,
     batch_size: Annotated[int, typer.Option(help="documents per batch")] = 2,
     segment_len: Annotated[int, typer.Option(help="tokens per segment (n)")] = 256,
@@ -207,7 +208,7 @@ def _setup(model: str, adapter: Path | None, device: str):
 
 @eval_app.command("ppl")
 def eval_ppl(
-    model: str = "smollm2-135m-instruct",
+    model: str = DEFAULT_MODEL,
     adapter: AdapterOption = None,
     segment_len: Annotated[int, typer.Option(help="n")] = 1024,
     capacity: Annotated[list[int], typer.Option(help="cache sizes m")] = [16_384, 131_072],
@@ -226,7 +227,7 @@ CapacityOption = Annotated[int | None, typer.Option(help="m of neurocache sessio
 
 @eval_app.command("passkey")
 def eval_passkey(
-    model: str = "smollm2-135m-instruct",
+    model: str = DEFAULT_MODEL,
     adapter: AdapterOption = None,
     memory: Annotated[list[str], typer.Option(help="memories to compare")] = ["truncate", "text", "neurocache"],
     length: Annotated[list[int], typer.Option(help="document lengths in tokens")] = [4096, 16_384],
@@ -258,7 +259,7 @@ def _echo_rows(rows: list) -> None:
 
 @eval_app.command("qa")
 def eval_qa(
-    model: str = "smollm2-135m-instruct",
+    model: str = DEFAULT_MODEL,
     adapter: AdapterOption = None,
     memory: Annotated[list[str], typer.Option(help='a memory, "oracle" (the gold passage alone), or a memory and its JSON options: \'text {"retrieval": "dense"}\'')] = ["oracle", "text", "truncate"],
     limit: Annotated[int | None, typer.Option(help="ask only the first N questions of each text")] = None,
@@ -279,7 +280,7 @@ def eval_qa(
 
 @eval_app.command("needles")
 def eval_needles(
-    model: str = "smollm2-135m-instruct",
+    model: str = DEFAULT_MODEL,
     adapter: AdapterOption = None,
     memory: Annotated[list[str], typer.Option(help="a memory, or a memory and its JSON options")] = ["text"],
     length: Annotated[list[int], typer.Option(help="document lengths in tokens")] = [8192, 32768, 131072],

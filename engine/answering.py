@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from engine.config import GenerationLimits
 from engine.errors import InvalidRequestError, TooLargeError
@@ -51,7 +51,7 @@ class Answering:
 
     async def chat(
         self, messages: Messages, params: GenerationParams, model: str | None, session_id: str | None
-    ) -> AsyncIterator[GenerationEvent]:
+    ) -> EventStream[GenerationEvent]:
         """Chat completion; with a session, the last user turn is answered from the session's memory."""
         params = self._check_params(params)
         self._check_prompt_chars(messages)
@@ -65,7 +65,7 @@ class Answering:
 
     async def _admit(
         self, messages: Messages, params: GenerationParams, model: str | None, session: Session | None, held: list[Releasable]
-    ) -> AsyncIterator[GenerationEvent]:
+    ) -> AsyncGenerator[GenerationEvent, None]:
         """Check and admit a chat; what it holds (reservation, worker slot) is appended to `held`."""
         if session is not None:
             await self.sessions.resident(session)
@@ -99,7 +99,7 @@ class Answering:
 
     async def _session_events(
         self, runtime: ModelRuntime, session: Session, messages: Messages, params: GenerationParams, budget: int
-    ) -> AsyncIterator[GenerationEvent]:
+    ) -> AsyncGenerator[GenerationEvent, None]:
         """Retrieve up to `budget` tokens of context for the last user turn, then let the memory
         answer on the model's worker (the request's pin keeps the session busy)."""
         memory = session.memory
@@ -119,13 +119,13 @@ class Answering:
                     async for event in answer:
                         yield event
                 return
-            lock = session.ingest_lock if memory.answer_holds_lock else contextlib.nullcontext()
+            lock = session.write_lock if memory.answer_holds_write_lock else contextlib.nullcontext()
             async with lock:
-                async for event in runtime.worker.iterate(memory.answer_steps(request)):
-                    if isinstance(event, MemoryWrite):
-                        await self._write_answer(session, event, holding_lock=memory.answer_holds_lock)
+                async for step in runtime.worker.iterate(memory.answer_steps(request)):
+                    if isinstance(step, MemoryWrite):
+                        await self._write_answer(session, step, holding_lock=memory.answer_holds_write_lock)
                     else:
-                        yield event
+                        yield step
         finally:
             session.last_used_at = time.time()
 
@@ -136,10 +136,12 @@ class Answering:
             if write.apply():
                 self.sessions.save(session)
 
-        async with contextlib.nullcontext() if holding_lock else session.ingest_lock:
+        async with contextlib.nullcontext() if holding_lock else session.write_lock:
             await self.sessions.memory_worker(session).run(apply)
 
-    async def _generate(self, runtime: ModelRuntime, prompt_ids: list[int], params: GenerationParams) -> AsyncIterator[GenerationEvent]:
+    async def _generate(
+        self, runtime: ModelRuntime, prompt_ids: list[int], params: GenerationParams
+    ) -> AsyncGenerator[GenerationEvent, None]:
         if runtime.batcher is not None:
             async with contextlib.aclosing(runtime.batcher.generate(prompt_ids, params)) as answer:
                 async for event in answer:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
@@ -192,7 +192,7 @@ class Batcher:
         """Answers in the batch now (admitted, not yet finished)."""
         return len(self._rows)
 
-    async def generate(self, prompt_ids: list[int], params: GenerationParams) -> AsyncIterator[GenerationEvent]:
+    async def generate(self, prompt_ids: list[int], params: GenerationParams) -> AsyncGenerator[GenerationEvent, None]:
         """Text deltas, then done; leaving early cancels the row before its next step."""
         row = Row(list(prompt_ids), params)
         self._waiting.append(row)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from engine.answering import Answering
@@ -14,7 +14,16 @@ from engine.config import EngineConfig
 from engine.embedder import Embedder
 from engine.errors import NotReadyError
 from engine.ingest import Ingestion
-from engine.interface import CacheInfo, EngineStats, GenerationEvent, GenerationParams, IngestEvent, ModelInfo, SessionInfo
+from engine.interface import (
+    CacheInfo,
+    EngineStats,
+    EventIterator,
+    GenerationEvent,
+    GenerationParams,
+    IngestEvent,
+    ModelInfo,
+    SessionInfo,
+)
 from engine.memories import MEMORIES
 from engine.models.loader import resolve_device, resolve_dtype
 from engine.os_memory import return_free_memory
@@ -111,17 +120,17 @@ class Engine:
     async def clear_cache(self, session_id: str) -> CacheInfo:
         return await self.session_service.clear(session_id)
 
-    async def ingest(self, session_id: str, text: str, name: str) -> AsyncIterator[IngestEvent]:
+    async def ingest(self, session_id: str, text: str, name: str) -> EventIterator[IngestEvent]:
         self._require_ready()
         return await self.ingestion.start(session_id, text, name)
 
-    async def ask(self, session_id: str, question: str, params: GenerationParams) -> AsyncIterator[GenerationEvent]:
+    async def ask(self, session_id: str, question: str, params: GenerationParams) -> EventIterator[GenerationEvent]:
         """Answer one question from the session's memory: a retrieval event, text deltas, then done."""
         return await self.chat([{"role": "user", "content": question}], params, None, session_id)
 
     async def chat(
         self, messages: Messages, params: GenerationParams, model: str | None, session_id: str | None
-    ) -> AsyncIterator[GenerationEvent]:
+    ) -> EventIterator[GenerationEvent]:
         self._require_ready()
         return await self.answering.chat(messages, params, model, session_id)
 

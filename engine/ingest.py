@@ -7,7 +7,7 @@ import asyncio
 import functools
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,7 +161,7 @@ class Ingestion:
         self.config = config
         self.sessions = sessions
 
-    async def start(self, session_id: str, text: str, name: str) -> AsyncIterator[IngestEvent]:
+    async def start(self, session_id: str, text: str, name: str) -> EventStream[IngestEvent]:
         """Tokenize and check the document now; the returned event stream ingests it segment by segment."""
         session = self.sessions.store.get(session_id)
         if not text.strip():
@@ -173,7 +173,7 @@ class Ingestion:
             tokenizer = self.sessions.models.named(session.model).loaded.tokenizer
             document_id = "d-" + secrets.token_hex(6)
             document = await asyncio.to_thread(tokenize_document, tokenizer, document_id, name, text, self.config.max_document_tokens)
-            # an early refusal; ingest_steps asks again under the ingest lock, where the memory cannot change
+            # an early refusal; ingest_steps asks again under the write lock, where the memory cannot change
             estimate = session.memory.estimate_bytes(len(text), len(document.token_ids))
             reservation = self.sessions.store.reserve(session, estimate)
             held.append(reservation)
@@ -185,12 +185,16 @@ class Ingestion:
         session.documents.append(document)
         self.sessions.save(session)
 
-    async def _events(self, session: Session, document: TokenizedDocument, reservation: Reservation) -> AsyncIterator[IngestEvent]:
+    async def _events(
+        self, session: Session, document: TokenizedDocument, reservation: Reservation
+    ) -> AsyncGenerator[IngestEvent, None]:
         """The event stream's holder releases the pin and the reservation when it ends."""
-        async with session.ingest_lock:
+        memory = session.memory
+        assert memory is not None, "resident since the pin"
+        async with session.write_lock:
             try:
                 steps = ingest_steps(
-                    session.memory,
+                    memory,
                     document,
                     segment_len=self.config.segment_len,
                     reserve=reservation.grow_to,

@@ -5,15 +5,14 @@ This module imports neither torch nor faiss, so the server can depend on it free
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 MAX_TEMPERATURE = 2.0
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 # The repetition guard's defaults and bounds; it looks at the answer's own tokens only, so copying
 # a phrase from the document or the question is never penalised.
-NO_REPEAT_NGRAM_SIZE = 4  # an answer never says the same 4 tokens twice (0: off)
+NO_REPEAT_NGRAM_SIZE = 4  # an answer never repeats 4 tokens that hold a letter (engine/generation.py; 0: off)
 MAX_NO_REPEAT_NGRAM_SIZE = 64
 REPETITION_PENALTY = 1.0  # logits of tokens already in the answer divided by this (1: off)
 MAX_REPETITION_PENALTY = 2.0
@@ -150,6 +149,20 @@ def to_dict(event: Any) -> dict[str, Any]:
     return asdict(event)
 
 
+E_co = TypeVar("E_co", covariant=True)
+
+
+class EventIterator(Protocol[E_co]):
+    """The events of a started request (`async for`). Closing it early (`aclose`) stops the request
+    and frees what it held; so does reading it to the end."""
+
+    def __aiter__(self) -> EventIterator[E_co]: ...
+
+    async def __anext__(self) -> E_co: ...
+
+    async def aclose(self) -> None: ...
+
+
 class EngineClient(Protocol):
     """What the HTTP layer may call. Blocking work never happens on the caller's event loop.
 
@@ -181,12 +194,12 @@ class EngineClient(Protocol):
 
     async def clear_cache(self, session_id: str) -> CacheInfo: ...
 
-    async def ingest(self, session_id: str, text: str, name: str) -> AsyncIterator[IngestEvent]: ...
+    async def ingest(self, session_id: str, text: str, name: str) -> EventIterator[IngestEvent]: ...
 
-    async def ask(self, session_id: str, question: str, params: GenerationParams) -> AsyncIterator[GenerationEvent]: ...
+    async def ask(self, session_id: str, question: str, params: GenerationParams) -> EventIterator[GenerationEvent]: ...
 
     async def chat(
         self, messages: list[dict[str, str]], params: GenerationParams, model: str | None, session_id: str | None
-    ) -> AsyncIterator[GenerationEvent]: ...
+    ) -> EventIterator[GenerationEvent]: ...
 
     def stats(self) -> EngineStats: ...

@@ -51,7 +51,7 @@ DOCUMENT_MARK = "\x00longdoc-document\x00"
 
 
 def document_frame(tokenizer: PreTrainedTokenizerBase) -> tuple[str, str]:
-    """The chat template around a document streamed into a model's own cache: (text before the
+    """The chat template around a document fed into a model's own cache: (text before the
     document, the template's end of a turn and the assistant's start). The document sits inside
     the first user turn; the question follows it in the same turn (`after_document`)."""
     turn = [{"role": "user", "content": f"Document:\n\n{DOCUMENT_MARK}"}]
@@ -61,7 +61,7 @@ def document_frame(tokenizer: PreTrainedTokenizerBase) -> tuple[str, str]:
 
 
 def after_document(tokenizer: PreTrainedTokenizerBase, history: Messages, question: str) -> str:
-    """What follows the streamed document: earlier turns as text, the instruction, the question,
+    """What follows the fed document: earlier turns as text, the instruction, the question,
     then the end of the turn and the assistant's start."""
     lines = [f"{m['role'].capitalize()}: {m['content']}" for m in history if m.get("content")]
     earlier = "Earlier in this conversation:\n" + "\n".join(lines) + "\n\n" if lines else ""

@@ -64,11 +64,11 @@ class SessionService:
     async def clear(self, session_id: str) -> CacheInfo:
         """Forget every document of the session; runs on the worker that reads the memory."""
         session = self.store.get(session_id)
-        if session.ingest_lock.locked():
+        if session.write_lock.locked():
             raise ConflictError(f"session {session_id} is ingesting a document or writing an answer; clear it afterwards")
         pin = Pin(session)
         try:
-            async with session.ingest_lock:  # nothing may start writing the memory while it is cleared
+            async with session.write_lock:  # nothing may start writing the memory while it is cleared
                 await self.resident(session)
                 await self.memory_worker(session).run(self._reset, session)
         finally:

@@ -30,9 +30,11 @@ class Session:
     created_at: float
     last_used_at: float
     documents: list[DocumentInfo] = field(default_factory=list)
-    ingest_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    load_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    busy: int = 0  # requests in flight; a busy session is never evicted
+    # held by whatever writes the memory (ingestion, clearing, an answer that writes) and by answers
+    # that read what ingestion appends
+    write_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    load_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one load from disk at a time
+    requests_in_flight: int = 0  # a session with requests in flight is never evicted
     deleted: bool = False  # set when the store drops it; work in flight stops at its next step
     reserved: int = 0  # bytes reserved for this session's work in flight
     owner: str | None = None
@@ -92,11 +94,11 @@ class Pin:
 
     def __init__(self, session: Session) -> None:
         self._session: Session | None = session
-        session.busy += 1
+        session.requests_in_flight += 1
 
     def release(self) -> None:
         if self._session is not None:
-            self._session.busy -= 1
+            self._session.requests_in_flight -= 1
             self._session = None
 
 
@@ -110,7 +112,7 @@ class Reservation:
 
     def grow_to(self, nbytes: int) -> None:
         """Ask for more, under the same budgets; raises like `SessionStore.reserve`."""
-        with self._store.lock:
+        with self._store.books_lock:
             if nbytes > self.nbytes:
                 self._store._check(self.session, nbytes - self.nbytes, self.transient)
                 self._add(nbytes - self.nbytes)
@@ -120,7 +122,7 @@ class Reservation:
         self._add(-self.nbytes)
 
     def _add(self, nbytes: int) -> None:
-        with self._store.lock:
+        with self._store.books_lock:
             self.nbytes += nbytes
             self._store._reserved += nbytes
             if self.session is not None:
@@ -150,8 +152,9 @@ class SessionStore:
         self._sessions: dict[str, Session] = {}
         self._reserved = 0  # bytes of every live Reservation
         self.keep_on_disk = keep_on_disk
-        # the event loop and the workers' threads (a growing ingestion) both reach the books
-        self.lock = threading.RLock()
+        # guards the sessions and the byte books (reservations, use): the event loop and the workers'
+        # threads (a growing ingestion) both reach them
+        self.books_lock = threading.RLock()
         self.on_drop: Callable[[Session], None] | None = None  # told of sessions dropped for good (their files)
 
     def __len__(self) -> int:
@@ -178,13 +181,13 @@ class SessionStore:
             last_used_at=now,
             owner=owner,
         )
-        with self.lock:
+        with self.books_lock:
             self._sessions[session.id] = session
         return session
 
     def add(self, session: Session) -> None:
         """Hold a session found on disk (not resident)."""
-        with self.lock:
+        with self.books_lock:
             self._sessions[session.id] = session
 
     def get(self, session_id: str) -> Session:
@@ -195,7 +198,7 @@ class SessionStore:
         return session
 
     def delete(self, session_id: str) -> Session:
-        with self.lock:
+        with self.books_lock:
             session = self._sessions.pop(session_id, None)
         if session is None:
             raise NotFoundError(f"no session {session_id!r}")
@@ -203,22 +206,22 @@ class SessionStore:
         return session
 
     def list(self) -> list[Session]:
-        with self.lock:
+        with self.books_lock:
             return list(self._sessions.values())
 
     def _evictable(self, session: Session) -> bool:
-        return session.resident and session.busy == 0 and session.reserved == 0 and not session.dirty
+        return session.resident and session.requests_in_flight == 0 and session.reserved == 0 and not session.dirty
 
     def evict_idle(self) -> builtins.list[Session]:  # `list` in this class is the method above
         """Sessions idle longer than the TTL leave RAM: for disk with `keep_on_disk`, else they are
         dropped; sessions on disk unused for `saved_ttl_seconds` are dropped. Returns the dropped
         ones (marked deleted; `on_drop` is told, to remove their files)."""
         now, dropped = self._clock(), []
-        with self.lock:
+        with self.books_lock:
             for session in list(self._sessions.values()):
                 if self._evictable(session) and session.last_used_at < now - self.limits.idle_ttl_seconds:
                     self._evict(session)
-                elif not session.resident and session.busy == 0 and session.last_used_at < now - self.limits.saved_ttl_seconds:
+                elif not session.resident and session.requests_in_flight == 0 and session.last_used_at < now - self.limits.saved_ttl_seconds:
                     self._drop(session)
                 if session.deleted:
                     dropped.append(session)
@@ -257,7 +260,7 @@ class SessionStore:
 
     def used_bytes(self) -> int:
         """Committed bytes of every session's memory, plus every reservation."""
-        with self.lock:
+        with self.books_lock:
             return sum(s.memory_bytes for s in self._sessions.values()) + self._reserved
 
     @property
@@ -276,7 +279,7 @@ class SessionStore:
                 server's memory holds too much now (clear a cache, delete sessions, or wait for
                 idle ones to expire).
         """
-        with self.lock:
+        with self.books_lock:
             self._check(session, nbytes, transient)
             reservation = Reservation(self, session, 0, transient)
             reservation._add(nbytes)

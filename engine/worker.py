@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from engine.errors import QueueFullError
 
@@ -57,14 +57,14 @@ class SerialWorker:
         """Run one blocking call on the worker thread."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def iterate(self, steps: Iterator[T]) -> AsyncIterator[T]:
+    async def iterate(self, steps: Iterator[T]) -> AsyncGenerator[T, None]:
         """Drive a blocking generator step by step on the worker thread; closing stops it."""
         try:
             while True:
                 item = await self.run(next, steps, _DONE)
                 if item is _DONE:
                     return
-                yield item  # type: ignore[misc]
+                yield item
         finally:
             close = getattr(steps, "close", None)
             if close is not None:  # after the step in flight, on the same thread
@@ -89,18 +89,19 @@ def released_on_error(held: list[Releasable]) -> Iterator[list[Releasable]]:
         raise
 
 
-class EventStream:
+class EventStream(Generic[T]):
     """An async iterator over a started request that releases its slots (and memory
-    reservations) however it ends, also when it is dropped before its first event."""
+    reservations) however it ends, also when it is dropped before its first event.
+    It is what `engine.interface.EventIterator` describes."""
 
-    def __init__(self, events: AsyncIterator[Any], slots: list[Releasable]) -> None:
+    def __init__(self, events: AsyncGenerator[T, None], slots: list[Releasable]) -> None:
         self._events = events
         self._slots = slots
 
-    def __aiter__(self) -> EventStream:
+    def __aiter__(self) -> EventStream[T]:
         return self
 
-    async def __anext__(self) -> Any:
+    async def __anext__(self) -> T:
         try:
             return await self._events.__anext__()
         except BaseException:
@@ -109,7 +110,7 @@ class EventStream:
 
     async def aclose(self) -> None:
         try:
-            await self._events.aclose()  # type: ignore[attr-defined]
+            await self._events.aclose()
         finally:
             for slot in self._slots:
                 slot.release()

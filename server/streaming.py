@@ -11,6 +11,7 @@ from typing import Any
 from fastapi.sse import EventSourceResponse, format_sse_event
 
 from engine.errors import LongdocError
+from engine.interface import EventIterator
 from server.errors import error_body
 from server.metrics import Metrics
 
@@ -33,7 +34,7 @@ def error_event(exc: BaseException, metrics: Metrics) -> bytes:
     return sse(error_body(kind, message), event="error")
 
 
-def event_stream(chunks: AsyncGenerator[bytes, None], upstream: Any, metrics: Metrics) -> EventSourceResponse:
+def event_stream(chunks: AsyncGenerator[bytes, None], upstream: EventIterator[object], metrics: Metrics) -> EventSourceResponse:
     """Send `chunks` as SSE; `upstream` (an engine stream) is closed however the response ends,
     so a client that disconnects cancels the work behind it."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,8 @@ def ask_url(session_id: str) -> str:
 def test_tiny_temperature_and_top_p_answer_as_greedy(client):
     session_id = new_session(client, memory="text")
     greedy = client.post(ask_url(session_id), json={"question": "hi", "max_tokens": 6}).json()["answer"]
-    for fields in ({"temperature": 1e-300}, {"temperature": 1e-6}, {"temperature": 1.0, "top_p": 1e-300}):
+    near_greedy: tuple[dict[str, Any], ...] = ({"temperature": 1e-300}, {"temperature": 1e-6}, {"temperature": 1.0, "top_p": 1e-300})
+    for fields in near_greedy:
         response = client.post(ask_url(session_id), json={"question": "hi", "max_tokens": 6, "seed": 1, **fields})
         assert response.status_code == 200, (fields, response.text)
         assert response.json()["answer"] == greedy

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from typing import cast
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.models.neurocache import Neurocache, NeurocacheConfig
+from engine.models.neurocache import CacheAttention, Neurocache, NeurocacheConfig
 from engine.models.neurocache_io import save_adapter
 from tests.conftest import FIXTURES, fail_on_third_segment
 
@@ -22,7 +23,8 @@ def adapter_dir(tmp_path_factory, tiny_dir):
     neurocache = Neurocache(model, NeurocacheConfig(top_k=4, capacity=4096, lora_rank=4))
     torch.manual_seed(0)
     with torch.no_grad():
-        for attention in neurocache.cache_attention.values():
+        for module in neurocache.cache_attention.values():
+            attention = cast(CacheAttention, module)
             attention.gate.fill_(3.0)
             attention.o.weight.mul_(200.0)  # a loud cache branch, so its effect shows in sampled text
     folder = tmp_path_factory.mktemp("adapters")

@@ -1,7 +1,9 @@
-"""A CacheFormer checkpoint served through the API: sessions stream documents through the model's
-own segment cache, and answers continue from it."""
+"""A CacheFormer checkpoint served through the API: sessions feed documents through the model's
+own state (the `state` memory), and answers continue from it."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -45,7 +47,7 @@ def greedy(model, context: str, question: str, n: int) -> str:
     return tokenizer.decode(out)
 
 
-def test_checkpoint_is_listed_with_the_stream_memory(lm_client, checkpoint, tiny_dir):
+def test_checkpoint_is_listed_with_the_state_memory(lm_client, checkpoint, tiny_dir):
     models = {m["id"]: m for m in lm_client.get("/v1/models").json()["data"]}
     lm = models[checkpoint.name]
     assert lm["architecture"] == "cacheformer" and lm["context_length"] == 256
@@ -57,27 +59,26 @@ def test_checkpoint_is_listed_with_the_stream_memory(lm_client, checkpoint, tiny
     assert refused.status_code == 400 and "CacheFormer" in refused.json()["error"]["message"]
 
 
-def test_ingest_and_ask_continue_from_the_streamed_document(lm_client, checkpoint):
+def test_ingest_and_ask_continue_from_the_fed_document(lm_client, checkpoint):
     session = lm_client.post("/v1/sessions", json={"model": checkpoint.name}).json()["id"]
     doc = lm_client.post(f"/v1/sessions/{session}/documents", json={"text": TEXT}).json()
     assert doc["tokens"] == len(TEXT.encode()) and doc["segments"] == 6
     cache = lm_client.get(f"/v1/sessions/{session}/cache").json()
     assert cache["entries"] == doc["tokens"] and cache["bytes"] > 0
-    body = {"question": "Who was sitting by her sister?", "max_tokens": 12, "no_repeat_ngram_size": 0}  # plain greedy
+    body: dict[str, Any] = {"question": "Who was sitting by her sister?", "max_tokens": 12, "no_repeat_ngram_size": 0}  # plain greedy
     answer = lm_client.post(f"/v1/sessions/{session}/ask", json=body).json()
     model = lm_client.app.state.engine.models.named(checkpoint.name).loaded.model
     assert answer["answer"] == greedy(model, TEXT, body["question"], 12)
     shorter = lm_client.post("/v1/sessions", json={"model": checkpoint.name}).json()["id"]
     lm_client.post(f"/v1/sessions/{shorter}/documents", json={"text": TEXT[:1500]})
-    sampled = {**body, "temperature": 1.0, "seed": 0, "max_tokens": 32}
-    answers = [lm_client.post(f"/v1/sessions/{s}/ask", json=sampled).json()["answer"] for s in (session, shorter)]
-    assert answers[0] != answers[1]  # the document's second half changes what the model says
+    shorter_answer = lm_client.post(f"/v1/sessions/{shorter}/ask", json=body).json()["answer"]
+    assert shorter_answer == greedy(model, TEXT[:1500], body["question"], 12)  # each session answers from its own text
     assert lm_client.get(f"/v1/sessions/{session}/cache").json() == cache  # answering left the state as it was
     again = lm_client.post(f"/v1/sessions/{session}/ask", json={**body, "stream": True}).text
     assert "event: retrieval" in again and "event: delta" in again and "event: done" in again
 
 
-def test_failed_ingestion_rolls_the_stream_back(lm_client, checkpoint):
+def test_failed_ingestion_rolls_the_state_back(lm_client, checkpoint):
     session = lm_client.post("/v1/sessions", json={"model": checkpoint.name}).json()["id"]
     lm_client.post(f"/v1/sessions/{session}/documents", json={"text": TEXT[:700]})
     before = lm_client.get(f"/v1/sessions/{session}/cache").json()

@@ -6,10 +6,20 @@ a cancelled or failing request leaves the others be."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any, cast
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from engine.batching import BatchDecoder, Batcher, Row
 from engine.generation import AnswerState, StopTokens, generate_steps
@@ -22,7 +32,7 @@ NO_STOP = StopTokens(frozenset())
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
 
 
-def tiny(family: str, vocab: int) -> torch.nn.Module:
+def tiny(family: str, vocab: int) -> Any:
     torch.manual_seed(0)
     config_type, model_type = FAMILIES[family]
     window = {"sliding_window": None} if family == "mistral" else {}
@@ -77,19 +87,20 @@ def test_batched_steps_equal_full_recomputation(family):
     rows = []
     for sequence in sequences:
         row = Row(sequence, GenerationParams(max_tokens=6))
-        row.state = AnswerState(ByteTokenizer(), sequence, row.params, NO_STOP)
+        row.state = AnswerState(cast(PreTrainedTokenizerBase, ByteTokenizer()), sequence, row.params, NO_STOP)
         decoder.prefill(row)
         rows.append(row)
     for step in range(6):
         tokens = torch.randint(0, 101, (len(rows),), generator=generator).tolist()
         for row, token in zip(rows, tokens, strict=True):
+            assert row.state is not None
             row.state.next_token = token
             row.prompt_ids = [*row.prompt_ids, token]
         logits = decoder.step(rows)
         for i, row in enumerate(rows):
             with torch.no_grad():
                 full = model(input_ids=torch.tensor([row.prompt_ids])).logits[0, -1]
-            torch.testing.assert_close(logits[i], full, rtol=1e-4, atol=1e-4, msg=lambda m, step=step: f"step {step}: {m}")
+            torch.testing.assert_close(logits[i], full, rtol=1e-4, atol=1e-4, msg=cast(Callable[[str], str], lambda m, step=step: f"step {step}: {m}"))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -178,7 +189,7 @@ def test_models_the_batched_step_would_get_wrong_are_not_batched():
     scalings whose frequencies depend on the whole batch's positions."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    small = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    small: dict[str, Any] = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     assert not BatchDecoder.supports(GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2)))
     assert not BatchDecoder.supports(MistralForCausalLM(MistralConfig(**small, sliding_window=4096)))
     assert BatchDecoder.supports(MistralForCausalLM(MistralConfig(**small, sliding_window=None)))
@@ -236,7 +247,7 @@ def test_an_invariant_step_gives_a_row_the_same_logits_in_any_company():
         for n in lengths:
             sequence = torch.randint(0, 101, (n,), generator=torch.Generator().manual_seed(n)).tolist()
             row = Row(sequence, GenerationParams(max_tokens=4))
-            row.state = AnswerState(ByteTokenizer(), sequence, row.params, NO_STOP)
+            row.state = AnswerState(cast(PreTrainedTokenizerBase, ByteTokenizer()), sequence, row.params, NO_STOP)
             decoder.prefill(row)
             made.append(row)
         return made

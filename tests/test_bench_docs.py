@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from research.evals.docs import replace_section
+import datetime
+
+from research.evals.docs import dated, replace_section, write_section
 
 DOCUMENT = "# Benchmarks\n\n## Memory modes\n\nold table\n\n## Neurocache\n\nkept figures\n"
 
@@ -17,3 +19,11 @@ def test_last_section_and_missing_section():
     assert out == "# Benchmarks\n\n## Memory modes\n\nold table\n\n## Neurocache\n\nnew figures\n"
     added = replace_section("# Benchmarks\n", "## Memory modes\n\nt\n")
     assert added == "# Benchmarks\n\n## Memory modes\n\nt\n"
+
+
+def test_a_written_section_says_when_it_was_measured(tmp_path):
+    path = tmp_path / "figures.md"
+    write_section(path, "## Memory modes\n\nnew table\n")
+    today = datetime.date.today().isoformat()
+    assert path.read_text() == f"# Benchmarks\n\n## Memory modes\n\nMeasured {today}.\n\nnew table\n"
+    assert dated("## H\nbody\n", datetime.date(2026, 11, 23)) == "## H\n\nMeasured 2026-11-23.\n\nbody\n"

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from clients.client import LongdocClient
+from engine.config import DEFAULT_MODEL
 from tests.conftest import CACHE_DIR, FIXTURES
 
 BOOK = FIXTURES / "alice29.txt"
@@ -45,7 +46,7 @@ def server(default_dir):
     port = free_port()
     env = {**os.environ, "LONGDOC_CACHE_DIR": str(CACHE_DIR), "LONGDOC_DATA_DIR": tempfile.mkdtemp(prefix="longdoc-sessions-"), "LONGDOC_API_KEY": "e2e-key", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "clients.cli", "serve", "--port", str(port), "--log-level", "warning",
-           "--model", "smollm2-135m-instruct", "--model", "cacheformer-bytes"]
+           "--model", DEFAULT_MODEL, "--model", "cacheformer-bytes"]
     LOG.parent.mkdir(exist_ok=True)
     with LOG.open("w") as log:  # kept after the run: a 500's traceback is in it
         process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -94,7 +95,7 @@ def test_openai_sdk_streams_the_answer(server, session):
     openai = pytest.importorskip("openai")
     sdk = openai.OpenAI(base_url=f"{server}/v1", api_key="e2e-key")
     stream = sdk.chat.completions.create(
-        model="smollm2-135m-instruct",
+        model=DEFAULT_MODEL,
         messages=[{"role": "user", "content": QUESTION}],
         max_tokens=48,
         temperature=0,
@@ -142,7 +143,7 @@ def test_a_default_session_answers_about_a_130k_token_book_by_rest_and_the_opena
     assert "Raphael" in client.ask(session_id, question, max_tokens=48)["answer"]
     openai = pytest.importorskip("openai")
     sdk = openai.OpenAI(base_url=f"{server}/v1", api_key="e2e-key")
-    reply = sdk.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": question}],
+    reply = sdk.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": question}],
                                         max_tokens=48, temperature=0, extra_body={"session_id": session_id})
     assert "Raphael" in reply.choices[0].message.content
     client.delete_session(session_id)
@@ -156,7 +157,7 @@ def test_a_neurocache_session_answers_a_pass_key_from_its_cache(server, tmp_path
     document = tmp_path / "passkey.txt"
     document.write_text(f"{filler[:1500]} The pass key is {key}. Remember it. {key} is the pass key. {filler[1500:]}")
     client = LongdocClient(server, api_key="e2e-key")
-    session_id = client.create_session(model="smollm2-135m-instruct", memory="neurocache")["id"]
+    session_id = client.create_session(model=DEFAULT_MODEL, memory="neurocache")["id"]
     events = list(client.add_document_stream(session_id, document.read_text(), name="passkey.txt"))
     assert events[-1].event == "done", events[-1]
     answer = client.ask(session_id, "What is the pass key? Answer with the number.", max_tokens=16)
@@ -165,7 +166,7 @@ def test_a_neurocache_session_answers_a_pass_key_from_its_cache(server, tmp_path
 
 def _queue_depth(server: str) -> float:
     for line in httpx.get(f"{server}/metrics").text.splitlines():
-        if line.startswith('longdoc_queue_depth{worker="model:smollm2-135m-instruct"}'):
+        if line.startswith(f'longdoc_queue_depth{{worker="model:{DEFAULT_MODEL}"}}'):
             return float(line.split()[-1])
     raise AssertionError("no queue depth gauge for the default model")
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from engine.generation import StopTokens, TextAssembler, generate_steps, sample_next
 from engine.interface import GenerationDone, GenerationParams, TokenDelta
@@ -81,7 +83,7 @@ def test_assembler_equals_full_decoding_at_a_cost_per_token_that_does_not_grow(t
     generator = torch.Generator(torch.get_default_device()).manual_seed(0)
     ids = torch.randint(0, len(tiny_tokenizer), (3000,), generator=generator).tolist()
     counting = CountingTokenizer(tiny_tokenizer)
-    assembler = TextAssembler(counting, ())
+    assembler = TextAssembler(cast(PreTrainedTokenizerBase, counting), ())
     text = "".join(assembler.add(t) for t in ids) + assembler.flush()
     assert text == tiny_tokenizer.decode(ids, skip_special_tokens=True)
     assert counting.decoded < 10 * len(ids)  # a full re-decode per token would be ~4.5 million
@@ -127,6 +129,7 @@ def test_stop_token_ends_generation(tiny_dir, tiny_tokenizer):
         first = int(model(torch.tensor([prompt])).logits[0, -1].argmax())
     events = list(generate_steps(model, tiny_tokenizer, prompt, GenerationParams(max_tokens=5), StopTokens(frozenset({first}))))
     assert [type(e) for e in events] == [GenerationDone]
+    assert isinstance(events[0], GenerationDone)
     assert events[0].finish_reason == "stop" and events[0].completion_tokens == 1
 
 
@@ -178,7 +181,8 @@ def test_repetition_penalty_demotes_tokens_the_answer_already_holds(tiny_tokeniz
     from engine.generation import RepetitionGuard
 
     guard = RepetitionGuard(GenerationParams(no_repeat_ngram_size=0, repetition_penalty=2.5))
-    guard.add(1), guard.add(3)
+    guard.add(1)
+    guard.add(3)
     logits = guard.apply(torch.tensor([0.0, 2.0, 1.0, -1.0]))
     assert logits.tolist() == pytest.approx([0.0, 0.8, 1.0, -2.5]) and int(torch.argmax(logits)) == 2
 
@@ -192,6 +196,7 @@ def test_the_guard_works_on_the_logits_device():
     for token in (1, 2, 1):
         guard.add(token)
     logits = guard.apply(torch.zeros(8, device="meta"))
+    assert guard._seen is not None
     assert logits.device.type == "meta" and guard._seen.device.type == "meta"
 
 

@@ -1,5 +1,5 @@
 """Segment-selection attention over a model's own keys/values: equal to the plain model where it holds
-everything, causal while streaming, never selecting the current or a future segment, exact on restore."""
+everything, causal while feeding, never selecting the current or a future segment, exact on restore."""
 
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ def tiny_model(family: str = "llama", seed: int = 0):
     return LlamaForCausalLM(LlamaConfig(**common)).eval()
 
 
-def streamed(model, config: SelectConfig, ids: list[int], chunk: int, storage: str = "float32") -> tuple[SelectiveModel, KVStore, torch.Tensor]:
+def fed(model, config: SelectConfig, ids: list[int], chunk: int, storage: str = "float32") -> tuple[SelectiveModel, KVStore, torch.Tensor]:
     selective = SelectiveModel(model, config)
     store = KVStore(selective.store_shape(storage), device=torch.get_default_device(), dtype=torch.float32)
     store.reserve(len(ids))
-    logits = [cast(torch.Tensor, selective.stream(store, ids[i : i + chunk], logits=True)) for i in range(0, len(ids), chunk)]
+    logits = [cast(torch.Tensor, selective.feed(store, ids[i : i + chunk], logits=True)) for i in range(0, len(ids), chunk)]
     return selective, store, torch.cat(logits)
 
 
@@ -54,7 +54,7 @@ def test_text_within_sinks_and_window_equals_plain_model(family):
     model = tiny_model(family)
     config = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=96, sinks=8, query_chunk=8)
     ids = random_ids(90)
-    selective, store, logits = streamed(model, config, ids[:80], chunk=24)
+    selective, store, logits = fed(model, config, ids[:80], chunk=24)
     full = plain_logits(model, ids)
     torch.testing.assert_close(logits, full[:80], atol=1e-4, rtol=0)
     out = answer_logits(selective, store, ids[80:86], ids[86:90])
@@ -66,7 +66,7 @@ def test_top_k_covering_every_segment_equals_full_attention():
     model = tiny_model()
     config = SelectConfig(segment_len=8, top_k=64, neighbours=1, window=16, sinks=4, query_chunk=5)
     ids = random_ids(200)
-    selective, store, logits = streamed(model, config, ids[:180], chunk=20)
+    selective, store, logits = fed(model, config, ids[:180], chunk=20)
     assert selective.eligible(store, 180) > 10  # the window alone does not hold the text
     full = plain_logits(model, ids)
     torch.testing.assert_close(logits, full[:180], atol=1e-4, rtol=0)
@@ -80,12 +80,12 @@ def test_small_top_k_differs_from_full_attention():
     model = tiny_model()
     config = SelectConfig(segment_len=8, top_k=1, neighbours=1, window=16, sinks=4)
     ids = random_ids(180)
-    _, _, logits = streamed(model, config, ids, chunk=20)
+    _, _, logits = fed(model, config, ids, chunk=20)
     assert (logits[-20:] - plain_logits(model, ids)[-20:]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("summary", ["mean", "representative"])
-def test_streaming_is_causal(summary):
+def test_feeding_is_causal(summary):
     """Changing token t changes no logit, and no stored key or value, before t."""
     model = tiny_model()
     config = SelectConfig(segment_len=8, top_k=2, neighbours=3, window=16, sinks=4, summary=summary, representatives=2)
@@ -93,8 +93,8 @@ def test_streaming_is_causal(summary):
     t = 170
     changed = list(ids)
     changed[t] = (ids[t] + 1) % VOCAB
-    _, store_a, logits_a = streamed(model, config, ids, chunk=20)
-    _, store_b, logits_b = streamed(model, config, changed, chunk=20)
+    _, store_a, logits_a = fed(model, config, ids, chunk=20)
+    _, store_b, logits_b = fed(model, config, changed, chunk=20)
     assert torch.equal(logits_a[:t], logits_b[:t])
     assert not torch.equal(logits_a[t:], logits_b[t:])
     before = (t - config.sinks) // config.segment_len  # segments wholly before t
@@ -119,8 +119,8 @@ def test_compact_storage_stays_close(storage):
     model = tiny_model()
     config = SelectConfig(segment_len=8, top_k=64, neighbours=1, window=16, sinks=4)
     ids = random_ids(200)
-    _, _, exact = streamed(model, config, ids, chunk=20)
-    _, _, compact = streamed(model, config, ids, chunk=20, storage=storage)
+    _, _, exact = fed(model, config, ids, chunk=20)
+    _, _, compact = fed(model, config, ids, chunk=20, storage=storage)
     assert (compact - exact).abs().max() < 0.05
 
 
@@ -128,12 +128,12 @@ def test_rollback_and_restore_are_exact():
     model = tiny_model()
     config = SelectConfig(segment_len=8, top_k=2, neighbours=3, window=16, sinks=4)
     ids = random_ids(260)
-    selective, store, _ = streamed(model, config, ids[:200], chunk=20)
+    selective, store, _ = fed(model, config, ids[:200], chunk=20)
     saved = copy.deepcopy(store.state_dict())
     before = answer_logits(selective, store, ids[200:210], ids[210:214])
     mark = store.mark()
     store.reserve(60)
-    selective.stream(store, ids[200:260])
+    selective.feed(store, ids[200:260])
     store.rollback(mark)
     after_rollback = answer_logits(selective, store, ids[200:210], ids[210:214])
     restored = KVStore(selective.store_shape("float32"), device=torch.get_default_device(), dtype=torch.float32)
@@ -161,12 +161,12 @@ def test_a_rolled_back_document_leaves_nothing_in_the_kept_page(storage):
     model = tiny_model()
     config = SelectConfig(segment_len=8, top_k=2, neighbours=3, window=16, sinks=4)
     ids = random_ids(300)
-    selective, store, _ = streamed(model, config, ids[:200], chunk=20, storage=storage)
+    selective, store, _ = fed(model, config, ids[:200], chunk=20, storage=storage)
     store.trim()
     saved = copy.deepcopy(store.state_dict())
     mark = store.mark()
     store.reserve(100)
-    selective.stream(store, ids[200:300])
+    selective.feed(store, ids[200:300])
     assert not same_state(store.state_dict(), saved)
     store.rollback(mark)
     assert same_state(store.state_dict(), saved)
@@ -183,7 +183,7 @@ def test_bytes_are_counted_before_they_are_allocated(tokens, sinks):
         start = store.nbytes
         store.reserve(len(part))
         for i in range(0, len(part), 100):
-            selective.stream(store, part[i : i + 100])
+            selective.feed(store, part[i : i + 100])
             assert store.nbytes - start <= bound
         if tokens >= 1000:  # the bound is close for a document of whole pages
             assert store.nbytes - start > 0.5 * bound

@@ -1,4 +1,4 @@
-"""Sliding-window and streamed scoring agree where both see the same context."""
+"""Sliding-window and fed scoring agree where both see the same context."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from research.lms import build
-from research.training.lm_eval import sliding_losses, streamed_losses
+from research.training.lm_eval import fed_losses, sliding_losses
 
 
 def test_both_score_every_byte_and_agree_inside_the_first_window():
@@ -15,7 +15,7 @@ def test_both_score_every_byte_and_agree_inside_the_first_window():
                   segment_len=4, compressed_per_segment=2, group_size=4, overlap=True, cache_top_k=2).eval()
     data = np.random.default_rng(0).integers(0, 256, 300).astype(np.uint8)
     sliding = sliding_losses(model, data, 64)
-    streamed, seconds, nbytes = streamed_losses(model, data, chunk=50)
-    assert sliding.shape == streamed.shape == (299,) and len(seconds) == 6 and nbytes > 0
-    np.testing.assert_allclose(streamed[:64], sliding[:64], rtol=1e-4, atol=1e-5)  # same context: the same bytes
-    assert np.abs(streamed[64:] - sliding[64:]).max() > 1e-3  # beyond it the streamed history differs
+    fed, seconds, nbytes = fed_losses(model, data, chunk=50)
+    assert sliding.shape == fed.shape == (299,) and len(seconds) == 6 and nbytes > 0
+    np.testing.assert_allclose(fed[:64], sliding[:64], rtol=1e-4, atol=1e-5)  # same context: the same bytes
+    assert np.abs(fed[64:] - sliding[64:]).max() > 1e-3  # beyond it the fed history differs

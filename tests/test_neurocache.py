@@ -4,6 +4,7 @@ cached decoding equal to full recomputation, strict adapter loading."""
 from __future__ import annotations
 
 import copy
+from typing import Any, cast
 
 import pytest
 import torch
@@ -18,16 +19,18 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from engine.models.neurocache import Neurocache, NeurocacheConfig
+from engine.models.neurocache import CacheAttention, LoRALinear, Neurocache, NeurocacheConfig
 from research.training.neurocache_adapter import merge_lora, new_training_cache, training_caches
 
 VOCAB = 97
 
 
-def tiny(arch: str) -> torch.nn.Module:
+def tiny(arch: str) -> Any:
+    """A tiny Hugging Face model, typed `Any`: tests reach its layers by attribute name."""
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256)
+    common: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=256)
+    model: torch.nn.Module
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif arch == "mistral":
@@ -59,17 +62,18 @@ def filled_cache(neurocache: Neurocache, n: int = 100, seed: int = 1):
 def open_gates(neurocache: Neurocache, seed: int = 2) -> None:
     torch.manual_seed(seed)
     with torch.no_grad():
-        for attention in neurocache.cache_attention.values():
+        for module in neurocache.cache_attention.values():
+            attention = cast(CacheAttention, module)
             attention.gate.normal_(0, 1.0)
             attention.slot_bias.normal_(0, 1.0)
-        for lora in neurocache.lora.values():
-            lora.lora_b.weight.normal_(0, 0.1)
+        for module in neurocache.lora.values():
+            cast(LoRALinear, module).lora_b.weight.normal_(0, 0.1)
 
 
 def test_slot_bias_selects_a_retrieval_slot():
     """A large bias on one slot puts all of every head's cache attention on that slot's state."""
     neurocache = Neurocache(tiny("llama"), CONFIG)
-    attention = neurocache.cache_attention["3"]
+    attention = cast(CacheAttention, neurocache.cache_attention["3"])
     slots = attention.slot_bias.shape[1]
     assert slots == CONFIG.context * CONFIG.top_k * CONFIG.window
     initial = torch.zeros_like(attention.slot_bias)
@@ -95,7 +99,7 @@ def test_cache_attention_equals_a_per_head_reference():
     """Grouped-query cache attention, written out head by head: query head h reads key/value head
     h // (heads / kv_heads); masked slots get no weight; a token with nothing retrieved gets zero."""
     neurocache = Neurocache(tiny("llama"), CONFIG)  # 4 query heads, 2 key/value heads
-    attention = neurocache.cache_attention["3"]
+    attention = cast(CacheAttention, neurocache.cache_attention["3"])
     torch.manual_seed(4)
     B, T, R, d = 2, 3, attention.slot_bias.shape[1], neurocache.compressed_dim
     x, states = torch.randn(B, T, 32), torch.randn(B, T, R, d)
@@ -341,6 +345,7 @@ def test_a_recording_binding_keeps_each_pass_states_and_leaves_the_cache_alone()
         for i in range(7, 10):
             with neurocache.active(binding):
                 past = model(ids[:, i : i + 1], past_key_values=past, use_cache=True).past_key_values
+    assert binding.record is not None
     assert [tuple(c.shape) for c in binding.record] == [(1, 7, neurocache.compressed_dim)] + [(1, 1, neurocache.compressed_dim)] * 3
     torch.testing.assert_close(torch.cat(binding.record, dim=1), neurocache.compress(ids), rtol=1e-4, atol=1e-5)
     assert torch.equal(cache.states, before) and cache.size == 100
@@ -365,9 +370,11 @@ def test_training_reencodes_retrieved_states_so_the_projection_learns():
     first, second = torch.randint(0, VOCAB, (1, 16)), torch.randint(0, VOCAB, (1, 16))
     with training_caches(neurocache, [cache]) as shared:
         model(first)
+        assert shared.compressed is not None and shared.hidden is not None
         cache.add(shared.compressed[0], document=0, values=shared.hidden[0])
     with training_caches(neurocache, [cache]) as shared:
         loss = model(second).logits.square().mean()
+        assert shared.states is not None
         reencoded = shared.states.detach().clone()
     with torch.no_grad(), neurocache.attached([cache]) as shared:
         model(second)

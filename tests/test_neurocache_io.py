@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from typing import cast
 
 import pytest
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from engine.models.neurocache_io import load_adapter, read_meta, save_adapter
 from tests.test_neurocache import CONFIG, VOCAB, adapted, filled_cache, open_gates, tiny
@@ -19,15 +21,20 @@ class VocabTokenizer:
         return self._vocab
 
 
+def vocab_tokenizer(n: int) -> PreTrainedTokenizerBase:
+    """A `VocabTokenizer` where the adapter files expect a tokenizer (they read only its vocabulary)."""
+    return cast(PreTrainedTokenizerBase, VocabTokenizer(n))
+
+
 def test_round_trip_gives_the_same_model(tmp_path):
     model, neurocache, _ = adapted("llama")
     open_gates(neurocache)
-    save_adapter(neurocache, VocabTokenizer(VOCAB), tmp_path / "a", steps=3, seed=0)
+    save_adapter(neurocache, vocab_tokenizer(VOCAB), tmp_path / "a", steps=3, seed=0)
     meta = read_meta(tmp_path / "a")
     assert meta["neurocache"]["top_k"] == CONFIG.top_k and meta["neurocache"]["lora_rank"] == CONFIG.lora_rank
     assert meta["manifest"] == {"steps": 3, "seed": 0}
     fresh = tiny("llama")
-    loaded = load_adapter(fresh, VocabTokenizer(VOCAB), tmp_path / "a")
+    loaded = load_adapter(fresh, vocab_tokenizer(VOCAB), tmp_path / "a")
     ids = torch.randint(0, VOCAB, (1, 10))
     cache = filled_cache(neurocache)
     with torch.no_grad():
@@ -40,22 +47,22 @@ def test_round_trip_gives_the_same_model(tmp_path):
 
 def test_mismatches_fail_with_a_clear_message(tmp_path):
     _, neurocache, _ = adapted("llama")
-    save_adapter(neurocache, VocabTokenizer(VOCAB), tmp_path / "a")
+    save_adapter(neurocache, vocab_tokenizer(VOCAB), tmp_path / "a")
     with pytest.raises(ValueError, match="tokenizer"):
-        load_adapter(tiny("llama"), VocabTokenizer(VOCAB + 1), tmp_path / "a")
+        load_adapter(tiny("llama"), vocab_tokenizer(VOCAB + 1), tmp_path / "a")
     with pytest.raises(ValueError, match="architecture"):
-        load_adapter(tiny("gpt2"), VocabTokenizer(VOCAB), tmp_path / "a")
+        load_adapter(tiny("gpt2"), vocab_tokenizer(VOCAB), tmp_path / "a")
     with pytest.raises(FileNotFoundError):
-        load_adapter(tiny("llama"), VocabTokenizer(VOCAB), tmp_path / "missing")
+        load_adapter(tiny("llama"), vocab_tokenizer(VOCAB), tmp_path / "missing")
     meta = json.loads((tmp_path / "a" / "adapter.json").read_text())
     meta["neurocache"]["lora_rank"] = 2  # weights no longer fit the settings
     (tmp_path / "a" / "adapter.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="shape"):
-        load_adapter(tiny("llama"), VocabTokenizer(VOCAB), tmp_path / "a")
+        load_adapter(tiny("llama"), vocab_tokenizer(VOCAB), tmp_path / "a")
     meta["neurocache"]["surprise"] = 1
     (tmp_path / "a" / "adapter.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="unknown Neurocache settings"):
-        load_adapter(tiny("llama"), VocabTokenizer(VOCAB), tmp_path / "a")
+        load_adapter(tiny("llama"), vocab_tokenizer(VOCAB), tmp_path / "a")
 
 
 def test_shipping_stores_bfloat16_and_loads_strictly(tmp_path):
@@ -63,12 +70,12 @@ def test_shipping_stores_bfloat16_and_loads_strictly(tmp_path):
 
     model, neurocache, _ = adapted("llama")
     open_gates(neurocache)
-    save_adapter(neurocache, VocabTokenizer(VOCAB), tmp_path / "run", steps=3)
+    save_adapter(neurocache, vocab_tokenizer(VOCAB), tmp_path / "run", steps=3)
     ship(tmp_path / "run", tmp_path / "shipped", {"passkey": "5/5"})
     meta = read_meta(tmp_path / "shipped")
     assert meta["manifest"]["steps"] == 3 and meta["manifest"]["eval"] == {"passkey": "5/5"}
     assert meta["manifest"]["stored_dtype"] == "bfloat16"
-    loaded = load_adapter(tiny("llama"), VocabTokenizer(VOCAB), tmp_path / "shipped")
+    loaded = load_adapter(tiny("llama"), vocab_tokenizer(VOCAB), tmp_path / "shipped")
     original, shipped = neurocache.adapter_state_dict(), loaded.adapter_state_dict()
     assert original.keys() == shipped.keys()
     for name, tensor in original.items():  # the float32 model holds each weight rounded to bfloat16

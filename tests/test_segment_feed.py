@@ -3,6 +3,8 @@ forgets exactly what was fed after the mark."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from research.lms.segment_feed import FeedState, feed
 
 SMALL = dict(vocab_size=50, dim=16, n_layers=2, n_heads=2, max_seq_len=128, window=6, segment_len=4,
              compressed_per_segment=2)
-VARIANTS = {
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "long-short": ("long-short", {}),
     "cf-overlap": ("cacheformer", {"overlap": True}),
     "cf-cache-p4": ("cacheformer", {"cache_top_k": 2, "group_size": 4}),
@@ -27,7 +29,7 @@ def model_for(name: str, seed: int = 0):
     return build(arch, **{**SMALL, **flags}).eval()
 
 
-def streamed(model, ids: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+def fed(model, ids: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     state, out, at = FeedState(model), [], 0
     for size in sizes:
         out.append(feed(model, state, ids[at : at + size]))
@@ -38,20 +40,20 @@ def streamed(model, ids: torch.Tensor, sizes: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 @pytest.mark.parametrize("chunking", list(CHUNKINGS))
-def test_streaming_in_chunks_equals_one_pass(name, chunking):
+def test_feeding_in_chunks_equals_one_pass(name, chunking):
     model = model_for(name)
     ids = torch.randint(0, 50, (70,), generator=torch.Generator(torch.get_default_device()).manual_seed(1))
     with torch.no_grad():
         full = model(ids[None])[0]
-    torch.testing.assert_close(streamed(model, ids, CHUNKINGS[chunking]), full, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fed(model, ids, CHUNKINGS[chunking]), full, rtol=1e-4, atol=1e-4)
 
 
-def test_stream_goes_past_the_training_length():
+def test_feeding_goes_past_the_training_length():
     model = model_for("cf-both-p8")
     ids = torch.randint(0, 50, (300,), generator=torch.Generator(torch.get_default_device()).manual_seed(2))  # max_seq_len is 128
     with pytest.raises(ValueError, match="at most 128"):
         model(ids[None])
-    logits = streamed(model, ids, [100, 100, 100])
+    logits = fed(model, ids, [100, 100, 100])
     assert logits.shape == (300, 50) and torch.isfinite(logits).all()
     torch.testing.assert_close(logits[:128], model(ids[None, :128])[0], rtol=1e-4, atol=1e-4)
 

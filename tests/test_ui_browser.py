@@ -18,6 +18,7 @@ import httpx
 import pytest
 from playwright.sync_api import Page, expect, sync_playwright
 
+from engine.config import DEFAULT_MODEL
 from scripts.drills.server import Server
 from tests.conftest import CACHE_DIR, FIXTURES
 
@@ -54,7 +55,7 @@ class WatchedPage(Page):
 def server(default_dir, tmp_path_factory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("ui-server") / "server.log"
     env = {"LONGDOC_CACHE_DIR": str(CACHE_DIR), "LONGDOC_API_KEY": KEY}
-    running = Server(["--model", "smollm2-135m-instruct", "--default-memory", "text"], env=env, log=log).start()
+    running = Server(["--model", DEFAULT_MODEL, "--default-memory", "text"], env=env, log=log).start()
     yield running
     assert running.process is not None
     running.process.terminate()

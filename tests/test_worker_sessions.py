@@ -93,7 +93,7 @@ def test_idle_sessions_are_evicted_but_busy_ones_stay(memory_factory):
     clock = FakeClock()
     store = SessionStore(SessionLimits(idle_ttl_seconds=60), clock=clock)
     idle, busy, fresh = (store.create("m", memory_factory(), {}) for _ in range(3))
-    busy.busy = 1
+    busy.requests_in_flight = 1
     clock.now += 50
     store.get(fresh.id)
     clock.now += 20

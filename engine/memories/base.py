@@ -81,7 +81,7 @@ class AnswerRequest:
 @dataclass(frozen=True)
 class MemoryWrite:
     """Yielded by `answer_steps` when an answer should be written into the memory: the engine runs
-    `apply` on the memory's worker under the session's ingest lock (so no ingestion is half-way),
+    `apply` on the memory's worker under the session's write lock (so no ingestion is half-way),
     saves the session if it returns True, and does not pass the event on."""
 
     apply: Callable[[], bool]
@@ -113,7 +113,7 @@ def validation_message(exc: ValidationError) -> str:
 class Memory(ABC):
     kind: ClassVar[str]
     runs_on_model: ClassVar[bool] = False  # ingestion needs the language model's worker
-    answer_holds_lock: ClassVar[bool] = False  # answering reads state ingestion writes: hold the session's ingest lock
+    answer_holds_write_lock: ClassVar[bool] = False  # answering reads state ingestion writes: hold the session's write lock
 
     @abstractmethod
     def begin_document(self, document_id: str, text: str, tokens: int) -> None:

@@ -1,8 +1,8 @@
 """kvcache memory: the session's documents as the served model's own keys and values, attended by
 segment selection (engine/models/kv_select.py). No training; the document stays exact.
 
-The stream a session keeps: the chat template's start and "Document:", the first document, then
-each later document after a blank line. Answering continues that stream with the question (the
+The token sequence a session keeps: the chat template's start and "Document:", the first document, then
+each later document after a blank line. Answering continues that sequence with the question (the
 rest of the user turn) and generates; the store is read-only while answering.
 """
 
@@ -32,7 +32,7 @@ class KVCacheOptions:
     top_k: int = 8  # k: segments each layer and key/value head selects
     neighbours: int = 3  # u: segments taken per pick, centred on it
     window: int = 1024  # local window, tokens
-    sinks: int = 64  # attention-sink tokens (the start of the stream)
+    sinks: int = 64  # attention-sink tokens (the start of the sequence)
     query_chunk: int = 64  # p: prompt rows sharing one selection
     reselect_every: int = 8  # decode steps sharing one selection (1: every step selects)
     ingest_selection: bool = True  # document chunks attend to selected earlier segments too
@@ -60,7 +60,7 @@ class KVCacheOptions:
 class KVCacheMemory(Memory):
     kind = "kvcache"
     runs_on_model = True
-    answer_holds_lock = True  # the answer reads the store an ingestion appends to
+    answer_holds_write_lock = True  # the answer reads the store an ingestion appends to
 
     def __init__(self, context: MemoryContext, options: dict[str, Any]) -> None:
         self.options: KVCacheOptions = parse_options(KVCacheOptions, options)
@@ -80,10 +80,10 @@ class KVCacheMemory(Memory):
         shape = self.selective.store_shape(self.options.storage)
         self.store = KVStore(shape, device=self.selective.device, dtype=self.selective.dtype)
         self._documents: list[str] = []
-        self._token_doc = np.zeros(0, np.int32)  # per stream token: its document's number, -1 for template text
+        self._token_doc = np.zeros(0, np.int32)  # per fed token: its document's number, -1 for template text
         self._token_spans = np.zeros((0, 2), np.int32)
         self._staged: dict[str, Any] | None = None
-        self._committed = (0, 0)  # (bytes, tokens) that stats count: never a document being streamed
+        self._committed = (0, 0)  # (bytes, tokens) that stats count: never a document being fed
 
     @classmethod
     def available(cls, context: MemoryContext) -> bool:
@@ -104,7 +104,7 @@ class KVCacheMemory(Memory):
     def _feed(self, token_ids: list[int], document: int, spans: list[tuple[int, int]]) -> None:
         # a chunk's tokens sit after the layout's positions: pieces of at most `room` keep them in the model's
         for at in range(0, len(token_ids), self._room):
-            self.selective.stream(self.store, token_ids[at : at + self._room])
+            self.selective.feed(self.store, token_ids[at : at + self._room])
         self._token_doc = np.concatenate([self._token_doc, np.full(len(token_ids), document, np.int32)])
         self._token_spans = np.concatenate([self._token_spans, np.asarray(spans, np.int32).reshape(-1, 2)])
 

@@ -1,8 +1,9 @@
 """Segment-selection attention over a pretrained Llama-family model's own keys and values.
 
 CacheFormer's cache attention and the segment-selection KV cache, applied to a served model
-without training (papers/cacheformer-v2.md, papers/kv-cache-segment-selection.md). A document
-streams through the model chunk by chunk; each layer keeps every token's key (before rotary) and
+without training (the CacheFormer paper's cache attention and the segment-selection key/value
+cache paper's top-k segments chosen by their summaries). A document
+is fed through the model chunk by chunk; each layer keeps every token's key (before rotary) and
 value in a `KVStore`, cut into segments of l tokens with a summary each. A query chunk attends, in
 one softmax, to
 
@@ -12,7 +13,7 @@ Selection (per layer and key/value head): the mean query of the chunk's rows and
 query group, before rotary, dotted with each segment's summary (the best of its representative
 keys); top-k segments, each with its u - 1 neighbours (u = `neighbours`, centred), deduplicated,
 only among segments that end before the local window (never the current or a future segment).
-While a document streams, chunk g is selected for by the queries of chunk g-1, so no stored key or
+While a document is fed, chunk g is selected for by the queries of chunk g-1, so no stored key or
 value depends on a later token. In the answer's prompt pass chunk g uses its own queries: every
 selectable segment precedes the whole prompt, and only the last position's logits are used. Each
 decode step selects with its own query.
@@ -53,7 +54,7 @@ class SelectConfig:
     sinks: int = 64  # attention-sink tokens
     query_chunk: int = 64  # p: prompt rows that share one selection
     reselect_every: int = 8  # decode steps that share one selection (each made with its first step's query)
-    ingest_selection: bool = True  # streaming chunks attend to selected segments too
+    ingest_selection: bool = True  # fed chunks attend to selected segments too
     summary: str = "mean"  # "mean" | "representative"
     representatives: int = 4  # keys per segment for "representative"
 
@@ -181,7 +182,7 @@ class SelectiveModel:
 
     def summaries(self, layer_index: int, store: KVStore, eligible: int) -> torch.Tensor:
         """[S, R, Hkv, D]: the eligible segments' summaries, centred on their mean and scaled to unit
-        length. Raw dot products favour the segments near the start of a stream, whose keys share
+        length. Raw dot products favour the segments near the start of what was fed, whose keys share
         a large common component with every query (measured: docs/kvcache.md)."""
         summaries = store.summaries[layer_index][:eligible]
         centred = summaries - summaries.mean(dim=(0, 1), keepdim=True)
@@ -229,15 +230,15 @@ class SelectiveModel:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self._lm_head(self._backbone.norm(x[-1:]))[0]
 
-    # ---- streaming a document ------------------------------------------------------------------
+    # ---- feeding a document -------------------------------------------------------------------
 
     def eligible(self, store: KVStore, before: int) -> int:
-        """Segments that end before the local window of a chunk starting at stream token `before`."""
+        """Segments that end before the local window of a chunk starting at fed token `before`."""
         return max(0, (before - self.config.window - self.config.sinks) // self.config.segment_len)
 
     @torch.inference_mode()
-    def stream(self, store: KVStore, token_ids: list[int], *, logits: bool = False) -> torch.Tensor | None:
-        """Run one chunk of the document stream and write its keys/values; with `logits`, return the
+    def feed(self, store: KVStore, token_ids: list[int], *, logits: bool = False) -> torch.Tensor | None:
+        """Run the document's next chunk through the model and write its keys/values; with `logits`, return the
         chunk's logits [T, V] (tests compare them; ingestion skips the vocabulary projection)."""
         c = self.config
         start = store.tokens

@@ -1,10 +1,10 @@
 """A session's key/value store for segment-selection attention (engine/models/kv_select.py).
 
-The document stream's keys (before rotary) and values, for every layer and key/value head:
+The fed document's keys (before rotary) and values, for every layer and key/value head:
 
 - the first `sinks` tokens, kept apart (every query attends to them);
 - then segments of `segment_len` tokens, written into fixed-size pages (allocation is by page,
-  so the bytes a document adds are known before it is streamed), in bfloat16, float32, or int8
+  so the bytes a document adds are known before it is fed), in bfloat16, float32, or int8
   with one scale per segment and channel;
 - the last, incomplete segment, kept in the compute dtype until it fills;
 - a summary per segment and head that selection scores queries against: the segment's mean key
@@ -57,7 +57,7 @@ class StoreShape:
 
 
 class KVStore:
-    """Keys/values of one session's document stream; see the module docstring."""
+    """Keys/values of the documents one session has fed; see the module docstring."""
 
     def __init__(self, shape: StoreShape, *, device: torch.device, dtype: torch.dtype) -> None:
         self.shape, self.device, self.dtype = shape, device, dtype
@@ -67,8 +67,8 @@ class KVStore:
         self.tail_k, self.tail_v = [empty] * L, [empty] * L  # the incomplete segment [< l, H, D]
         self.pages: list[list[dict[str, torch.Tensor]]] = [[] for _ in range(L)]
         self.summaries = [torch.zeros(0, shape.representatives, H, D, device=device) for _ in range(L)]
-        self.query_mean: list[torch.Tensor | None] = [None] * L  # [H, D] of the last chunk streamed
-        self.tokens = 0  # stream tokens written
+        self.query_mean: list[torch.Tensor | None] = [None] * L  # [H, D] of the last chunk fed
+        self.tokens = 0  # fed tokens written
         self.segments = 0  # complete segments
 
     # ---- sizes -------------------------------------------------------------------------------
@@ -183,7 +183,7 @@ class KVStore:
         return torch.stack(ks).to(self.dtype), torch.stack(vs).to(self.dtype)
 
     def read(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [end - start, H, D] of stream tokens start..end-1 past the sinks (the
+        """Keys and values [end - start, H, D] of fed tokens start..end-1 past the sinks (the
         window); start must be on a segment boundary."""
         l, sinks = self.shape.segment_len, self.shape.sinks
         first, last = (start - sinks) // l, max(0, end - sinks) // l
@@ -220,7 +220,7 @@ class KVStore:
         """A kept page's slots from segment `index` on as a new page has them: nothing of an aborted
         document stays in memory or reaches a snapshot."""
         page, slot = divmod(index, self.shape.page_segments)
-        with torch.inference_mode():  # pages written while streaming are inference tensors
+        with torch.inference_mode():  # pages written while feeding are inference tensors
             for layer in range(self.shape.layers):
                 if page < len(self.pages[layer]):
                     for name, tensor in self.pages[layer][page].items():

@@ -165,7 +165,8 @@ def load_model(source: str, *, cache_dir: Path, device: str = "auto", dtype: str
         return family.load(name, source, path, torch_device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(torch_device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    model = model.to(torch_device).eval()  # type: ignore[arg-type]  # transformers' @wraps on .to hides the device parameter
     if tokenizer.chat_template is None:
         raise ValueError(f"model {name!r} has no chat template; longdoc needs an instruct/chat model")
     return LoadedModel(

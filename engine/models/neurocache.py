@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -72,33 +72,34 @@ class NeurocacheConfig:
 class ArchSpec:
     """Where an architecture keeps the parts Neurocache needs."""
 
-    layers: Callable[[nn.Module], nn.ModuleList]
+    # Hugging Face models and layers are reached by attribute name: they are typed Any
+    layers: Callable[[Any], nn.ModuleList]
     attn_norm: str
     ffn_norm: str
     ffn: str
     lora_targets: tuple[str, ...]  # inside the FFN
-    attention_weights: Callable[[nn.Module], tuple[torch.Tensor, ...]]  # q, k, v, o as [out, in]
-    run_attention: Callable[[nn.Module, torch.Tensor, dict[str, Any]], torch.Tensor]
+    attention_weights: Callable[[Any], tuple[torch.Tensor, ...]]  # q, k, v, o as [out, in]
+    run_attention: Callable[[Any, torch.Tensor, dict[str, Any]], torch.Tensor]
     heads: Callable[[Any], tuple[int, int]]  # (query heads, key/value heads)
 
 
-def _llama_weights(layer: nn.Module) -> tuple[torch.Tensor, ...]:
+def _llama_weights(layer: Any) -> tuple[torch.Tensor, ...]:
     a = layer.self_attn
     return a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight
 
 
-def _llama_attention(layer: nn.Module, x: torch.Tensor, args: dict[str, Any]) -> torch.Tensor:
+def _llama_attention(layer: Any, x: torch.Tensor, args: dict[str, Any]) -> torch.Tensor:
     extra = args.pop("kwargs", {})
     return layer.self_attn(hidden_states=x, **args, **extra)[0]
 
 
-def _gpt2_weights(layer: nn.Module) -> tuple[torch.Tensor, ...]:
+def _gpt2_weights(layer: Any) -> tuple[torch.Tensor, ...]:
     fused = layer.attn.c_attn.weight.T  # Conv1D keeps [in, out]; as [3h, h]
     q, k, v = fused.chunk(3, dim=0)
     return q, k, v, layer.attn.c_proj.weight.T
 
 
-def _gpt2_attention(layer: nn.Module, x: torch.Tensor, args: dict[str, Any]) -> torch.Tensor:
+def _gpt2_attention(layer: Any, x: torch.Tensor, args: dict[str, Any]) -> torch.Tensor:
     if args.get("encoder_hidden_states") is not None:
         raise ValueError("Neurocache does not support GPT-2 cross-attention")
     extra = args.pop("kwargs", {})
@@ -138,7 +139,7 @@ def shapes_digest(model: nn.Module) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def arch_of(model: nn.Module) -> ArchSpec:
+def arch_of(model: Any) -> ArchSpec:
     model_type = model.config.model_type
     if model_type not in ARCHITECTURES:
         raise ValueError(f"Neurocache supports {sorted(ARCHITECTURES)}, not {model_type!r}")
@@ -183,9 +184,9 @@ class LoRALinear(nn.Module):
 
     def __init__(self, base: nn.Module, *, rank: int, alpha: float, shared: RetrievalState) -> None:
         super().__init__()
-        self.base = base
+        self.base: Any = base  # nn.Linear or Conv1D
         self._shared = shared
-        weight = base.weight
+        weight = cast(torch.Tensor, base.weight)
         self._conv1d = type(base).__name__ == "Conv1D"  # weight kept as [in, out]
         in_features, out_features = (weight.shape[0], weight.shape[1]) if self._conv1d else (weight.shape[1], weight.shape[0])
         self.lora_a = nn.Linear(in_features, rank, bias=False, dtype=weight.dtype, device=weight.device)
@@ -402,7 +403,7 @@ class CacheBinding:
 class Neurocache(nn.Module):
     """Owns the adapter modules and the layers it wrapped inside `model` (which it modifies in place)."""
 
-    def __init__(self, model: nn.Module, config: NeurocacheConfig) -> None:
+    def __init__(self, model: Any, config: NeurocacheConfig) -> None:
         super().__init__()
         arch = arch_of(model)
         layers = arch.layers(model)
@@ -414,7 +415,7 @@ class Neurocache(nn.Module):
         self.base_shapes = shapes_digest(model)  # before any layer is wrapped
         self.model = [model]  # a list keeps the base model out of this module's parameters
         self.shared = RetrievalState()
-        hidden = model.config.hidden_size
+        hidden = int(model.config.hidden_size)
         if hidden % config.compression:
             raise ValueError(f"hidden size {hidden} is not divisible by compression {config.compression}")
         self.compressed_dim = hidden // config.compression
@@ -444,10 +445,13 @@ class Neurocache(nn.Module):
         for parameter in self.adapter_parameters():
             parameter.requires_grad_(True)
 
+    def loras(self) -> dict[str, LoRALinear]:
+        return {name: cast(LoRALinear, lora) for name, lora in self.lora.items()}
+
     def adapter_parameters(self) -> Iterator[nn.Parameter]:
         yield from self.projection.parameters()
         yield from self.cache_attention.parameters()
-        for lora in self.lora.values():
+        for lora in self.loras().values():
             yield from lora.lora_a.parameters()
             yield from lora.lora_b.parameters()
 
@@ -455,7 +459,7 @@ class Neurocache(nn.Module):
         """Only the trained parameters (W_p, cache attention with gates, LoRA), by stable names."""
         state = {f"projection.{k}": v for k, v in self.projection.state_dict().items()}
         state.update({f"cache_attention.{k}": v for k, v in self.cache_attention.state_dict().items()})
-        for name, lora in self.lora.items():
+        for name, lora in self.loras().items():
             state[f"lora.{name}.a"] = lora.lora_a.weight
             state[f"lora.{name}.b"] = lora.lora_b.weight
         return {k: v.detach() for k, v in state.items()}
@@ -473,7 +477,7 @@ class Neurocache(nn.Module):
         with torch.no_grad():
             self.projection.load_state_dict({k[11:]: v for k, v in state.items() if k.startswith("projection.")})
             self.cache_attention.load_state_dict({k[16:]: v for k, v in state.items() if k.startswith("cache_attention.")})
-            for name, lora in self.lora.items():
+            for name, lora in self.loras().items():
                 lora.lora_a.weight.copy_(state[f"lora.{name}.a"])
                 lora.lora_b.weight.copy_(state[f"lora.{name}.b"])
 

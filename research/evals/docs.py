@@ -1,7 +1,9 @@
-"""Write a benchmark's section into a Markdown file of figures (docs/benchmarks.md)."""
+"""Write a benchmark's section into a Markdown file of figures (docs/benchmarks.md and others):
+the section of the same heading is replaced, with the date it was measured; the rest is kept."""
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
 
@@ -17,6 +19,13 @@ def replace_section(document: str, section: str) -> str:
     return document[:start] + section + ("\n" + rest if rest else "")
 
 
-def write_section(path: Path, section: str) -> None:
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    path.write_text(replace_section(old, section))
+def dated(section: str, day: datetime.date) -> str:
+    """The section with "Measured <day>." as its first line under the heading."""
+    heading, _, body = section.partition("\n")
+    body = body.lstrip("\n")
+    return f"{heading}\n\nMeasured {day.isoformat()}.\n\n{body}"
+
+
+def write_section(path: Path, section: str, *, title: str = "# Benchmarks") -> None:
+    old = path.read_text() if path.exists() else title + "\n"
+    path.write_text(replace_section(old, dated(section, datetime.date.today())))

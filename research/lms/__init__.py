@@ -1,4 +1,4 @@
-"""Model families: Hugging Face loaders (loader.py, neurocache.py) and from-scratch LMs built by name."""
+"""The from-scratch LMs (transformer, Long-Short, CacheFormer), built by name."""
 
 from __future__ import annotations
 

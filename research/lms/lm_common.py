@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -122,7 +122,7 @@ class LanguageModel(nn.Module):
         if kernel not in KERNELS:
             raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {KERNELS}")
         for block in self.blocks:
-            block.attn.kernel = kernel
+            cast(Any, block).attn.kernel = kernel  # every block's attention has a kernel
         return self
 
     def num_parameters(self) -> int:

@@ -18,6 +18,7 @@ length: beyond it the model runs where it was never trained, under the same equa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -149,7 +150,7 @@ class FeedState:
 
 def check_feedable(model: LanguageModel) -> None:
     if not isinstance(model.blocks[0].attn, LongShortAttention):
-        raise ValueError(f"only long-short and cacheformer models stream; this one is {model.arch!r}")
+        raise ValueError(f"only long-short and cacheformer models take a segment feed; this one is {model.arch!r}")
 
 
 @torch.inference_mode()
@@ -161,7 +162,8 @@ def feed(model: LanguageModel, state: FeedState, token_ids: list[int] | torch.Te
     for start in range(0, len(ids), CHUNK):
         x = model.embed(ids[start : start + CHUNK])[None]  # 1, n, C
         position = state.length
-        for block, layer in zip(model.blocks, state.layers, strict=True):
+        blocks: list[Any] = list(model.blocks)
+        for block, layer in zip(blocks, state.layers, strict=True):
             x = x + _attend(block.attn, layer, block.attn_norm(x), position)
             x = x + block.mlp(block.mlp_norm(x))
         state.length += x.shape[1]
@@ -210,11 +212,11 @@ def _compress_completed(attn: LongShortAttention, layer: LayerState, k: torch.Te
     l, r = cfg.segment_len, cfg.compressed_per_segment
     layer.raw_k, layer.raw_v = torch.cat([layer.raw_k, k], dim=1), torch.cat([layer.raw_v, v], dim=1)
     end = position + k.shape[1]
-    streams = [(layer.long_k, layer.long_v, attn.compress_proj, 0)]
+    compressions: list[tuple[Growable, Growable, torch.Tensor, int]] = [(layer.long_k, layer.long_v, attn.compress_proj, 0)]
     if cfg.overlap:
-        streams.append((layer.overlap_k, layer.overlap_v, attn.overlap_proj, l // 2))
+        compressions.append((layer.overlap_k, layer.overlap_v, cast(torch.Tensor, attn.overlap_proj), l // 2))
     keep_from = end
-    for keys, values, proj, offset in streams:
+    for keys, values, proj, offset in compressions:
         done = keys.n // r  # segments compressed so far
         start = offset + done * l
         complete = max(0, (end - start) // l)

@@ -32,7 +32,7 @@ class StateOptions:
 class StateMemory(Memory):
     kind = "state"
     runs_on_model = True
-    answer_holds_lock = True  # answering feeds the state (and rolls it back)
+    answer_holds_write_lock = True  # answering feeds the state (and rolls it back)
 
     def __init__(self, context: MemoryContext, options: dict[str, Any]) -> None:
         self.options: StateOptions = parse_options(StateOptions, options)

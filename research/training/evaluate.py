@@ -1,6 +1,6 @@
 """`longdoc eval ppl|passkey`: Neurocache against the baselines, on held-out text only (`eval qa`: research/evals/qa.py).
 
-- ppl: held-out documents streamed in segments of n tokens; the base model with its local window
+- ppl: held-out documents fed in segments of n tokens; the base model with its local window
   only (each segment alone, positions restarting) against the same segments with the Neurocache
   cache of everything before them, at two cache sizes.
 - passkey goes through the real engine (ingestion, retrieval, generation) per memory mode.
@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import PreTrainedModel
 
 from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL, SHIPPED_ADAPTERS, EngineConfig, ModelSpec
 from engine.engine import Engine
@@ -72,7 +73,7 @@ def perplexity(setup: EvalSetup, *, segment_len: int, capacities: tuple[int, ...
     return rows
 
 
-def _ppl_row(name: str, documents: list[list[int]], model: torch.nn.Module, segment_len: int, cached: Any) -> dict[str, Any]:
+def _ppl_row(name: str, documents: list[list[int]], model: PreTrainedModel, segment_len: int, cached: Any) -> dict[str, Any]:
     total, count = 0.0, 0
     for tokens in documents:
         cache = None

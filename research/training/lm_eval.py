@@ -1,4 +1,4 @@
-"""Long-context evaluation of the from-scratch LMs: does a streamed history beyond the training
+"""Long-context evaluation of the from-scratch LMs: does a history fed beyond the training
 length help, against a sliding window of the training length? Both score every byte after the
 first and return per-byte losses (nats), so they can be compared position by position."""
 
@@ -32,8 +32,8 @@ def sliding_losses(model: LanguageModel, data: np.ndarray, context: int) -> np.n
 
 
 @torch.inference_mode()
-def streamed_losses(model: LanguageModel, data: np.ndarray, chunk: int = 1024) -> tuple[np.ndarray, list[float], int]:
-    """Each byte scored with the whole text before it, streamed through the model's segment cache.
+def fed_losses(model: LanguageModel, data: np.ndarray, chunk: int = 1024) -> tuple[np.ndarray, list[float], int]:
+    """Each byte scored with the whole text before it, fed through the model's segment state.
 
     Returns the losses, the seconds elapsed after each chunk, and the state's bytes at the end.
     """

@@ -103,7 +103,7 @@ def train_lm(config: LMTrainConfig, command: str = "") -> dict[str, Any]:
         model.load_state_dict(load_checkpoint(out / "checkpoint").state_dict())
         optimizer.load_state_dict(state["optimizer"]), scheduler.load_state_dict(state["scheduler"])
         rng.bit_generator.state, step = state["rng"], state["step"]
-    manifest = {"command": command, "data": f"{config.corpus_dir} training split, {len(train_data)} bytes",
+    manifest: dict[str, Any] = {"command": command, "data": f"{config.corpus_dir} training split, {len(train_data)} bytes",
                 "seed": config.seed, "train_config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}}
     manifest["train_config"]["model"] = model.config.to_dict()  # what was trained (with --init: the checkpoint's)
     started, tokens, losses = time.time(), 0, []
@@ -119,7 +119,9 @@ def train_lm(config: LMTrainConfig, command: str = "") -> dict[str, Any]:
                 tokens += batch[:, :-1].numel()
                 losses.append(float(loss.detach()))
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
-            optimizer.step(), scheduler.step(), optimizer.zero_grad(set_to_none=True)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
             step += 1
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
             bar.update(1)

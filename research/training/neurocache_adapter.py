@@ -36,6 +36,6 @@ def merge_lora(neurocache: Neurocache) -> None:
     must not be merged (serving never merges: it uses each LoRALinear's own merged copy, which
     applies inside a binding only)."""
     with torch.no_grad():
-        for lora in neurocache.lora.values():
+        for lora in neurocache.loras().values():
             lora.base.weight += lora.delta().to(lora.base.weight.dtype)
             lora.lora_b.weight.zero_()

@@ -1,7 +1,7 @@
 """`longdoc train neurocache`: adapt a frozen causal LM with Neurocache.
 
 Trains W_p (+ norm), the cache attention with its gates, and LoRA on the FFNs of the augmented
-layers. Each batch row streams one document segment by segment; its cache is reset when a new
+layers. Each batch row feeds one document segment by segment; its cache is reset when a new
 document starts. AdamW, linear warm-up then cosine decay, gradient clipping, gradient
 accumulation over segments, checkpoints and resume.
 """
@@ -13,15 +13,16 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+from transformers import PreTrainedModel
 
 from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
 from engine.models.loader import load_model
-from engine.models.neurocache import Neurocache, NeurocacheConfig
+from engine.models.neurocache import CacheAttention, Neurocache, NeurocacheConfig
 from engine.models.neurocache_io import load_adapter, read_meta, save_adapter
 from engine.state_cache import StateCache
 from research.training.corpus import DEFAULT_DIR, fetch, split
@@ -61,7 +62,7 @@ class TrainConfig:
 
 @dataclass
 class Row:
-    """One batch row: the document it streams, where it is, and its cache."""
+    """One batch row: the document it feeds, where it is, and its cache."""
 
     cache: StateCache
     episode: Episode | None = None
@@ -80,11 +81,13 @@ def scored_positions(answer: torch.Tensor, stride: int) -> torch.Tensor:
 
 
 def segment_loss(
-    model: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor, answer: torch.Tensor, stride: int
+    model: PreTrainedModel, hidden: torch.Tensor, ids: torch.Tensor, answer: torch.Tensor, stride: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mean next-token loss over the scored positions, and over the answer tokens alone (None if none)."""
     scored = scored_positions(answer, stride)  # B, L-1
-    logits = model.get_output_embeddings()(hidden[:, :-1][scored])  # N, V
+    head = model.get_output_embeddings()
+    assert head is not None, "a causal LM has an output embedding"
+    logits = head(hidden[:, :-1][scored])  # N, V
     per_token = F.cross_entropy(logits.float(), ids[:, 1:][scored], reduction="none")
     is_answer = answer[:, 1:][scored]
     answer_loss = per_token[is_answer].mean() if is_answer.any() else None
@@ -154,6 +157,7 @@ class Trainer:
         with training_caches(self.neurocache, [row.cache for row in self.rows]) as shared:
             final = self.model.base_model(input_ids=ids).last_hidden_state  # B, L, h (no LM head yet)
             compressed, hidden = shared.compressed, shared.hidden
+        assert compressed is not None and hidden is not None, "the retrieval layer ran"
         lm_loss, answer_loss = segment_loss(self.model, final, ids, answers, self.config.lm_stride)
         loss = lm_loss + (answer_loss if answer_loss is not None else 0.0)
         (loss / self.config.accumulation).backward()
@@ -174,7 +178,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        gates = torch.cat([torch.tanh(a.gate.detach()) for a in self.neurocache.cache_attention.values()])
+        gates = torch.cat([torch.tanh(cast(CacheAttention, a).gate.detach()) for a in self.neurocache.cache_attention.values()])
         return {
             "step": self.step,
             "lm_loss": sum(lm) / len(lm),

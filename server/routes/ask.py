@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import asdict
-from typing import cast
 
 from fastapi import APIRouter
 from fastapi.sse import EventSourceResponse
@@ -68,7 +67,7 @@ async def ask(
         return event_stream(_ask_events(events, metrics, timer), events, metrics)
     answer: list[str] = []
     retrieval: Retrieval | None = None
-    async with contextlib.aclosing(cast(AsyncGenerator[GenerationEvent, None], events)):  # the engine's are async generators
+    async with contextlib.aclosing(events):
         async for event in events:
             observe(metrics, event, timer)
             if isinstance(event, Retrieval):

@@ -6,7 +6,6 @@ import codecs
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import asdict
-from typing import cast
 
 from fastapi import APIRouter, Query, Request
 from fastapi.sse import EventSourceResponse
@@ -141,7 +140,7 @@ async def add_document(
         return event_stream(_progress_events(events, meter), events, metrics)
     done: IngestDone | None = None
     try:
-        async with contextlib.aclosing(cast(AsyncGenerator[IngestEvent, None], events)):  # the engine's are async generators
+        async with contextlib.aclosing(events):
             async for event in events:
                 meter.on_event(event)
                 if isinstance(event, IngestDone):

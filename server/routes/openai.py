@@ -6,7 +6,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any, cast
+from typing import Any
 
 from fastapi import APIRouter
 from fastapi.sse import EventSourceResponse
@@ -62,7 +62,7 @@ async def chat_completions(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return event_stream(_chunks(events, base, include_usage, metrics, timer), events, metrics)
     text: list[str] = []
-    async with contextlib.aclosing(cast(AsyncGenerator[GenerationEvent, None], events)):  # the engine's are async generators
+    async with contextlib.aclosing(events):
         async for event in events:
             observe(metrics, event, timer)
             if isinstance(event, TokenDelta):

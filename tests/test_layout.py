@@ -1,0 +1,44 @@
+"""Serving apart from research: nothing `longdoc serve` runs imports the research package; the
+from-scratch LMs reach the engine only through the plugin entry point (engine/plugins.py)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def imported_modules(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_the_engine_and_the_server_never_import_research():
+    files = sorted((ROOT / "engine").rglob("*.py")) + sorted((ROOT / "server").rglob("*.py"))
+    assert len(files) > 40
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(m for m in imported_modules(path) if m == "research" or m.startswith("research."))
+        for path in files
+    }
+    assert {path: modules for path, modules in offenders.items() if modules} == {}
+
+
+def test_the_checker_sees_imports_inside_functions(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("def f():\n    from research.lms import build\n    import research.plugin\n")
+    assert imported_modules(sample) == {"research.lms", "research.plugin"}
+
+
+def test_the_research_plugin_is_installed_as_an_entry_point():
+    from importlib.metadata import entry_points
+
+    from engine.plugins import PLUGIN_GROUP, shipped_models
+
+    assert [entry.value for entry in entry_points(group=PLUGIN_GROUP)] == ["research.plugin:register"]
+    assert "cacheformer-bytes" in shipped_models()
