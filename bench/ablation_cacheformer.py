@@ -35,9 +35,28 @@ PAPER = {  # WikiText-103 perplexity, 122.5M parameters, as the CacheFormer pape
 
 def run(name: str, seed: int, args: argparse.Namespace) -> dict:
     out = ROOT / "runs" / "ablation" / f"{name.replace(' ', '_').replace('(', '').replace(')', '').replace(',', '')}-s{seed}"
-    cmd = [sys.executable, "-m", "clients.cli", "train", "lm", *VARIANTS[name], "--steps", str(args.steps),
-           "--seed", str(seed), "--out", str(out), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-           "--warmup", str(args.warmup), "--lr", str(args.lr)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "clients.cli",
+        "train",
+        "lm",
+        *VARIANTS[name],
+        "--steps",
+        str(args.steps),
+        "--seed",
+        str(seed),
+        "--out",
+        str(out),
+        "--batch-size",
+        str(args.batch_size),
+        "--seq-len",
+        str(args.seq_len),
+        "--warmup",
+        str(args.warmup),
+        "--lr",
+        str(args.lr),
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{name} seed {seed} failed:\n{done.stderr[-2000:]}")

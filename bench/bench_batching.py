@@ -52,13 +52,22 @@ def streams_at_once(url: str, sessions: list[str], max_tokens: int) -> tuple[flo
     client = LongdocClient(url)
     started = time.perf_counter()
     with ThreadPoolExecutor(len(sessions)) as pool:
-        results = list(pool.map(lambda i: timed_answer(client, sessions[i], QUESTIONS[i % len(QUESTIONS)], max_tokens), range(len(sessions))))
+        results = list(
+            pool.map(lambda i: timed_answer(client, sessions[i], QUESTIONS[i % len(QUESTIONS)], max_tokens), range(len(sessions)))
+        )
     wall = time.perf_counter() - started
     produced = sum(tokens for *_, tokens in results)
-    return statistics.median(r[0] for r in results), statistics.median(r[1] for r in results), produced / wall, [r[2] for r in results]
+    return (
+        statistics.median(r[0] for r in results),
+        statistics.median(r[1] for r in results),
+        produced / wall,
+        [r[2] for r in results],
+    )
 
 
-def bench(env: dict[str, str], stream_counts: list[int], max_tokens: int, window: int) -> list[tuple[int, float, float, float, list[int]]]:
+def bench(
+    env: dict[str, str], stream_counts: list[int], max_tokens: int, window: int
+) -> list[tuple[int, float, float, float, list[int]]]:
     server = Server(["--model", DEFAULT_MODEL], env=env).start()
     try:
         client = LongdocClient(server.url)
@@ -72,8 +81,11 @@ def bench(env: dict[str, str], stream_counts: list[int], max_tokens: int, window
         rows = []
         for count in stream_counts:
             ttft, decode, total, tokens = streams_at_once(server.url, sessions[:count], max_tokens)
-            print(f"  {env}, {count} streams: TTFT {ttft:.2f} s, decode {decode:.1f} tok/s a stream, "
-                  f"{total:.1f} tok/s in all, answers of {tokens} tokens", flush=True)
+            print(
+                f"  {env}, {count} streams: TTFT {ttft:.2f} s, decode {decode:.1f} tok/s a stream, "
+                f"{total:.1f} tok/s in all, answers of {tokens} tokens",
+                flush=True,
+            )
             rows.append((count, ttft, decode, total, tokens))
         return rows
     finally:
@@ -95,11 +107,15 @@ def main() -> None:
     args = parser.parse_args()
     results = {name: bench(env, args.streams, args.max_tokens, args.window) for name, env in CONFIGS.items()}
     unbatched = results["unbatched (max_batch 1)"]
-    print("\n| server | streams | TTFT s (median) | decode tok/s a stream (median) | output tok/s in all | in all vs its 1 stream | in all vs unbatched | answers (tokens) |")
+    print(
+        "\n| server | streams | TTFT s (median) | decode tok/s a stream (median) | output tok/s in all | in all vs its 1 stream | in all vs unbatched | answers (tokens) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, rows in results.items():
         for (count, ttft, decode, total, tokens), base in zip(rows, unbatched, strict=True):
-            print(f"| {name} | {count} | {ttft:.2f} | {decode:.1f} | {total:.1f} | {total / rows[0][3]:.2f}x | {total / base[3]:.2f}x | {tokens} |")
+            print(
+                f"| {name} | {count} | {ttft:.2f} | {decode:.1f} | {total:.1f} | {total / rows[0][3]:.2f}x | {total / base[3]:.2f}x | {tokens} |"
+            )
 
 
 if __name__ == "__main__":

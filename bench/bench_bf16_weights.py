@@ -44,7 +44,7 @@ def main() -> None:
     count = 0
     with torch.no_grad():
         for w in range(args.windows):
-            window = torch.tensor([ids[w * args.window:(w + 1) * args.window]])
+            window = torch.tensor([ids[w * args.window : (w + 1) * args.window]])
             a = torch.log_softmax(whole(window).logits[0].float(), -1)
             b = torch.log_softmax(half(window).logits[0].float(), -1)
             targets = window[0, 1:, None]

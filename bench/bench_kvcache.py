@@ -64,7 +64,9 @@ def main() -> None:
 
     with torch.inference_mode():
         chunk = torch.tensor([ids[:window]])
-        plain_forward = median_time(lambda: model(input_ids=chunk, logits_to_keep=1), args.repeats)  # a prefill: no logits but the last
+        plain_forward = median_time(
+            lambda: model(input_ids=chunk, logits_to_keep=1), args.repeats
+        )  # a prefill: no logits but the last
     plain_rate = window / plain_forward
 
     store = KVStore(selective.store_shape(options.storage), device=loaded.device, dtype=loaded.dtype)
@@ -93,12 +95,16 @@ def main() -> None:
     attended = SelectiveAnswer(selective, store, 1).position + len(prompt)
     question_alone = statistics.median(plain_decode(model, prompt, args.steps) for _ in range(args.repeats))
     same_span = statistics.median(plain_decode(model, ids[-attended:], args.steps) for _ in range(args.repeats))
-    print(f"| document tokens | options | plain forward @{window} tok/s | kvcache ingest tok/s | ratio | "
-          f"kvcache decode tok/s | plain decode, question alone | ratio | plain decode, {attended}-token prompt | ratio | TTFT s |")
+    print(
+        f"| document tokens | options | plain forward @{window} tok/s | kvcache ingest tok/s | ratio | "
+        f"kvcache decode tok/s | plain decode, question alone | ratio | plain decode, {attended}-token prompt | ratio | TTFT s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| {len(ids):,} | `{args.options}` | {plain_rate:,.0f} | {ingest_rate:,.0f} | {ingest_rate / plain_rate:.2f} | "
-          f"{1 / kv_step:.1f} | {1 / question_alone:.1f} | {question_alone / kv_step:.2f} | {1 / same_span:.1f} | "
-          f"{same_span / kv_step:.2f} | {ttft:.2f} |")
+    print(
+        f"| {len(ids):,} | `{args.options}` | {plain_rate:,.0f} | {ingest_rate:,.0f} | {ingest_rate / plain_rate:.2f} | "
+        f"{1 / kv_step:.1f} | {1 / question_alone:.1f} | {question_alone / kv_step:.2f} | {1 / same_span:.1f} | "
+        f"{same_span / kv_step:.2f} | {ttft:.2f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -86,8 +86,10 @@ def main() -> None:
         base = results[("transformer", length)]
         for name in ["transformer", *(v for v in args.variants if v != "transformer")]:
             r = results[(name, length)]
-            print(f"| {name} | {length} | {r['tokens_per_second']:,.0f} | {r['tokens_per_second'] / base['tokens_per_second']:.2f}x | "
-                  f"{r['added_peak_mib']:,.0f} | {r['added_peak_mib'] / max(base['added_peak_mib'], 1e-9):.2f}x |")
+            print(
+                f"| {name} | {length} | {r['tokens_per_second']:,.0f} | {r['tokens_per_second'] / base['tokens_per_second']:.2f}x | "
+                f"{r['added_peak_mib']:,.0f} | {r['added_peak_mib'] / max(base['added_peak_mib'], 1e-9):.2f}x |"
+            )
 
 
 if __name__ == "__main__":

@@ -112,8 +112,17 @@ def bench_memory(base_url: str, memory: str, text: str, repeats: int, max_tokens
     batched = concurrent_tps(client, session, streams, max_tokens) if streams > 1 else float("nan")
     client.delete_session(session)
     return Row(
-        memory, document["tokens"], ingest_seconds, statistics.median(ttfts), statistics.median(decodes),
-        int(statistics.median(prompts)), correct, repeats, sdk_correct, streams, batched,
+        memory,
+        document["tokens"],
+        ingest_seconds,
+        statistics.median(ttfts),
+        statistics.median(decodes),
+        int(statistics.median(prompts)),
+        correct,
+        repeats,
+        sdk_correct,
+        streams,
+        batched,
     )
 
 

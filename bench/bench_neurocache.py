@@ -67,8 +67,10 @@ def ingestion(model, neurocache, tokens: list[int], segment_len: int, repeats: i
             cache.add(compressed[0], document=0)
 
     n = sum(s.shape[1] for s in segments)
-    return {name: n / median_time(fn, repeats) for name, fn in
-            (("base forward", base), ("neurocache ingest", compress_only), ("neurocache full pass", full_pass))}
+    return {
+        name: n / median_time(fn, repeats)
+        for name, fn in (("base forward", base), ("neurocache ingest", compress_only), ("neurocache full pass", full_pass))
+    }
 
 
 def decode(model, tokenizer, neurocache, caches: dict[str, StateCache], new_tokens: int, repeats: int) -> dict[str, float]:
@@ -112,8 +114,14 @@ def retrieval(
             cache = StateCache(capacity=size, dim=dim, dtype=dtype)
             cache.add(torch.nn.functional.layer_norm(torch.randn(size, dim), (dim,)), document=0)
             one, segment = torch.randn(1, dim), torch.randn(1024, dim)
-            rows.append((size, str(dtype).removeprefix("torch."), median_time(lambda cache=cache, one=one: cache.search(one, top_k, window), repeats),
-                         median_time(lambda cache=cache, segment=segment: cache.search(segment, top_k, window), max(1, repeats // 2))))
+            rows.append(
+                (
+                    size,
+                    str(dtype).removeprefix("torch."),
+                    median_time(lambda cache=cache, one=one: cache.search(one, top_k, window), repeats),
+                    median_time(lambda cache=cache, segment=segment: cache.search(segment, top_k, window), max(1, repeats // 2)),
+                )
+            )
     return rows
 
 
@@ -145,13 +153,17 @@ def main() -> None:
     for i in range(0, len(tokens), args.segment_len):
         filled.add(neurocache.compress(torch.tensor([tokens[i : i + args.segment_len]]))[0], document=0)
     caches = {f"neurocache, {filled.size:,} entries (the text's states)": filled}
-    caches.update({f"neurocache, {size:,} entries (those states tiled)": tiled(neurocache, filled, size) for size in args.decode_sizes})
+    caches.update(
+        {f"neurocache, {size:,} entries (those states tiled)": tiled(neurocache, filled, size) for size in args.decode_sizes}
+    )
     dec = decode(model, tokenizer, neurocache, caches, args.new_tokens, args.decode_rounds)
     dtypes = tuple(dict.fromkeys((filled.dtype, torch.float32)))  # the serving cache's dtype, and float32
     lookups = retrieval(neurocache.compressed_dim, tuple(args.sizes), config.top_k, config.window, args.repeats, dtypes)
 
     mc = model.config
-    kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * (mc.hidden_size // mc.num_attention_heads) * loaded.dtype.itemsize
+    kv_bytes = (
+        2 * mc.num_hidden_layers * mc.num_key_value_heads * (mc.hidden_size // mc.num_attention_heads) * loaded.dtype.itemsize
+    )
     cache_bytes = filled.nbytes / filled.capacity
 
     print(f"model {DEFAULT_MODEL}, {loaded.dtype}, {torch.get_num_threads()} threads; adapter: {args.adapter or 'fresh'}")
@@ -161,7 +173,9 @@ def main() -> None:
         print(f"| {name} | {tps:,.0f} | {tps / ingest['base forward']:.2f}x |")
     print(f"\n| decode ({args.new_tokens} new tokens) | tokens/s | vs base |\n|---|---|---|")
     for name in ["base", *caches]:
-        print(f"| {name} | {dec[name]:.1f} | {dec[name] / dec['base']:.2f}x (per round: {dec.get(f'{name} / base, median of rounds', 1.0):.2f}x) |")
+        print(
+            f"| {name} | {dec[name]:.1f} | {dec[name] / dec['base']:.2f}x (per round: {dec.get(f'{name} / base, median of rounds', 1.0):.2f}x) |"
+        )
     print("\n| cache entries | stored as | one-token lookup (ms) | 1024-token segment lookup (ms) |\n|---|---|---|---|")
     for size, dtype, one, segment in lookups:
         print(f"| {size:,} | {dtype} | {one * 1000:.2f} | {segment * 1000:.1f} |")

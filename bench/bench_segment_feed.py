@@ -57,24 +57,37 @@ def main() -> None:
         fed_all.append(fed)
         costs.append((path.name, len(data), seconds, nbytes, sliding_seconds))
         print(per_doc[-1], flush=True)
-    lines = [f"Checkpoint `{args.checkpoint.relative_to(ROOT) if args.checkpoint.is_relative_to(ROOT) else args.checkpoint}`"
-             f" ({model.arch}, {model.num_parameters():,} parameters, trained on {context}-byte sequences). Held-out"
-             f" documents, first {args.bytes:,} bytes each; CPU, {torch.get_num_threads()} threads.\n",
-             "| document | bytes | sliding window of the training length (bits/byte) | fed whole history (bits/byte) | fed − sliding |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"Checkpoint `{args.checkpoint.relative_to(ROOT) if args.checkpoint.is_relative_to(ROOT) else args.checkpoint}`"
+        f" ({model.arch}, {model.num_parameters():,} parameters, trained on {context}-byte sequences). Held-out"
+        f" documents, first {args.bytes:,} bytes each; CPU, {torch.get_num_threads()} threads.\n",
+        "| document | bytes | sliding window of the training length (bits/byte) | fed whole history (bits/byte) | fed − sliding |",
+        "|---|---|---|---|---|",
+    ]
     lines += [f"| {n} | {b:,} | {s:.4f} | {t:.4f} | {t - s:+.4f} |" for n, b, s, t in per_doc]
-    lines += ["", "By position in the document (all documents pooled):", "",
-              "| bytes before the scored byte | sliding (bits/byte) | fed (bits/byte) | fed − sliding |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "By position in the document (all documents pooled):",
+        "",
+        "| bytes before the scored byte | sliding (bits/byte) | fed (bits/byte) | fed − sliding |",
+        "|---|---|---|---|",
+    ]
     for lo, hi in buckets(args.bytes - 1, context):
         s = np.concatenate([x[lo:hi] for x in sliding_all]).mean() * BITS
         t = np.concatenate([x[lo:hi] for x in fed_all]).mean() * BITS
         lines.append(f"| {lo:,}–{hi:,} | {s:.4f} | {t:.4f} | {t - s:+.4f} |")
-    lines += ["", "Feeding cost (chunks of 1,024 bytes; the rate over the last chunk shows how the cost grows with the history):", "",
-              "| document | fed bytes/s, whole | bytes/s over the last chunk | sliding-window bytes/s | state bytes per byte of history |",
-              "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Feeding cost (chunks of 1,024 bytes; the rate over the last chunk shows how the cost grows with the history):",
+        "",
+        "| document | fed bytes/s, whole | bytes/s over the last chunk | sliding-window bytes/s | state bytes per byte of history |",
+        "|---|---|---|---|---|",
+    ]
     for name, size, seconds, nbytes, sliding_seconds in costs:
         last = 1024 / (seconds[-1] - seconds[-2]) if len(seconds) > 1 else float("nan")
-        lines.append(f"| {name} | {size / seconds[-1]:,.0f} | {last:,.0f} | {size / sliding_seconds:,.0f} | {nbytes / size:,.0f} |")
+        lines.append(
+            f"| {name} | {size / seconds[-1]:,.0f} | {last:,.0f} | {size / sliding_seconds:,.0f} | {nbytes / size:,.0f} |"
+        )
     table = "\n".join(lines)
     print(table)
     command = "python -m bench.bench_segment_feed " + " ".join(sys.argv[1:])

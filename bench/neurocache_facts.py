@@ -32,7 +32,9 @@ from research.training.corpus import DEFAULT_DIR, fetch, split
 from research.training.fact_tasks import Fact, facts
 
 
-def document(filler: list[int], tokenizer, told: list[Fact], length: int, depth: float, rng: random.Random, start: int) -> list[int]:
+def document(
+    filler: list[int], tokenizer, told: list[Fact], length: int, depth: float, rng: random.Random, start: int
+) -> list[int]:
     ids = list(filler[start : start + length])
     room = length - 1100  # every fact lies outside the question's last segment
     for index, fact in enumerate(told):

@@ -79,20 +79,30 @@ def main() -> None:
     else:
         neurocache = Neurocache(model, NeurocacheConfig())
     train_files, _ = split(fetch(DEFAULT_DIR))
-    sampler = EpisodeSampler(tokenizer, tokenize_files(tokenizer, train_files), segment_len=args.segment_len,
-                             n_segments=args.n_segments, passkey_ratio=1.0, seed=123)
+    sampler = EpisodeSampler(
+        tokenizer,
+        tokenize_files(tokenizer, train_files),
+        segment_len=args.segment_len,
+        n_segments=args.n_segments,
+        passkey_ratio=1.0,
+        seed=123,
+    )
     asked = hits = firsts = 0
     chances = []
     for _ in range(args.episodes):
         a, h, f, c = episode_recall(neurocache, sampler.sample(), args.segment_len, tokenizer)
         asked, hits, firsts = asked + a, hits + h, firsts + f
         chances.append(c)
-    print(f"adapter: {args.adapter or 'fresh (untrained W_p)'}; {args.episodes} episodes of "
-          f"{args.n_segments} x {args.segment_len} tokens; k={neurocache.config.top_k}, w={neurocache.config.window}")
+    print(
+        f"adapter: {args.adapter or 'fresh (untrained W_p)'}; {args.episodes} episodes of "
+        f"{args.n_segments} x {args.segment_len} tokens; k={neurocache.config.top_k}, w={neurocache.config.window}"
+    )
     print("| digit queries | retrieving a needle digit | recall | chance | nearest match followed by it |")
     print("|---|---|---|---|---|")
-    print(f"| {asked} | {hits} | {hits / max(asked, 1):.2f} | {sum(chances) / len(chances):.2f} | "
-          f"{firsts} ({firsts / max(asked, 1):.2f}) |")
+    print(
+        f"| {asked} | {hits} | {hits / max(asked, 1):.2f} | {sum(chances) / len(chances):.2f} | "
+        f"{firsts} ({firsts / max(asked, 1):.2f}) |"
+    )
 
 
 if __name__ == "__main__":

@@ -55,7 +55,10 @@ def serve(ctx: typer.Context) -> None:
 def ingest(
     file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, readable=True, help="a UTF-8 text file")],
     session: Annotated[str | None, typer.Option(help="session id; a new session is made without one")] = None,
-    memory: Annotated[str | None, typer.Option(help="memory of a new session: truncate, text, neurocache, kvcache or state (default: the model's)")] = None,
+    memory: Annotated[
+        str | None,
+        typer.Option(help="memory of a new session: truncate, text, neurocache, kvcache or state (default: the model's)"),
+    ] = None,
     model: Annotated[str | None, typer.Option(help="model of a new session")] = None,
     url: UrlOption = DEFAULT_URL,
     api_key: KeyOption = None,
@@ -125,7 +128,9 @@ def train_neurocache(
     fact_ratio: Annotated[float, typer.Option(help="share of episodes with a fact in prose and a question about it")] = 0.0,
     distractors: Annotated[int, typer.Option(help="at most this many distractor facts per pass-key or fact episode")] = 0,
     repeats: Annotated[float, typer.Option(help="share of pass keys made to hold a digit twice or more")] = 0.0,
-    init_adapter: Annotated[Path | None, typer.Option(help="fine-tune this adapter (its settings win over the ones below)")] = None,
+    init_adapter: Annotated[
+        Path | None, typer.Option(help="fine-tune this adapter (its settings win over the ones below)")
+    ] = None,
     top_k: Annotated[int, typer.Option(help="k")] = 16,
     window: Annotated[int, typer.Option(help="w")] = 2,
     context: Annotated[int, typer.Option(help="c")] = 2,
@@ -143,12 +148,34 @@ def train_neurocache(
     from research.training.neurocache_train import TrainConfig, train
 
     config = TrainConfig(
-        model=model, out=out, device=device, steps=steps, batch_size=batch_size, segment_len=segment_len,
-        n_segments=n_segments, accumulation=accumulation, lr=lr, gate_lr=gate_lr, warmup=warmup, passkey_ratio=passkey_ratio,
-        fact_ratio=fact_ratio, seed=seed, checkpoint_every=checkpoint_every, resume=resume, distractors=distractors, repeats=repeats,
+        model=model,
+        out=out,
+        device=device,
+        steps=steps,
+        batch_size=batch_size,
+        segment_len=segment_len,
+        n_segments=n_segments,
+        accumulation=accumulation,
+        lr=lr,
+        gate_lr=gate_lr,
+        warmup=warmup,
+        passkey_ratio=passkey_ratio,
+        fact_ratio=fact_ratio,
+        seed=seed,
+        checkpoint_every=checkpoint_every,
+        resume=resume,
+        distractors=distractors,
+        repeats=repeats,
         init_adapter=init_adapter,
-        neurocache=NeurocacheConfig(top_k=top_k, window=window, context=context, compression=compression,
-                                    lora_rank=lora_rank, capacity=capacity, successor_bias=successor_bias),
+        neurocache=NeurocacheConfig(
+            top_k=top_k,
+            window=window,
+            context=context,
+            compression=compression,
+            lora_rank=lora_rank,
+            capacity=capacity,
+            successor_bias=successor_bias,
+        ),
     )
     records = train(config, command="longdoc train neurocache " + " ".join(sys.argv[3:]))
     if records:
@@ -178,7 +205,9 @@ def train_lm_command(
     group_size: Annotated[int, typer.Option(help="p")] = 32,
     device: str = "auto",
     resume: bool = False,
-    init: Annotated[Path | None, typer.Option(help="start from this checkpoint folder; its model settings replace the flags above")] = None,
+    init: Annotated[
+        Path | None, typer.Option(help="start from this checkpoint folder; its model settings replace the flags above")
+    ] = None,
     checkpoint_every: Annotated[int, typer.Option(help="steps between checkpoints")] = 200,
 ) -> None:
     """Train a byte-level model on the offline corpus (from scratch, or on from --init); prints the held-out summary."""
@@ -186,12 +215,34 @@ def train_lm_command(
 
     from research.training.lm_train import LMTrainConfig, default_model_config, train_lm
 
-    model = default_model_config(dim=dim, n_layers=layers, n_heads=heads, window=window, segment_len=segment_len,
-                                 compressed_per_segment=compressed, overlap=overlap, cache_top_k=cache_top_k,
-                                 cache_neighbours=cache_neighbours, group_size=group_size, max_seq_len=seq_len)
-    config = LMTrainConfig(arch=arch, model=model, out=out, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
-                           warmup=warmup, seed=seed, device=device, resume=resume, init=init,
-                           checkpoint_every=checkpoint_every)
+    model = default_model_config(
+        dim=dim,
+        n_layers=layers,
+        n_heads=heads,
+        window=window,
+        segment_len=segment_len,
+        compressed_per_segment=compressed,
+        overlap=overlap,
+        cache_top_k=cache_top_k,
+        cache_neighbours=cache_neighbours,
+        group_size=group_size,
+        max_seq_len=seq_len,
+    )
+    config = LMTrainConfig(
+        arch=arch,
+        model=model,
+        out=out,
+        steps=steps,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        lr=lr,
+        warmup=warmup,
+        seed=seed,
+        device=device,
+        resume=resume,
+        init=init,
+        checkpoint_every=checkpoint_every,
+    )
     typer.echo(json.dumps(train_lm(config, command="longdoc train lm " + " ".join(sys.argv[3:])), indent=2))
 
 
@@ -239,8 +290,14 @@ def eval_passkey(
     """Pass-key retrieval accuracy by memory and document length."""
     from research.training.evaluate import markdown, passkey
 
-    rows = passkey(_setup(model, adapter, device), memories=tuple(memory), lengths=tuple(length), depths=tuple(depth),
-                   capacity=capacity, seed=seed)
+    rows = passkey(
+        _setup(model, adapter, device),
+        memories=tuple(memory),
+        lengths=tuple(length),
+        depths=tuple(depth),
+        capacity=capacity,
+        seed=seed,
+    )
     typer.echo(markdown(rows))
 
 
@@ -261,7 +318,12 @@ def _echo_rows(rows: list) -> None:
 def eval_qa(
     model: str = DEFAULT_MODEL,
     adapter: AdapterOption = None,
-    memory: Annotated[list[str], typer.Option(help='a memory, "oracle" (the gold passage alone), or a memory and its JSON options: \'text {"retrieval": "dense"}\'')] = ["oracle", "text", "truncate"],
+    memory: Annotated[
+        list[str],
+        typer.Option(
+            help='a memory, "oracle" (the gold passage alone), or a memory and its JSON options: \'text {"retrieval": "dense"}\''
+        ),
+    ] = ["oracle", "text", "truncate"],
     limit: Annotated[int | None, typer.Option(help="ask only the first N questions of each text")] = None,
     device: str = "auto",
     write: Annotated[Path | None, typer.Option(help="also write the table into this Markdown file (docs/benchmarks.md)")] = None,

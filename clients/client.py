@@ -106,7 +106,9 @@ class _Endpoints(ABC, Generic[Result, Stream]):
     def models(self) -> Result:
         return self._send(Call("GET", "/v1/models", pick="data"))
 
-    def create_session(self, model: str | None = None, memory: str | None = None, options: dict[str, Any] | None = None) -> Result:
+    def create_session(
+        self, model: str | None = None, memory: str | None = None, options: dict[str, Any] | None = None
+    ) -> Result:
         return self._send(Call("POST", "/v1/sessions", json={"model": model, "memory": memory, "options": options or {}}))
 
     def sessions(self) -> Result:
@@ -144,7 +146,11 @@ class LongdocClient(_Endpoints[Any, Iterator[Event]]):
     """Blocking client. `transport` (an httpx keyword) lets tests talk to an in-process app."""
 
     def __init__(
-        self, base_url: str = DEFAULT_URL, api_key: str | None = None, timeout: float = 900.0, retries: int = 3,
+        self,
+        base_url: str = DEFAULT_URL,
+        api_key: str | None = None,
+        timeout: float = 900.0,
+        retries: int = 3,
         **httpx_kwargs: Any,
     ) -> None:
         self._http = httpx.Client(base_url=base_url, headers=_headers(api_key), timeout=timeout, **httpx_kwargs)
@@ -186,7 +192,11 @@ class AsyncLongdocClient(_Endpoints[Awaitable[Any], AsyncIterator[Event]]):
     """Asynchronous client: the same methods, awaited (streams are async iterators)."""
 
     def __init__(
-        self, base_url: str = DEFAULT_URL, api_key: str | None = None, timeout: float = 900.0, retries: int = 3,
+        self,
+        base_url: str = DEFAULT_URL,
+        api_key: str | None = None,
+        timeout: float = 900.0,
+        retries: int = 3,
         **httpx_kwargs: Any,
     ) -> None:
         self._http = httpx.AsyncClient(base_url=base_url, headers=_headers(api_key), timeout=timeout, **httpx_kwargs)

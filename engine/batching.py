@@ -104,9 +104,11 @@ class BatchDecoder:
         config = getattr(model, "config", None)
         inner = getattr(model, "model", None)
         family = getattr(config, "model_type", None)
-        sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ()) or (
-            family == "mistral" and getattr(config, "sliding_window", None) is not None
-        ) or getattr(config, "use_sliding_window", False)
+        sliding = (
+            "sliding_attention" in (getattr(config, "layer_types", None) or ())
+            or (family == "mistral" and getattr(config, "sliding_window", None) is not None)
+            or getattr(config, "use_sliding_window", False)
+        )
         rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}).get("rope_type")
         return (
             family in BATCHED_FAMILIES
@@ -126,7 +128,9 @@ class BatchDecoder:
         shape = (len(self.layers), self.kv_heads, capacity, self.head_dim)
         row.keys = torch.empty(shape, device=model.device, dtype=model.dtype)
         row.values = torch.empty(shape, device=model.device, dtype=model.dtype)
-        for index, layer in enumerate(cast(list[DynamicLayer], cache.layers)):  # each layer freed once copied: the peak stays near the reservation
+        for index, layer in enumerate(
+            cast(list[DynamicLayer], cache.layers)
+        ):  # each layer freed once copied: the peak stays near the reservation
             assert layer.keys is not None and layer.values is not None  # filled by the prompt's pass
             row.keys[index, :, : len(ids)] = layer.keys[0]
             row.values[index, :, : len(ids)] = layer.values[0]
@@ -155,7 +159,9 @@ class BatchDecoder:
             row.length += 1
         return logits
 
-    def _attention(self, index: int, attention: _Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    def _attention(
+        self, index: int, attention: _Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: list[Row]
+    ) -> torch.Tensor:
         batch = x.shape[0]
         q = attention.q_proj(x).view(batch, 1, self.heads, self.head_dim).transpose(1, 2)
         k = attention.k_proj(x).view(batch, 1, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -177,7 +183,14 @@ class BatchDecoder:
 class Batcher:
     """Schedules the answers of one model on its worker thread, stepping them together."""
 
-    def __init__(self, decoder: BatchDecoder, worker: SerialWorker, tokenizer: PreTrainedTokenizerBase, stop_tokens: StopTokens, max_rows: int) -> None:
+    def __init__(
+        self,
+        decoder: BatchDecoder,
+        worker: SerialWorker,
+        tokenizer: PreTrainedTokenizerBase,
+        stop_tokens: StopTokens,
+        max_rows: int,
+    ) -> None:
         self._decoder = decoder
         self._worker = worker
         self._tokenizer = tokenizer

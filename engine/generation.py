@@ -212,7 +212,9 @@ class AnswerState:
     repetition guard and stop strings need, and says what to feed next. `decode_steps` drives one;
     engine/batching.py drives many in one forward pass."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], params: GenerationParams, stop_tokens: StopTokens) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], params: GenerationParams, stop_tokens: StopTokens
+    ) -> None:
         self.started = time.perf_counter()
         self.prompt_tokens = len(prompt_ids)
         self.params = params

@@ -172,7 +172,9 @@ class Ingestion:
             assert session.memory is not None
             tokenizer = self.sessions.models.named(session.model).loaded.tokenizer
             document_id = "d-" + secrets.token_hex(6)
-            document = await asyncio.to_thread(tokenize_document, tokenizer, document_id, name, text, self.config.max_document_tokens)
+            document = await asyncio.to_thread(
+                tokenize_document, tokenizer, document_id, name, text, self.config.max_document_tokens
+            )
             # an early refusal; ingest_steps asks again under the write lock, where the memory cannot change
             estimate = session.memory.estimate_bytes(len(text), len(document.token_ids))
             reservation = self.sessions.store.reserve(session, estimate)

@@ -26,4 +26,3 @@ def return_free_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
-

@@ -126,8 +126,14 @@ class SnapshotStore:
         tmp = folder / f".{tensors_name}.tmp"
         save_file(tensors, tmp)
         _publish(tmp, folder / tensors_name)
-        manifest = {"format": FORMAT, "generation": generation, "session": snapshot.session, "state": state,
-                    "tensors": tensors_name, "sha256": _sha256(folder / tensors_name)}
+        manifest = {
+            "format": FORMAT,
+            "generation": generation,
+            "session": snapshot.session,
+            "state": state,
+            "tensors": tensors_name,
+            "sha256": _sha256(folder / tensors_name),
+        }
         tmp = folder / f".{MANIFEST}.tmp"
         tmp.write_text(json.dumps(manifest))
         _publish(tmp, folder / MANIFEST)

@@ -126,7 +126,12 @@ class ModelRegistry:
             return runtime.loaded.own_memory
         kind = runtime.manifest_memory
         if kind not in runtime.memories:
-            log.warning("model %s: its manifest's default memory %r is not usable here; using %r", runtime.loaded.name, kind, FALLBACK_MEMORY)
+            log.warning(
+                "model %s: its manifest's default memory %r is not usable here; using %r",
+                runtime.loaded.name,
+                kind,
+                FALLBACK_MEMORY,
+            )
             return FALLBACK_MEMORY
         return kind
 

@@ -73,18 +73,30 @@ class Session:
     def metadata(self) -> dict[str, Any]:
         """What a snapshot keeps besides the memory's state (plain JSON)."""
         return {
-            "id": self.id, "model": self.model, "memory": self.kind, "options": self.options, "owner": self.owner,
-            "created_at": self.created_at, "last_used_at": self.last_used_at,
-            "documents": [asdict(d) for d in self.documents], "cache": asdict(self.cache()),
+            "id": self.id,
+            "model": self.model,
+            "memory": self.kind,
+            "options": self.options,
+            "owner": self.owner,
+            "created_at": self.created_at,
+            "last_used_at": self.last_used_at,
+            "documents": [asdict(d) for d in self.documents],
+            "cache": asdict(self.cache()),
         }
 
     @classmethod
     def from_metadata(cls, meta: dict[str, Any]) -> Session:
         """A session on disk, as a snapshot describes it."""
         return cls(
-            id=meta["id"], model=meta["model"], kind=meta["memory"], memory=None, options=dict(meta["options"]),
-            created_at=float(meta["created_at"]), last_used_at=float(meta["last_used_at"]),
-            documents=[DocumentInfo(**d) for d in meta["documents"]], owner=meta.get("owner"),
+            id=meta["id"],
+            model=meta["model"],
+            kind=meta["memory"],
+            memory=None,
+            options=dict(meta["options"]),
+            created_at=float(meta["created_at"]),
+            last_used_at=float(meta["last_used_at"]),
+            documents=[DocumentInfo(**d) for d in meta["documents"]],
+            owner=meta.get("owner"),
             saved_cache=CacheInfo(**meta["cache"]),
         )
 
@@ -221,7 +233,11 @@ class SessionStore:
             for session in list(self._sessions.values()):
                 if self._evictable(session) and session.last_used_at < now - self.limits.idle_ttl_seconds:
                     self._evict(session)
-                elif not session.resident and session.requests_in_flight == 0 and session.last_used_at < now - self.limits.saved_ttl_seconds:
+                elif (
+                    not session.resident
+                    and session.requests_in_flight == 0
+                    and session.last_used_at < now - self.limits.saved_ttl_seconds
+                ):
                     self._drop(session)
                 if session.deleted:
                     dropped.append(session)
@@ -289,8 +305,7 @@ class SessionStore:
         per_session, server = self.limits.memory_budget_bytes, self.limits.server_memory_bytes
         if nbytes > per_session and not transient:
             raise TooLargeError(
-                f"this needs {nbytes} bytes of session memory; a session may hold {per_session} "
-                "(LONGDOC_SESSION_MEMORY_BYTES)"
+                f"this needs {nbytes} bytes of session memory; a session may hold {per_session} (LONGDOC_SESSION_MEMORY_BYTES)"
             )
         if nbytes > server:
             raise TooLargeError(f"this needs {nbytes} bytes; all sessions together may hold {server} (LONGDOC_MAX_MEMORY_BYTES)")

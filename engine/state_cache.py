@@ -87,7 +87,9 @@ class StateCache:
             values = values[-self.capacity :] if values is not None else None
         slots = counters % self.capacity
         if self._undo is not None:
-            self._undo.append((slots, self.states[slots].clone(), self.slot_counter[slots].clone(), self.slot_document[slots].clone()))
+            self._undo.append(
+                (slots, self.states[slots].clone(), self.slot_counter[slots].clone(), self.slot_document[slots].clone())
+            )
         self.states[slots] = states.to(self.device, self.dtype)
         if values is not None and self.values is not None:
             self.values[slots] = values.to(self.device, self.dtype)
@@ -158,8 +160,13 @@ class StateCache:
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {"states": self.states, "slot_counter": self.slot_counter, "slot_document": self.slot_document}
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, folder / "cache.safetensors")
-        meta = {"format": _FORMAT, "capacity": self.capacity, "dim": self.dim, "written": self.written,
-                "dtype": str(self.dtype).removeprefix("torch.")}
+        meta = {
+            "format": _FORMAT,
+            "capacity": self.capacity,
+            "dim": self.dim,
+            "written": self.written,
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
         (folder / "cache.json").write_text(json.dumps(meta, indent=2))
 
     @classmethod
@@ -168,7 +175,9 @@ class StateCache:
         if meta.get("format") != _FORMAT:
             raise ValueError(f"{folder} does not hold a {_FORMAT} cache")
         tensors = load_file(folder / "cache.safetensors")
-        cache = cls(capacity=meta["capacity"], dim=meta["dim"], device=device, dtype=getattr(torch, meta["dtype"]), backend=backend)
+        cache = cls(
+            capacity=meta["capacity"], dim=meta["dim"], device=device, dtype=getattr(torch, meta["dtype"]), backend=backend
+        )
         if tensors["states"].shape != (cache.capacity, cache.dim):
             raise ValueError("saved states do not match the saved capacity and dim")
         cache.states.copy_(tensors["states"])

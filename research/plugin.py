@@ -5,8 +5,10 @@ a shipped checkpoint by name, or any `longdoc train lm` checkpoint folder, each 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.memories import register_memory
 from engine.models.loader import LoadedModel
@@ -27,9 +29,18 @@ def load(name: str, source: str, folder: Path, device: torch.device) -> LoadedMo
     """A byte-level Long-Short or CacheFormer checkpoint, kept in float32 (it was trained in it)."""
     model = load_checkpoint(folder, device)
     check_feedable(model)
+    # the engine reaches this model and tokenizer only through the state memory and generation's
+    # duck-typed calls (forward, decode), never as a Hugging Face model
     return LoadedModel(
-        name=name, source=source, model=model, tokenizer=ByteTokenizer(), device=device, dtype=torch.float32,  # type: ignore[arg-type]
-        architecture=model.arch, context_len=model.config.max_seq_len, own_memory=StateMemory.kind,
+        name=name,
+        source=source,
+        model=cast(PreTrainedModel, model),
+        tokenizer=cast(PreTrainedTokenizerBase, ByteTokenizer()),
+        device=device,
+        dtype=torch.float32,
+        architecture=model.arch,
+        context_len=model.config.max_seq_len,
+        own_memory=StateMemory.kind,
     )
 
 

@@ -51,8 +51,13 @@ def start_prometheus(target: str, folder: Path) -> tuple[subprocess.Popen, str]:
         "scrape_configs": [{"job_name": "longdoc", "static_configs": [{"targets": [target]}]}],
     }
     (folder / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
-    cmd = ["prometheus", f"--config.file={folder / 'prometheus.yml'}", f"--storage.tsdb.path={folder / 'tsdb'}",
-           f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"]
+    cmd = [
+        "prometheus",
+        f"--config.file={folder / 'prometheus.yml'}",
+        f"--storage.tsdb.path={folder / 'tsdb'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--log.level=warn",
+    ]
     process = subprocess.Popen(cmd, stdout=(folder / "prometheus.log").open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60

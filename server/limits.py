@@ -47,7 +47,9 @@ class RequestBodyLimit:
                 message = await asyncio.wait_for(receive(), self.read_timeout)
             except TimeoutError:
                 # FastAPI passes HTTPException through body parsing to the error handlers
-                raise HTTPException(408, f"no request body bytes for {self.read_timeout:g} s (LONGDOC_BODY_READ_TIMEOUT_SECONDS)") from None
+                raise HTTPException(
+                    408, f"no request body bytes for {self.read_timeout:g} s (LONGDOC_BODY_READ_TIMEOUT_SECONDS)"
+                ) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 body_done = not message.get("more_body", False)

@@ -62,35 +62,48 @@ class Metrics:
     def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
-            "longdoc_requests", "HTTP requests", ["route", "method", "status"], registry=r
-        )
+        self.requests = Counter("longdoc_requests", "HTTP requests", ["route", "method", "status"], registry=r)
         self.ttft = Histogram(
-            "longdoc_time_to_first_token_seconds", "request arrival to first text", ["endpoint"],
-            buckets=LATENCY_BUCKETS, registry=r,
+            "longdoc_time_to_first_token_seconds",
+            "request arrival to first text",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
-            "longdoc_inter_token_latency_seconds", "time between streamed text deltas", ["endpoint"],
-            buckets=TOKEN_LATENCY_BUCKETS, registry=r,
+            "longdoc_inter_token_latency_seconds",
+            "time between streamed text deltas",
+            ["endpoint"],
+            buckets=TOKEN_LATENCY_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
-            "longdoc_e2e_request_latency_seconds", "request arrival to last token", ["endpoint"],
-            buckets=LATENCY_BUCKETS, registry=r,
+            "longdoc_e2e_request_latency_seconds",
+            "request arrival to last token",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.prompt_tokens = Counter("longdoc_prompt_tokens", "prompt tokens processed", ["endpoint"], registry=r)
         self.generated_tokens = Counter("longdoc_generation_tokens", "tokens generated", ["endpoint"], registry=r)
         self.ingested_tokens = Counter("longdoc_ingested_tokens", "document tokens ingested", ["memory"], registry=r)
         self.retrieval = Histogram(
-            "longdoc_retrieval_latency_seconds", "memory retrieval for one question", ["memory"],
-            buckets=RETRIEVAL_BUCKETS, registry=r,
+            "longdoc_retrieval_latency_seconds",
+            "memory retrieval for one question",
+            ["memory"],
+            buckets=RETRIEVAL_BUCKETS,
+            registry=r,
         )
         self.ingest_pending = Gauge(
             "longdoc_ingestion_pending_tokens", "tokens of documents being ingested, not yet in memory", ["memory"], registry=r
         )
         self.errors = Counter("longdoc_errors", "error responses and error events, by error type", ["type"], registry=r)
         self.ingest_throughput = Histogram(
-            "longdoc_ingestion_tokens_per_second", "tokens per second of each ingested document", ["memory"],
-            buckets=THROUGHPUT_BUCKETS, registry=r,
+            "longdoc_ingestion_tokens_per_second",
+            "tokens per second of each ingested document",
+            ["memory"],
+            buckets=THROUGHPUT_BUCKETS,
+            registry=r,
         )
         r.register(_EngineCollector(stats))
 

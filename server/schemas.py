@@ -35,8 +35,25 @@ TokenCount = Annotated[int, Field(strict=True, ge=1, le=2**31 - 1)]
 Temperature = Annotated[float, Field(strict=True, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)]
 TopP = Annotated[float, Field(strict=True, gt=0.0, le=1.0, allow_inf_nan=False)]
 Seed = Annotated[int, Field(strict=True, ge=SEED_RANGE[0], le=SEED_RANGE[1])]
-NoRepeatNgram = Annotated[int, Field(strict=True, ge=0, le=MAX_NO_REPEAT_NGRAM_SIZE, description="the answer never repeats an n-gram of its own of this many tokens (0: off)")]
-RepetitionPenalty = Annotated[float, Field(strict=True, ge=1.0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False, description="logits of tokens already in the answer divided by this (1: off)")]
+NoRepeatNgram = Annotated[
+    int,
+    Field(
+        strict=True,
+        ge=0,
+        le=MAX_NO_REPEAT_NGRAM_SIZE,
+        description="the answer never repeats an n-gram of its own of this many tokens (0: off)",
+    ),
+]
+RepetitionPenalty = Annotated[
+    float,
+    Field(
+        strict=True,
+        ge=1.0,
+        le=MAX_REPETITION_PENALTY,
+        allow_inf_nan=False,
+        description="logits of tokens already in the answer divided by this (1: off)",
+    ),
+]
 StopString = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 
@@ -45,7 +62,10 @@ class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: Text | None = Field(None, max_length=256, description="a name from GET /v1/models; defaults to the first")
-    memory: Text | None = Field(None, description="'truncate', 'text', 'neurocache' (models with an adapter), 'kvcache' (Llama-family models) or 'state' (CacheFormer/Long-Short checkpoints); defaults to the server's default")
+    memory: Text | None = Field(
+        None,
+        description="'truncate', 'text', 'neurocache' (models with an adapter), 'kvcache' (Llama-family models) or 'state' (CacheFormer/Long-Short checkpoints); defaults to the server's default",
+    )
     options: dict[str, Any] = Field(default_factory=dict, description="memory options, e.g. {'top_k': 4}")
 
 
@@ -56,7 +76,9 @@ class DocumentPublic(BaseModel):
     tokens: int
     segments: int
     seconds: float
-    warning: str | None = Field(None, description="set when the session's memory could not keep all of the document (a window or a full cache)")
+    warning: str | None = Field(
+        None, description="set when the session's memory could not keep all of the document (a window or a full cache)"
+    )
 
 
 class CachePublic(BaseModel):
@@ -164,15 +186,21 @@ class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
 
     model: Text | None = Field(None, max_length=256)
-    messages: list[ChatMessage] = Field(min_length=1, max_length=1024, description="together at most `max_prompt_chars` characters")
+    messages: list[ChatMessage] = Field(
+        min_length=1, max_length=1024, description="together at most `max_prompt_chars` characters"
+    )
     max_tokens: TokenCount | None = None
     max_completion_tokens: TokenCount | None = None
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     seed: Seed | None = None
     stop: Stop | None = None
-    no_repeat_ngram_size: NoRepeatNgram = Field(NO_REPEAT_NGRAM_SIZE, description="longdoc extension (as in vLLM's extra parameters)")
-    repetition_penalty: RepetitionPenalty = Field(REPETITION_PENALTY, description="longdoc extension (as in vLLM's extra parameters)")
+    no_repeat_ngram_size: NoRepeatNgram = Field(
+        NO_REPEAT_NGRAM_SIZE, description="longdoc extension (as in vLLM's extra parameters)"
+    )
+    repetition_penalty: RepetitionPenalty = Field(
+        REPETITION_PENALTY, description="longdoc extension (as in vLLM's extra parameters)"
+    )
     n: int = Field(1, strict=True, ge=1, le=1, description="only 1 is supported")
     stream: Flag = False
     stream_options: StreamOptions | None = None

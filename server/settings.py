@@ -49,8 +49,12 @@ class Settings(BaseSettings):
     max_document_bytes: int = Field(32 * 1024**2, gt=0)
     max_document_tokens: int = IngestConfig.max_document_tokens
     max_sessions: int = Field(SessionLimits.max_sessions, description="sessions held, in RAM or on disk; more get 429")
-    session_ttl_seconds: float = Field(SessionLimits.idle_ttl_seconds, description="idle sessions leave RAM (for disk when saved, else dropped)")
-    saved_session_ttl_seconds: float = Field(SessionLimits.saved_ttl_seconds, description="sessions on disk unused this long are deleted")
+    session_ttl_seconds: float = Field(
+        SessionLimits.idle_ttl_seconds, description="idle sessions leave RAM (for disk when saved, else dropped)"
+    )
+    saved_session_ttl_seconds: float = Field(
+        SessionLimits.saved_ttl_seconds, description="sessions on disk unused this long are deleted"
+    )
     session_memory_bytes: int = Field(SessionLimits.memory_budget_bytes, description="what one session's memory may hold")
     max_memory_bytes: int | None = Field(
         None, description="what all sessions' memories may hold together; default half the machine's RAM (or cgroup limit)"
@@ -58,18 +62,32 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(
         4 * 1024**2, gt=0, description="JSON request bodies (document uploads have max_document_bytes); 413 beyond"
     )
-    max_prompt_chars: int = Field(GenerationLimits.max_prompt_chars, description="characters of a question, or of all of a chat's messages")
-    max_generation_seconds: float = Field(GenerationLimits.max_generation_seconds, description="an answer still generating then ends (finish_reason 'length')")
+    max_prompt_chars: int = Field(
+        GenerationLimits.max_prompt_chars, description="characters of a question, or of all of a chat's messages"
+    )
+    max_generation_seconds: float = Field(
+        GenerationLimits.max_generation_seconds, description="an answer still generating then ends (finish_reason 'length')"
+    )
     body_read_timeout_seconds: float = Field(30.0, gt=0, description="408 when a request body stalls this long")
     max_connections: int = Field(512, gt=0, description="open connections before uvicorn answers 503")
     keep_alive_seconds: float = Field(5.0, gt=0, description="idle keep-alive connections are closed after this")
     segment_len: int = IngestConfig.segment_len
     max_queue: int = Field(GenerationLimits.max_queue, description="requests admitted per model worker before 429")
-    batch_invariant: bool = Field(GenerationLimits.batch_invariant, description="pad batched steps to 4 rows so that an answer never depends on the answers beside it (float32 on x86), at the cost of a 4-row step for a lone answer")
-    max_batch: int = Field(GenerationLimits.max_batch, gt=0, description="answers of one model decoded together, one forward pass a step (1: no batching, each answer steps alone, interleaved)")
+    batch_invariant: bool = Field(
+        GenerationLimits.batch_invariant,
+        description="pad batched steps to 4 rows so that an answer never depends on the answers beside it (float32 on x86), at the cost of a 4-row step for a lone answer",
+    )
+    max_batch: int = Field(
+        GenerationLimits.max_batch,
+        gt=0,
+        description="answers of one model decoded together, one forward pass a step (1: no batching, each answer steps alone, interleaved)",
+    )
     max_new_tokens: int = GenerationLimits.max_new_tokens
     default_max_tokens: int = GenerationLimits.default_max_tokens
-    default_memory: str = Field(EngineConfig.default_memory, description="'auto' (state for a CacheFormer/Long-Short checkpoint, else the memory the model's manifest names, measured on the QA benchmark; text without one), 'text', 'truncate', 'neurocache', 'kvcache' or 'state'")
+    default_memory: str = Field(
+        EngineConfig.default_memory,
+        description="'auto' (state for a CacheFormer/Long-Short checkpoint, else the memory the model's manifest names, measured on the QA benchmark; text without one), 'text', 'truncate', 'neurocache', 'kvcache' or 'state'",
+    )
     adapter_dir: Annotated[list[Path], NoDecode] = Field(
         default_factory=list,
         description="extra folders searched for <model name>/adapter.json (Neurocache adapters), before the shipped ones",

@@ -99,7 +99,11 @@ def fail_on_third_segment(memory) -> None:
 
 def tiny_settings(tiny_dir: Path, **overrides) -> Settings:
     values: dict[str, Any] = dict(
-        model=[str(tiny_dir)], cache_dir=CACHE_DIR, dtype="float32", device=TEST_DEVICE, segment_len=64,
+        model=[str(tiny_dir)],
+        cache_dir=CACHE_DIR,
+        dtype="float32",
+        device=TEST_DEVICE,
+        segment_len=64,
         data_dir=Path(tempfile.mkdtemp(prefix="longdoc-sessions-")),  # never the user's saved sessions
     )
     values.update(overrides)
@@ -133,4 +137,3 @@ def make_client(tiny_dir: Path):
 @pytest.fixture
 def client(make_client) -> Iterator[TestClient]:
     yield make_client()
-

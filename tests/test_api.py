@@ -37,7 +37,16 @@ def test_session_lifecycle(client):
     session_id = new_session(client, memory="truncate", options={"window_tokens": 256})
     info = client.get(f"/v1/sessions/{session_id}").json()
     assert info["memory"] == "truncate" and info["options"] == {"window_tokens": 256}
-    assert info["cache"] == {"memory": "truncate", "entries": 0, "bytes": 0, "capacity": 256, "documents": 0, "turns": 0, "dropped_tokens": 0, "bytes_per_token": 12}
+    assert info["cache"] == {
+        "memory": "truncate",
+        "entries": 0,
+        "bytes": 0,
+        "capacity": 256,
+        "documents": 0,
+        "turns": 0,
+        "dropped_tokens": 0,
+        "bytes_per_token": 12,
+    }
     assert [s["id"] for s in client.get("/v1/sessions").json()["data"]] == [session_id]
     assert client.delete(f"/v1/sessions/{session_id}").status_code == 204
     assert client.get(f"/v1/sessions/{session_id}").status_code == 404
@@ -156,12 +165,12 @@ def test_metrics_after_traffic(client):
     events_of(client.post(f"/v1/sessions/{session_id}/ask", json={"question": "q", "max_tokens": 5, "stream": True}))
     text = client.get("/metrics").text
     for series in (
-        "longdoc_time_to_first_token_seconds_count{endpoint=\"ask\"} 1.0",
-        "longdoc_e2e_request_latency_seconds_count{endpoint=\"ask\"} 1.0",
-        "longdoc_retrieval_latency_seconds_count{memory=\"text\"} 1.0",
-        "longdoc_ingestion_tokens_per_second_count{memory=\"text\"} 1.0",
+        'longdoc_time_to_first_token_seconds_count{endpoint="ask"} 1.0',
+        'longdoc_e2e_request_latency_seconds_count{endpoint="ask"} 1.0',
+        'longdoc_retrieval_latency_seconds_count{memory="text"} 1.0',
+        'longdoc_ingestion_tokens_per_second_count{memory="text"} 1.0',
         "longdoc_active_sessions 1.0",
-        "longdoc_requests_total{method=\"POST\",route=\"/v1/sessions/{session_id}/ask\",status=\"200\"} 1.0",
+        'longdoc_requests_total{method="POST",route="/v1/sessions/{session_id}/ask",status="200"} 1.0',
     ):
         assert series in text, series
     assert "longdoc_inter_token_latency_seconds_bucket" in text
@@ -179,8 +188,13 @@ def test_the_same_document_and_question_give_the_same_excerpts_and_greedy_answer
         for _ in range(2):
             session_id = new_session(client, memory="text")
             client.post(f"/v1/sessions/{session_id}/documents", json={"text": TEXT})
-            body = client.post(f"/v1/sessions/{session_id}/ask", json={"question": "What did the White Rabbit take out of its waistcoat-pocket?", "max_tokens": 12}).json()
-            items = [{k: v for k, v in item.items() if k != "document_id"} for item in body["retrieval"]["items"]]  # ids are per upload
+            body = client.post(
+                f"/v1/sessions/{session_id}/ask",
+                json={"question": "What did the White Rabbit take out of its waistcoat-pocket?", "max_tokens": 12},
+            ).json()
+            items = [
+                {k: v for k, v in item.items() if k != "document_id"} for item in body["retrieval"]["items"]
+            ]  # ids are per upload
             answers.append((body["answer"], items))
     assert all(a == answers[0] for a in answers) and answers[0][1]
 

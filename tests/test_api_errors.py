@@ -45,7 +45,9 @@ def test_422_malformed(client):
     assert_error(client.post(f"/v1/sessions/{session_id}/ask", json={"max_tokens": 3}), 422, "validation_error")
     assert_error(client.post(f"/v1/sessions/{session_id}/ask", json={"question": "q", "temperature": -1}), 422)
     assert_error(client.post(f"/v1/sessions/{session_id}/documents", json={"name": "no text"}), 422)
-    assert_error(client.post(f"/v1/sessions/{session_id}/documents", content=b"{", headers={"content-type": "application/json"}), 422)
+    assert_error(
+        client.post(f"/v1/sessions/{session_id}/documents", content=b"{", headers={"content-type": "application/json"}), 422
+    )
     two = {"messages": [{"role": "user", "content": "a"}], "n": 2}
     assert_error(client.post("/v1/chat/completions", json=two), 422)
 
@@ -116,7 +118,10 @@ def test_memory_budget_refusals_keep_earlier_documents(make_client):
     kept = client.post(url, json={"text": "word " * 1000}).json()
     cache_before = client.get(f"/v1/sessions/{session_id}/cache").json()
     # alone over the session's budget: no retry can succeed
-    assert "LONGDOC_SESSION_MEMORY_BYTES" in assert_error(client.post(url, json={"text": "Far too long. " * 2000}), 413, "too_large")["message"]
+    assert (
+        "LONGDOC_SESSION_MEMORY_BYTES"
+        in assert_error(client.post(url, json={"text": "Far too long. " * 2000}), 413, "too_large")["message"]
+    )
     # fits an empty session, not this one now: 429, until the cache is cleared
     response = client.post(url, json={"text": "word " * 1000})
     assert "clear its cache" in assert_error(response, 429, "memory_budget_exceeded")["message"]

@@ -26,7 +26,11 @@ def ask_url(session_id: str) -> str:
 def test_tiny_temperature_and_top_p_answer_as_greedy(client):
     session_id = new_session(client, memory="text")
     greedy = client.post(ask_url(session_id), json={"question": "hi", "max_tokens": 6}).json()["answer"]
-    near_greedy: tuple[dict[str, Any], ...] = ({"temperature": 1e-300}, {"temperature": 1e-6}, {"temperature": 1.0, "top_p": 1e-300})
+    near_greedy: tuple[dict[str, Any], ...] = (
+        {"temperature": 1e-300},
+        {"temperature": 1e-6},
+        {"temperature": 1.0, "top_p": 1e-300},
+    )
     for fields in near_greedy:
         response = client.post(ask_url(session_id), json={"question": "hi", "max_tokens": 6, "seed": 1, **fields})
         assert response.status_code == 200, (fields, response.text)
@@ -58,10 +62,24 @@ def test_lone_surrogates_are_422_everywhere(client):
 
 @pytest.mark.parametrize(
     "fields",
-    [{"stream": 0}, {"stream": "true"}, {"seed": False}, {"temperature": False}, {"max_tokens": True},
-     {"max_tokens": 2.5}, {"temperature": "0.5"}, {"stop": ["x"] * 9}, {"stop": "x" * 257},
-     {"no_repeat_ngram_size": -1}, {"no_repeat_ngram_size": 65}, {"no_repeat_ngram_size": 1.5}, {"no_repeat_ngram_size": True},
-     {"repetition_penalty": 0.5}, {"repetition_penalty": 2.5}, {"repetition_penalty": "1.1"}],
+    [
+        {"stream": 0},
+        {"stream": "true"},
+        {"seed": False},
+        {"temperature": False},
+        {"max_tokens": True},
+        {"max_tokens": 2.5},
+        {"temperature": "0.5"},
+        {"stop": ["x"] * 9},
+        {"stop": "x" * 257},
+        {"no_repeat_ngram_size": -1},
+        {"no_repeat_ngram_size": 65},
+        {"no_repeat_ngram_size": 1.5},
+        {"no_repeat_ngram_size": True},
+        {"repetition_penalty": 0.5},
+        {"repetition_penalty": 2.5},
+        {"repetition_penalty": "1.1"},
+    ],
 )
 def test_strict_scalars(client, fields):
     assert_error(client.post(CHAT, json=chat(**fields)), 422, "validation_error")
@@ -76,9 +94,12 @@ def test_non_finite_floats_are_422(client):
 
 
 def test_wrongly_typed_memory_options_get_a_plain_message(client):
-    for options, needle in (({"top_k": 1.5}, "top_k: Input should be a valid integer"),
-                            ({"top_k": "x"}, "top_k: Input should be a valid integer"),
-                            ({"top_k": True}, "top_k"), ({"chunk_tokens": None}, "chunk_tokens")):
+    for options, needle in (
+        ({"top_k": 1.5}, "top_k: Input should be a valid integer"),
+        ({"top_k": "x"}, "top_k: Input should be a valid integer"),
+        ({"top_k": True}, "top_k"),
+        ({"chunk_tokens": None}, "chunk_tokens"),
+    ):
         error = assert_error(client.post("/v1/sessions", json={"memory": "text", "options": options}), 400, "invalid_request")
         assert needle in error["message"] and "TypeError" not in error["message"] and "__init__" not in error["message"]
 

@@ -61,7 +61,10 @@ def test_a_failed_ingestion_leaves_earlier_documents_exact(client):
     assert "event: error" in response.text
     assert client.get(f"/v1/sessions/{session}/cache").json() == before
     after = client.post(f"/v1/sessions/{session}/ask", json=QUESTION).json()
-    assert after["answer"] == answer["answer"] and after["retrieval"] == {**answer["retrieval"], "seconds": after["retrieval"]["seconds"]}
+    assert after["answer"] == answer["answer"] and after["retrieval"] == {
+        **answer["retrieval"],
+        "seconds": after["retrieval"]["seconds"],
+    }
 
 
 def test_the_session_budget_refuses_a_document_before_it_is_streamed(make_client):

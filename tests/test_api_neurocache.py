@@ -47,7 +47,10 @@ def test_the_default_memory_is_the_one_the_model_manifest_names(make_client, ada
     # a manifest naming a memory the model cannot run (no adapter here), or an unreadable one: text
     assert make_client(model=[str(measured)]).post("/v1/sessions", json={}).json()["memory"] == "text"
     (measured / "longdoc.json").write_text("{not json")
-    assert make_client(model=[str(measured)], adapter_dir=[str(adapter_dir)]).post("/v1/sessions", json={}).json()["memory"] == "text"
+    assert (
+        make_client(model=[str(measured)], adapter_dir=[str(adapter_dir)]).post("/v1/sessions", json={}).json()["memory"]
+        == "text"
+    )
 
 
 def test_without_adapter_neurocache_is_refused(client):

@@ -15,8 +15,20 @@ from research.lms.segment_feed import FeedState, feed
 from tests.conftest import FIXTURES, fail_on_third_segment
 
 TEXT = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")[:3000]  # longer than max_seq_len
-CONFIG = dict(vocab_size=256, dim=32, n_layers=2, n_heads=2, max_seq_len=256, window=32, segment_len=8,
-              compressed_per_segment=2, group_size=16, overlap=True, cache_top_k=3, cache_neighbours=1)
+CONFIG = dict(
+    vocab_size=256,
+    dim=32,
+    n_layers=2,
+    n_heads=2,
+    max_seq_len=256,
+    window=32,
+    segment_len=8,
+    compressed_per_segment=2,
+    group_size=16,
+    overlap=True,
+    cache_top_k=3,
+    cache_neighbours=1,
+)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +77,11 @@ def test_ingest_and_ask_continue_from_the_fed_document(lm_client, checkpoint):
     assert doc["tokens"] == len(TEXT.encode()) and doc["segments"] == 6
     cache = lm_client.get(f"/v1/sessions/{session}/cache").json()
     assert cache["entries"] == doc["tokens"] and cache["bytes"] > 0
-    body: dict[str, Any] = {"question": "Who was sitting by her sister?", "max_tokens": 12, "no_repeat_ngram_size": 0}  # plain greedy
+    body: dict[str, Any] = {
+        "question": "Who was sitting by her sister?",
+        "max_tokens": 12,
+        "no_repeat_ngram_size": 0,
+    }  # plain greedy
     answer = lm_client.post(f"/v1/sessions/{session}/ask", json=body).json()
     model = lm_client.app.state.engine.models.named(checkpoint.name).loaded.model
     assert answer["answer"] == greedy(model, TEXT, body["question"], 12)

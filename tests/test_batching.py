@@ -29,15 +29,28 @@ from engine.worker import SerialWorker
 from research.lms.byte_tokenizer import ByteTokenizer
 
 NO_STOP = StopTokens(frozenset())
-FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
 
 
 def tiny(family: str, vocab: int) -> Any:
     torch.manual_seed(0)
     config_type, model_type = FAMILIES[family]
     window = {"sliding_window": None} if family == "mistral" else {}
-    config = config_type(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, **window)
+    config = config_type(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        **window,
+    )
     return model_type(config).eval()  # weights large enough that every position changes the logits
 
 
@@ -100,7 +113,9 @@ def test_batched_steps_equal_full_recomputation(family):
         for i, row in enumerate(rows):
             with torch.no_grad():
                 full = model(input_ids=torch.tensor([row.prompt_ids])).logits[0, -1]
-            torch.testing.assert_close(logits[i], full, rtol=1e-4, atol=1e-4, msg=cast(Callable[[str], str], lambda m, step=step: f"step {step}: {m}"))
+            torch.testing.assert_close(
+                logits[i], full, rtol=1e-4, atol=1e-4, msg=cast(Callable[[str], str], lambda m, step=step: f"step {step}: {m}")
+            )
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -189,11 +204,15 @@ def test_models_the_batched_step_would_get_wrong_are_not_batched():
     scalings whose frequencies depend on the whole batch's positions."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    small: dict[str, Any] = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    small: dict[str, Any] = dict(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+    )
     assert not BatchDecoder.supports(GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2)))
     assert not BatchDecoder.supports(MistralForCausalLM(MistralConfig(**small, sliding_window=4096)))
     assert BatchDecoder.supports(MistralForCausalLM(MistralConfig(**small, sliding_window=None)))
-    assert not BatchDecoder.supports(Qwen2ForCausalLM(Qwen2Config(**small, use_sliding_window=True, sliding_window=8, max_window_layers=0)))
+    assert not BatchDecoder.supports(
+        Qwen2ForCausalLM(Qwen2Config(**small, use_sliding_window=True, sliding_window=8, max_window_layers=0))
+    )
     dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     assert not BatchDecoder.supports(LlamaForCausalLM(LlamaConfig(**small, rope_parameters=dynamic)))
     assert BatchDecoder.supports(LlamaForCausalLM(LlamaConfig(**small)))
@@ -215,7 +234,9 @@ def test_a_failing_forward_ends_its_rows_and_a_scheduler_fault_hangs_no_one(tiny
     monkeypatch.setattr(batcher._decoder, "step", broken)
 
     async def run():
-        return await asyncio.wait_for(asyncio.gather(collect(batcher, p1, params1), collect(batcher, p2, params2), return_exceptions=True), 60)
+        return await asyncio.wait_for(
+            asyncio.gather(collect(batcher, p1, params1), collect(batcher, p2, params2), return_exceptions=True), 60
+        )
 
     failed, other = asyncio.run(run())
     assert str(failed) == "the forward broke" and same_answer(other, expected)

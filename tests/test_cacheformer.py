@@ -11,8 +11,7 @@ import torch
 from research.lms import build
 from tests.reference_attention import reference_forward
 
-SMALL = dict(vocab_size=50, dim=16, n_layers=2, n_heads=2, max_seq_len=64, window=6, segment_len=4,
-             compressed_per_segment=2)
+SMALL = dict(vocab_size=50, dim=16, n_layers=2, n_heads=2, max_seq_len=64, window=6, segment_len=4, compressed_per_segment=2)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "transformer": ("transformer", {}),
     "long-short": ("long-short", {}),
@@ -39,8 +38,7 @@ def test_changing_token_t_never_moves_earlier_outputs(name, seed):
     ids = torch.randint(0, 50, (2, T), generator=generator)
     with torch.no_grad():
         base = model(ids)
-        checked = {0, cfg.segment_len - 1, cfg.segment_len, cfg.window - 1, cfg.window, cfg.group_size - 1,
-                   cfg.group_size, T - 1}
+        checked = {0, cfg.segment_len - 1, cfg.segment_len, cfg.window - 1, cfg.window, cfg.group_size - 1, cfg.group_size, T - 1}
         for t in sorted(p for p in checked if p < T):
             changed = ids.clone()
             changed[:, t] = (ids[:, t] + 7) % 50
@@ -108,7 +106,6 @@ def test_gradients_flow_through_every_parameter():
     loss.backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
     assert not missing, missing
-
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # unfused on purpose

@@ -68,7 +68,9 @@ async def test_the_async_client_makes_the_same_requests():
     finally:
         await client.aclose()
     assert [(r.method, r.url.path) for r in seen] == [
-        ("POST", "/v1/sessions"), ("POST", "/v1/sessions"), ("POST", "/v1/sessions/s1/documents"),
+        ("POST", "/v1/sessions"),
+        ("POST", "/v1/sessions"),
+        ("POST", "/v1/sessions/s1/documents"),
     ]
 
 

@@ -32,6 +32,7 @@ def names_the_sisters(answer: str) -> bool:
     Lacie, and" and then strays, though its excerpts hold all three (checked below)."""
     return sum(name in answer for name in ANSWER_NAMES) >= 2
 
+
 pytestmark = pytest.mark.slow
 
 
@@ -44,9 +45,27 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def server(default_dir):
     port = free_port()
-    env = {**os.environ, "LONGDOC_CACHE_DIR": str(CACHE_DIR), "LONGDOC_DATA_DIR": tempfile.mkdtemp(prefix="longdoc-sessions-"), "LONGDOC_API_KEY": "e2e-key", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "clients.cli", "serve", "--port", str(port), "--log-level", "warning",
-           "--model", DEFAULT_MODEL, "--model", "cacheformer-bytes"]
+    env = {
+        **os.environ,
+        "LONGDOC_CACHE_DIR": str(CACHE_DIR),
+        "LONGDOC_DATA_DIR": tempfile.mkdtemp(prefix="longdoc-sessions-"),
+        "LONGDOC_API_KEY": "e2e-key",
+        "PYTHONUNBUFFERED": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "clients.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--model",
+        DEFAULT_MODEL,
+        "--model",
+        "cacheformer-bytes",
+    ]
     LOG.parent.mkdir(exist_ok=True)
     with LOG.open("w") as log:  # kept after the run: a 500's traceback is in it
         process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -116,10 +135,18 @@ def test_metrics_show_the_traffic(server, session):
 def test_command_line_ingest_and_ask(server, tmp_path: Path):
     env = {**os.environ, "LONGDOC_URL": server, "LONGDOC_API_KEY": "e2e-key"}
     cli = [sys.executable, "-m", "clients.cli"]
-    ingested = subprocess.run([*cli, "ingest", str(BOOK), "--memory", "text"], env=env, capture_output=True, text=True, timeout=300)
+    ingested = subprocess.run(
+        [*cli, "ingest", str(BOOK), "--memory", "text"], env=env, capture_output=True, text=True, timeout=300
+    )
     assert ingested.returncode == 0, ingested.stderr
     session_id = ingested.stdout.split()[1].rstrip(":")
-    answer = subprocess.run([*cli, "ask", QUESTION, "--session", session_id, "--max-tokens", "48"], env=env, capture_output=True, text=True, timeout=300)
+    answer = subprocess.run(
+        [*cli, "ask", QUESTION, "--session", session_id, "--max-tokens", "48"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert answer.returncode == 0, answer.stderr
     assert names_the_sisters(answer.stdout), answer.stdout
     listed = subprocess.run([*cli, "sessions"], env=env, capture_output=True, text=True, timeout=60)
@@ -143,8 +170,13 @@ def test_a_default_session_answers_about_a_130k_token_book_by_rest_and_the_opena
     assert "Raphael" in client.ask(session_id, question, max_tokens=48)["answer"]
     openai = pytest.importorskip("openai")
     sdk = openai.OpenAI(base_url=f"{server}/v1", api_key="e2e-key")
-    reply = sdk.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": question}],
-                                        max_tokens=48, temperature=0, extra_body={"session_id": session_id})
+    reply = sdk.chat.completions.create(
+        model=DEFAULT_MODEL,
+        messages=[{"role": "user", "content": question}],
+        max_tokens=48,
+        temperature=0,
+        extra_body={"session_id": session_id},
+    )
     assert "Raphael" in reply.choices[0].message.content
     client.delete_session(session_id)
 
@@ -213,13 +245,23 @@ def test_cli_asks_the_shipped_cacheformer_through_the_server(server, tmp_path):
     (tmp_path / "alice.txt").write_text(text, encoding="utf-8")
     env = {**os.environ, "LONGDOC_URL": server, "LONGDOC_API_KEY": "e2e-key"}
     cli = [sys.executable, "-m", "clients.cli"]
-    ingested = subprocess.run([*cli, "ingest", str(tmp_path / "alice.txt"), "--model", "cacheformer-bytes"],
-                              env=env, capture_output=True, text=True, timeout=300)
+    ingested = subprocess.run(
+        [*cli, "ingest", str(tmp_path / "alice.txt"), "--model", "cacheformer-bytes"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ingested.returncode == 0, ingested.stderr
     session_id = ingested.stdout.split()[1].rstrip(":")
     assert LongdocClient(server, api_key="e2e-key").session(session_id)["memory"] == "state"
-    asked = subprocess.run([*cli, "ask", "Alice was", "--session", session_id, "--max-tokens", "24"],
-                           env=env, capture_output=True, text=True, timeout=300)
+    asked = subprocess.run(
+        [*cli, "ask", "Alice was", "--session", session_id, "--max-tokens", "24"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert asked.returncode == 0, asked.stderr
     expected = greedy(load_checkpoint(SHIPPED_CHECKPOINTS / "cacheformer-bytes"), text, "Alice was", 24)
     assert asked.stdout.rstrip("\n") == expected.rstrip("\n") and expected.strip()

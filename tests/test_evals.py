@@ -28,7 +28,9 @@ def test_wilson_interval():
 
 
 def test_the_shipped_questions_are_well_formed():
-    rows = [json.loads(line) for line in texts.Path(__file__).parents[1].joinpath("research/evals/qa.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in texts.Path(__file__).parents[1].joinpath("research/evals/qa.jsonl").read_text().splitlines()
+    ]
     assert len(rows) >= 80 and len({r["id"] for r in rows}) == len(rows)
     assert {r["text"] for r in rows} == {t.name for t in texts.TEXTS}
     for r in rows:
@@ -46,8 +48,15 @@ def _tiny_set(tmp_path):
         (qa_dir / f"{spec.name}.txt").write_text(text)
     start = text.index("The ferryman")
     passage = text[start : start + 53]
-    question = {"id": "alice-01", "text": "alice", "question": "Who was the ferryman of the lake?", "answers": ["Quennell"],
-                "start": start, "end": start + len(passage), "passage": passage}
+    question = {
+        "id": "alice-01",
+        "text": "alice",
+        "question": "Who was the ferryman of the lake?",
+        "answers": ["Quennell"],
+        "start": start,
+        "end": start + len(passage),
+        "passage": passage,
+    }
     path = tmp_path / "qa.jsonl"
     path.write_text(json.dumps(question) + "\n")
     return qa_dir, path, question

@@ -46,7 +46,13 @@ def test_closed_gate_perplexity_equals_the_window_baseline(tiny_dir, tmp_path):
     save_adapter(neurocache, AutoTokenizer.from_pretrained(tiny_dir), tmp_path / "adapter")
     setup = EvalSetup(model=str(tiny_dir), adapter=tmp_path / "adapter", corpus_dir=corpus, device="cpu")
     rows = perplexity(setup, segment_len=64, capacities=(128, 1024), max_tokens=400)
-    assert [r["setting"].split(",")[0] for r in rows] == ["base", "base", "base + adapter", "base + Neurocache", "base + Neurocache"]
+    assert [r["setting"].split(",")[0] for r in rows] == [
+        "base",
+        "base",
+        "base + adapter",
+        "base + Neurocache",
+        "base + Neurocache",
+    ]
     window, _, empty, small, large = rows
     assert empty["perplexity"] == window["perplexity"]
     assert small["tokens"] == window["tokens"] > 1000

@@ -18,14 +18,23 @@ VOCAB = 97
 
 def tiny_model(family: str = "llama", seed: int = 0):
     torch.manual_seed(seed)
-    common: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=4096)
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
     if family == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
     return LlamaForCausalLM(LlamaConfig(**common)).eval()
 
 
-def fed(model, config: SelectConfig, ids: list[int], chunk: int, storage: str = "float32") -> tuple[SelectiveModel, KVStore, torch.Tensor]:
+def fed(
+    model, config: SelectConfig, ids: list[int], chunk: int, storage: str = "float32"
+) -> tuple[SelectiveModel, KVStore, torch.Tensor]:
     selective = SelectiveModel(model, config)
     store = KVStore(selective.store_shape(storage), device=torch.get_default_device(), dtype=torch.float32)
     store.reserve(len(ids))

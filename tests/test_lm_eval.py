@@ -11,8 +11,20 @@ from research.training.lm_eval import fed_losses, sliding_losses
 
 def test_both_score_every_byte_and_agree_inside_the_first_window():
     torch.manual_seed(0)
-    model = build("cacheformer", vocab_size=256, dim=16, n_layers=2, n_heads=2, max_seq_len=64, window=8,
-                  segment_len=4, compressed_per_segment=2, group_size=4, overlap=True, cache_top_k=2).eval()
+    model = build(
+        "cacheformer",
+        vocab_size=256,
+        dim=16,
+        n_layers=2,
+        n_heads=2,
+        max_seq_len=64,
+        window=8,
+        segment_len=4,
+        compressed_per_segment=2,
+        group_size=4,
+        overlap=True,
+        cache_top_k=2,
+    ).eval()
     data = np.random.default_rng(0).integers(0, 256, 300).astype(np.uint8)
     sliding = sliding_losses(model, data, 64)
     fed, seconds, nbytes = fed_losses(model, data, chunk=50)

@@ -24,10 +24,23 @@ def corpus_dir(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("arch, flags", [("transformer", {}), ("long-short", {}), ("cacheformer", {"overlap": True, "cache_top_k": 2})])
+@pytest.mark.parametrize(
+    "arch, flags", [("transformer", {}), ("long-short", {}), ("cacheformer", {"overlap": True, "cache_top_k": 2})]
+)
 def test_train_save_load_and_resume(arch, flags, corpus_dir, tmp_path):
-    config = LMTrainConfig(arch=arch, model={**TINY, **flags}, out=tmp_path / arch, corpus_dir=corpus_dir, steps=3,
-                           batch_size=2, seq_len=32, warmup=1, checkpoint_every=2, eval_bytes=256, device="cpu")
+    config = LMTrainConfig(
+        arch=arch,
+        model={**TINY, **flags},
+        out=tmp_path / arch,
+        corpus_dir=corpus_dir,
+        steps=3,
+        batch_size=2,
+        seq_len=32,
+        warmup=1,
+        checkpoint_every=2,
+        eval_bytes=256,
+        device="cpu",
+    )
     summary = train_lm(config, command="test")
     assert summary["steps"] == 3 and math.isfinite(summary["heldout_bits_per_byte"])
     model = load_checkpoint(tmp_path / arch / "checkpoint")
@@ -41,8 +54,18 @@ def test_train_save_load_and_resume(arch, flags, corpus_dir, tmp_path):
 
 
 def test_strict_loading(corpus_dir, tmp_path):
-    config = LMTrainConfig(arch="long-short", model=TINY, out=tmp_path / "ls", corpus_dir=corpus_dir, steps=1,
-                           batch_size=1, seq_len=16, warmup=1, eval_bytes=64, device="cpu")
+    config = LMTrainConfig(
+        arch="long-short",
+        model=TINY,
+        out=tmp_path / "ls",
+        corpus_dir=corpus_dir,
+        steps=1,
+        batch_size=1,
+        seq_len=16,
+        warmup=1,
+        eval_bytes=64,
+        device="cpu",
+    )
     train_lm(config)
     folder = tmp_path / "ls" / "checkpoint"
     meta = json.loads((folder / "config.json").read_text())
@@ -75,14 +98,33 @@ def test_the_shipped_cacheformer_loads_by_name_and_stays_small():
 
 def test_init_starts_from_a_checkpoint_at_a_longer_length(corpus_dir, tmp_path):
     flags = {**TINY, "overlap": True, "cache_top_k": 2}
-    first = LMTrainConfig(arch="cacheformer", model=flags, out=tmp_path / "a", corpus_dir=corpus_dir, steps=2,
-                          batch_size=2, seq_len=32, warmup=1, eval_bytes=256, device="cpu")
+    first = LMTrainConfig(
+        arch="cacheformer",
+        model=flags,
+        out=tmp_path / "a",
+        corpus_dir=corpus_dir,
+        steps=2,
+        batch_size=2,
+        seq_len=32,
+        warmup=1,
+        eval_bytes=256,
+        device="cpu",
+    )
     train_lm(first)
     start = load_checkpoint(tmp_path / "a" / "checkpoint")
-    longer = LMTrainConfig(arch="cacheformer", out=tmp_path / "b", corpus_dir=corpus_dir, steps=1, seq_len=64,
-                           init=tmp_path / "a" / "checkpoint", device="cpu")
+    longer = LMTrainConfig(
+        arch="cacheformer",
+        out=tmp_path / "b",
+        corpus_dir=corpus_dir,
+        steps=1,
+        seq_len=64,
+        init=tmp_path / "a" / "checkpoint",
+        device="cpu",
+    )
     model = initial_model(longer)
     assert model.config.max_seq_len == 64 and model.config.cache_top_k == 2  # the checkpoint's settings
-    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(model.state_dict().values(), start.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(a.cpu(), b.cpu()) for a, b in zip(model.state_dict().values(), start.state_dict().values(), strict=True)
+    )
     with pytest.raises(ValueError, match="holds a cacheformer model"):
         initial_model(LMTrainConfig(arch="long-short", init=tmp_path / "a" / "checkpoint"))

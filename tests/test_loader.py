@@ -78,15 +78,18 @@ def test_settings_validate_models_and_read_env(tmp_path, monkeypatch, tiny_dir):
         Settings(max_queue=0)
 
 
-@pytest.mark.parametrize(("field", "value", "message"), [
-    ("max_sessions", 0, "max_sessions must be positive"),
-    ("max_memory_bytes", 0, "server_memory_bytes must be positive"),
-    ("session_memory_bytes", -1, "memory_budget_bytes must be positive"),
-    ("segment_len", 8, "segment_len must be at least 16"),
-    ("default_max_tokens", 2048, "default_max_tokens <= max_new_tokens"),
-    ("max_generation_seconds", 0, "max_generation_seconds must be positive"),
-    ("dtype", "int4", "unknown dtype"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("max_sessions", 0, "max_sessions must be positive"),
+        ("max_memory_bytes", 0, "server_memory_bytes must be positive"),
+        ("session_memory_bytes", -1, "memory_budget_bytes must be positive"),
+        ("segment_len", 8, "segment_len must be at least 16"),
+        ("default_max_tokens", 2048, "default_max_tokens <= max_new_tokens"),
+        ("max_generation_seconds", 0, "max_generation_seconds must be positive"),
+        ("dtype", "int4", "unknown dtype"),
+    ],
+)
 def test_engine_limits_are_checked_once_by_the_engine_and_refused_by_settings(field, value, message):
     with pytest.raises(ValidationError, match=message):
         Settings(**{field: value})

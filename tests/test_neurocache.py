@@ -28,8 +28,15 @@ VOCAB = 97
 def tiny(arch: str) -> Any:
     """A tiny Hugging Face model, typed `Any`: tests reach its layers by attribute name."""
     torch.manual_seed(0)
-    common: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                                  num_key_value_heads=2, max_position_embeddings=256)
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     model: torch.nn.Module
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
@@ -346,7 +353,9 @@ def test_a_recording_binding_keeps_each_pass_states_and_leaves_the_cache_alone()
             with neurocache.active(binding):
                 past = model(ids[:, i : i + 1], past_key_values=past, use_cache=True).past_key_values
     assert binding.record is not None
-    assert [tuple(c.shape) for c in binding.record] == [(1, 7, neurocache.compressed_dim)] + [(1, 1, neurocache.compressed_dim)] * 3
+    assert [tuple(c.shape) for c in binding.record] == [(1, 7, neurocache.compressed_dim)] + [
+        (1, 1, neurocache.compressed_dim)
+    ] * 3
     torch.testing.assert_close(torch.cat(binding.record, dim=1), neurocache.compress(ids), rtol=1e-4, atol=1e-5)
     assert torch.equal(cache.states, before) and cache.size == 100
 

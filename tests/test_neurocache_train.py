@@ -57,8 +57,19 @@ def test_schedule_warms_up_then_decays():
 
 def test_train_checkpoint_and_resume(tiny_dir, corpus_dir, tmp_path):
     config = TrainConfig(
-        model=str(tiny_dir), out=tmp_path / "run", corpus_dir=corpus_dir, device="cpu", steps=4, batch_size=2,
-        segment_len=32, n_segments=3, accumulation=2, lr=1e-2, warmup=1, checkpoint_every=2, passkey_ratio=0.5,
+        model=str(tiny_dir),
+        out=tmp_path / "run",
+        corpus_dir=corpus_dir,
+        device="cpu",
+        steps=4,
+        batch_size=2,
+        segment_len=32,
+        n_segments=3,
+        accumulation=2,
+        lr=1e-2,
+        warmup=1,
+        checkpoint_every=2,
+        passkey_ratio=0.5,
         neurocache=NeurocacheConfig(top_k=4, capacity=512, lora_rank=2, retrieval_layer=0),
     )
     records = train(config, command="test")
@@ -86,8 +97,7 @@ def test_gates_train_at_their_own_learning_rate():
 
 def test_distractor_facts_are_near_misses_and_never_hide_the_key(tiny_tokenizer, corpus_dir):
     corpus = tokenize_files(tiny_tokenizer, sorted(corpus_dir.glob("*.txt")))
-    sampler = EpisodeSampler(tiny_tokenizer, corpus, segment_len=96, n_segments=4, passkey_ratio=1.0, seed=3,
-                             distractors=3)
+    sampler = EpisodeSampler(tiny_tokenizer, corpus, segment_len=96, n_segments=4, passkey_ratio=1.0, seed=3, distractors=3)
     seen = 0
     for _ in range(8):
         episode = sampler.sample()
@@ -116,8 +126,18 @@ def test_near_miss_differs_from_the_key():
 
 def test_fine_tuning_starts_from_the_given_adapter(tiny_dir, corpus_dir, tmp_path):
     config = TrainConfig(
-        model=str(tiny_dir), out=tmp_path / "first", corpus_dir=corpus_dir, device="cpu", steps=2, batch_size=1,
-        segment_len=32, n_segments=2, accumulation=1, lr=1e-2, warmup=1, passkey_ratio=0.5,
+        model=str(tiny_dir),
+        out=tmp_path / "first",
+        corpus_dir=corpus_dir,
+        device="cpu",
+        steps=2,
+        batch_size=1,
+        segment_len=32,
+        n_segments=2,
+        accumulation=1,
+        lr=1e-2,
+        warmup=1,
+        passkey_ratio=0.5,
         neurocache=NeurocacheConfig(top_k=3, capacity=256, lora_rank=2, retrieval_layer=0),
     )
     train(config)
@@ -144,8 +164,7 @@ def test_bad_distractor_settings_fail_clearly(tiny_tokenizer, corpus_dir):
     for bad in ({"distractors": -1}, {"repeats": 1.5}):
         with pytest.raises(ValueError, match="distractors must be"):
             EpisodeSampler(tiny_tokenizer, corpus, segment_len=64, n_segments=4, passkey_ratio=1.0, seed=0, **bad)
-    crowded = EpisodeSampler(tiny_tokenizer, corpus, segment_len=64, n_segments=2, passkey_ratio=1.0, seed=0,
-                             distractors=40)
+    crowded = EpisodeSampler(tiny_tokenizer, corpus, segment_len=64, n_segments=2, passkey_ratio=1.0, seed=0, distractors=40)
     with pytest.raises(ValueError, match="do not fit"):
         for _ in range(20):
             crowded.sample()
@@ -153,8 +172,9 @@ def test_bad_distractor_settings_fail_clearly(tiny_tokenizer, corpus_dir):
 
 def test_fact_episode_asks_about_a_fact_stated_before_the_last_segment(tiny_tokenizer, corpus_dir):
     corpus = tokenize_files(tiny_tokenizer, sorted(corpus_dir.glob("*.txt")))
-    sampler = EpisodeSampler(tiny_tokenizer, corpus, segment_len=128, n_segments=4, passkey_ratio=0.0, fact_ratio=1.0,
-                             seed=5, distractors=3)
+    sampler = EpisodeSampler(
+        tiny_tokenizer, corpus, segment_len=128, n_segments=4, passkey_ratio=0.0, fact_ratio=1.0, seed=5, distractors=3
+    )
     for _ in range(8):
         episode = sampler.sample()
         assert episode.kind == "fact" and len(episode.token_ids) == 512 == len(episode.answer_mask)
@@ -190,5 +210,13 @@ def test_episode_kinds_follow_the_ratios(tiny_tokenizer, corpus_dir):
     with pytest.raises(ValueError, match="sum to at most 1"):
         EpisodeSampler(tiny_tokenizer, corpus, segment_len=96, n_segments=3, passkey_ratio=0.6, fact_ratio=0.6, seed=0)
     with pytest.raises(ValueError, match="a name per fact"):
-        EpisodeSampler(tiny_tokenizer, corpus, segment_len=96, n_segments=3, passkey_ratio=0.0, fact_ratio=0.5, seed=0,
-                       distractors=len(NAMES))
+        EpisodeSampler(
+            tiny_tokenizer,
+            corpus,
+            segment_len=96,
+            n_segments=3,
+            passkey_ratio=0.0,
+            fact_ratio=0.5,
+            seed=0,
+            distractors=len(NAMES),
+        )

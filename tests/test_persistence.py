@@ -20,8 +20,15 @@ QUESTION = {"question": "What colour is the lighthouse?", "max_tokens": 8}
 
 
 def test_pack_round_trips_nested_states():
-    state: dict[str, Any] = {"ids": [np.arange(3, dtype=np.int32), np.zeros((0, 2), np.int64)], "t": torch.ones(2, 3, dtype=torch.bfloat16),
-                             "n": 7, "f": 0.5, "s": ["a", "b"], "none": None, "deep": {"x": {"y": torch.tensor([1])}}}
+    state: dict[str, Any] = {
+        "ids": [np.arange(3, dtype=np.int32), np.zeros((0, 2), np.int64)],
+        "t": torch.ones(2, 3, dtype=torch.bfloat16),
+        "n": 7,
+        "f": 0.5,
+        "s": ["a", "b"],
+        "none": None,
+        "deep": {"x": {"y": torch.tensor([1])}},
+    }
     tensors: dict = {}
     back = unpack(json.loads(json.dumps(pack(state, tensors))), tensors)
     assert back["n"] == 7 and back["f"] == 0.5 and back["s"] == ["a", "b"] and back["none"] is None

@@ -11,8 +11,7 @@ import torch
 from research.lms import build
 from research.lms.segment_feed import FeedState, feed
 
-SMALL = dict(vocab_size=50, dim=16, n_layers=2, n_heads=2, max_seq_len=128, window=6, segment_len=4,
-             compressed_per_segment=2)
+SMALL = dict(vocab_size=50, dim=16, n_layers=2, n_heads=2, max_seq_len=128, window=6, segment_len=4, compressed_per_segment=2)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "long-short": ("long-short", {}),
     "cf-overlap": ("cacheformer", {"overlap": True}),

@@ -32,8 +32,14 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 ARTIFACTS = Path(os.environ.get("LONGDOC_TEST_ARTIFACTS", "test-artifacts")) / "ui"
 # As the project's machines need it: no calls to Google's hosts (the network is closed); Playwright
 # itself starts Chromium headless and without its sandbox (as root)
-CHROMIUM_ARGS = ["--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--no-first-run", "--disable-quic", "--disable-gpu"]
+CHROMIUM_ARGS = [
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+    "--disable-gpu",
+]
 EXPECTED_401 = "status of 401"  # the first load, before the key is entered
 LONG = 60_000  # ms: ingestion and answers on 2 CPU cores
 
@@ -189,7 +195,7 @@ def test_offsets_count_code_points_as_the_server_does(page):
             return cut.map((s) => [text.slice(s.start, s.end), s.numbers]);
         }"""
     )
-    assert spans == [["a\U0001F600bc d", [2, 1, 3]]]
+    assert spans == [["a\U0001f600bc d", [2, 1, 3]]]
 
 
 def test_stop_ends_the_generation_on_the_server(page, server):
@@ -225,7 +231,9 @@ def test_error_event_during_ingestion_is_shown(page, server):
     expect(page.locator("#ingest-status")).to_have_text(re.compile(r"alice29.txt: \d+ of \d+ tokens"), timeout=LONG)
     assert httpx.delete(f"{server.url}/v1/sessions/{doomed}", headers=AUTH).status_code == 204
     # the upload's response started with 200 and progress events: the error can only come as an event
-    expect(page.locator("#error")).to_have_text(re.compile(f"not_found: session {doomed} was deleted during ingestion"), timeout=LONG)
+    expect(page.locator("#error")).to_have_text(
+        re.compile(f"not_found: session {doomed} was deleted during ingestion"), timeout=LONG
+    )
     page.screenshot(path=ARTIFACTS / "4-error-event.png")
     page.click("#error button")  # dismissed
     expect(page.locator("#error")).to_be_hidden()

@@ -175,7 +175,9 @@ class Memory(ABC):
     def answer_steps(self, request: AnswerRequest) -> Iterator[GenerationEvent | MemoryWrite]:
         """A blocking generator run on the model's worker: one `Retrieval`, text deltas, then done."""
         yield self.retrieval(request)
-        yield from generate_steps(request.model, request.tokenizer, self.answer_prompt(request), request.params, request.stop_tokens)
+        yield from generate_steps(
+            request.model, request.tokenizer, self.answer_prompt(request), request.params, request.stop_tokens
+        )
 
     @property
     def plain_answer(self) -> bool:

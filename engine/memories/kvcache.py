@@ -41,8 +41,16 @@ class KVCacheOptions:
     storage: Literal["bfloat16", "int8", "float32"] = "bfloat16"
 
     def __post_init__(self) -> None:
-        bounds = {"segment_len": (8, 1024), "top_k": (1, 256), "neighbours": (1, 9), "window": (16, 65536),
-                  "sinks": (0, 4096), "query_chunk": (1, 4096), "reselect_every": (1, 4096), "representatives": (1, 64)}
+        bounds = {
+            "segment_len": (8, 1024),
+            "top_k": (1, 256),
+            "neighbours": (1, 9),
+            "window": (16, 65536),
+            "sinks": (0, 4096),
+            "query_chunk": (1, 4096),
+            "reselect_every": (1, 4096),
+            "representatives": (1, 64),
+        }
         for name, (low, high) in bounds.items():
             if not low <= getattr(self, name) <= high:
                 raise ValueError(f"{name} must be between {low} and {high}")
@@ -93,7 +101,12 @@ class KVCacheMemory(Memory):
 
     def begin_document(self, document_id: str, text: str, tokens: int) -> None:
         lead = self._separator if self.store.tokens else self._prefix
-        self._staged = {"id": document_id, "mark": self.store.mark(), "bytes": self._bytes(), "arrays": (self._token_doc, self._token_spans)}
+        self._staged = {
+            "id": document_id,
+            "mark": self.store.mark(),
+            "bytes": self._bytes(),
+            "arrays": (self._token_doc, self._token_spans),
+        }
         self.store.reserve(tokens + len(lead))
         self._feed(lead, -1, [(0, 0)] * len(lead))
 
@@ -148,7 +161,9 @@ class KVCacheMemory(Memory):
 
     def answer_steps(self, request: AnswerRequest) -> Iterator[GenerationEvent | MemoryWrite]:
         tokenizer = request.tokenizer
-        after = tokenizer(after_document(tokenizer, request.messages[:-1], request.question), add_special_tokens=False)["input_ids"]
+        after = tokenizer(after_document(tokenizer, request.messages[:-1], request.question), add_special_tokens=False)[
+            "input_ids"
+        ]
         prompt = after if self.store.tokens else self._prefix + after  # an empty session: the template's start first
         answer = SelectiveAnswer(self.selective, self.store, len(prompt) + request.params.max_tokens)
         steps = decode_steps(answer.forward, tokenizer, prompt, request.params, request.stop_tokens)
@@ -170,10 +185,16 @@ class KVCacheMemory(Memory):
             document = int(docs[in_document[0]])
             mine = in_document[docs[in_document] == document]
             spans = self._token_spans[rows][mine]
-            items.append(RetrievedItem(
-                chunk_id=segment, document_id=self._documents[document], char_start=int(spans[0, 0]),
-                char_end=int(spans[-1, 1]), score=None, layers=layers,
-            ))
+            items.append(
+                RetrievedItem(
+                    chunk_id=segment,
+                    document_id=self._documents[document],
+                    char_start=int(spans[0, 0]),
+                    char_end=int(spans[-1, 1]),
+                    score=None,
+                    layers=layers,
+                )
+            )
         return tuple(items)
 
     # ---- state ---------------------------------------------------------------------------------

@@ -132,12 +132,16 @@ class TextMemory(Memory):
         if self._staged is None:
             return 0
         text_bytes = sys.getsizeof(self._staged.text)
-        return len(self._staged.spans) * self._chunk_bytes() + text_bytes + self._rebuild_bytes(len(self._staged.spans), text_bytes)
+        return (
+            len(self._staged.spans) * self._chunk_bytes() + text_bytes + self._rebuild_bytes(len(self._staged.spans), text_bytes)
+        )
 
     def commit_document(self) -> None:
         assert self._staged is not None, "begin_document first"
         staged = self._staged
-        lexical = self._lexical.build(self._chunk_texts() + [staged.text[a:b] for a, b in staged.spans])  # may fail: nothing changed yet
+        lexical = self._lexical.build(
+            self._chunk_texts() + [staged.text[a:b] for a, b in staged.spans]
+        )  # may fail: nothing changed yet
         if staged.vectors:
             self._index.add(np.concatenate(staged.vectors))
             number = len(self._documents)

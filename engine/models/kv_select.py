@@ -150,8 +150,13 @@ class SelectiveModel:
     def store_shape(self, storage: str) -> StoreShape:
         c = self.config
         return StoreShape(
-            layers=len(self.layers), kv_heads=self.kv_heads, head_dim=self.head_dim, sinks=c.sinks,
-            segment_len=c.segment_len, representatives=c.representatives if c.summary == "representative" else 1, storage=storage,
+            layers=len(self.layers),
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            sinks=c.sinks,
+            segment_len=c.segment_len,
+            representatives=c.representatives if c.summary == "representative" else 1,
+            storage=storage,
         )
 
     # ---- pieces of a layer ---------------------------------------------------------------------
@@ -193,7 +198,9 @@ class SelectiveModel:
         """[Hkv, S]: each segment's best summary row against the head's mean query [Hkv, D]."""
         return torch.einsum("srhd,hd->hsr", summaries, query_mean).amax(dim=-1)
 
-    def _selected(self, layer_index: int, store: KVStore, picks: list[list[int]], window_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _selected(
+        self, layer_index: int, store: KVStore, picks: list[list[int]], window_position: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values [Hkv, n·l, D] of each head's n picks, placed back to back right
         before `window_position`, in document order."""
         l, D = self.config.segment_len, self.head_dim
@@ -252,7 +259,9 @@ class SelectiveModel:
         offset = start if start <= c.sinks else window_position + start - window_start
         own_rope = self._rope(torch.arange(offset, offset + T))
         sink_rope = self._rope(torch.arange(sinks))
-        window_rope = self._rope(torch.arange(window_position, window_position + start - window_start)) if start > c.sinks else None
+        window_rope = (
+            self._rope(torch.arange(window_position, window_position + start - window_start)) if start > c.sinks else None
+        )
         x = self._backbone.embed_tokens(torch.tensor(token_ids, device=self.device))
         means = []
         for i, layer in enumerate(self.layers):

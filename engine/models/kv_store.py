@@ -86,7 +86,9 @@ class KVStore:
         pages = -(-segments // self.shape.page_segments) - len(self.pages[0])
         sinks = min(max(0, self.shape.sinks - self.tokens), tokens)
         row = 2 * self.shape.layers * self.shape.kv_heads * self.shape.head_dim * self.dtype.itemsize  # a token's key + value
-        return max(0, pages) * self.shape.page_bytes() + self.shape.summary_bytes(segments) + (self.shape.segment_len + sinks) * row
+        return (
+            max(0, pages) * self.shape.page_bytes() + self.shape.summary_bytes(segments) + (self.shape.segment_len + sinks) * row
+        )
 
     def reserve(self, tokens: int) -> None:
         """Room in the summaries for `tokens` more tokens (a new tensor; `rollback` restores the old)."""
@@ -231,16 +233,20 @@ class KVStore:
         return {
             "tokens": self.tokens,
             "segments": self.segments,
-            "sink_k": list(self.sink_k), "sink_v": list(self.sink_v),
-            "tail_k": list(self.tail_k), "tail_v": list(self.tail_v),
+            "sink_k": list(self.sink_k),
+            "sink_v": list(self.sink_v),
+            "tail_k": list(self.tail_k),
+            "tail_v": list(self.tail_v),
             "pages": [list(layer) for layer in self.pages],  # not copied: a snapshot is written at once
             "summaries": [s[: self.segments].clone() for s in self.summaries],
             "query_mean": list(self.query_mean),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if len(state["pages"]) != self.shape.layers or (state["pages"][0] and state["pages"][0][0]["k"].shape[1:] != (
-            self.shape.segment_len, self.shape.kv_heads, self.shape.head_dim)):
+        if len(state["pages"]) != self.shape.layers or (
+            state["pages"][0]
+            and state["pages"][0][0]["k"].shape[1:] != (self.shape.segment_len, self.shape.kv_heads, self.shape.head_dim)
+        ):
             raise ValueError("saved kvcache has another shape")
 
         def move(t: torch.Tensor | None) -> Any:  # a saved tensor on this store's device (None: no query mean yet)

@@ -170,6 +170,12 @@ def load_model(source: str, *, cache_dir: Path, device: str = "auto", dtype: str
     if tokenizer.chat_template is None:
         raise ValueError(f"model {name!r} has no chat template; longdoc needs an instruct/chat model")
     return LoadedModel(
-        name=name, source=source, model=model, tokenizer=tokenizer, device=torch_device, dtype=torch_dtype,
-        architecture=str(model.config.model_type), context_len=int(getattr(model.config, "max_position_embeddings", 2048)),
+        name=name,
+        source=source,
+        model=model,
+        tokenizer=tokenizer,
+        device=torch_device,
+        dtype=torch_dtype,
+        architecture=str(model.config.model_type),
+        context_len=int(getattr(model.config, "max_position_embeddings", 2048)),
     )

@@ -230,7 +230,13 @@ class CacheAttention(nn.Module):
     This bias is our addition to the paper's cache attention (docs/neurocache.md)."""
 
     def __init__(
-        self, weights: tuple[torch.Tensor, ...], *, heads: int, kv_heads: int, compressed_dim: int, slots: int,
+        self,
+        weights: tuple[torch.Tensor, ...],
+        *,
+        heads: int,
+        kv_heads: int,
+        compressed_dim: int,
+        slots: int,
         successor_bias: float = 0.0,
     ) -> None:
         super().__init__()
@@ -429,7 +435,10 @@ class Neurocache(nn.Module):
         for index in range(retrieval_layer + 1, depth):
             base = layers[index]
             attention = CacheAttention(
-                arch.attention_weights(base), heads=heads, kv_heads=kv_heads, compressed_dim=self.compressed_dim,
+                arch.attention_weights(base),
+                heads=heads,
+                kv_heads=kv_heads,
+                compressed_dim=self.compressed_dim,
                 slots=config.context * config.top_k * config.window,
                 successor_bias=config.successor_bias if config.window > 1 else 0.0,
             )

@@ -69,5 +69,7 @@ def load_adapter(model: nn.Module, tokenizer: PreTrainedTokenizerBase, folder: P
         raise ValueError(f"adapter {folder} was trained for another base model: " + "; ".join(wrong))
     neurocache = Neurocache(model, NeurocacheConfig.from_dict(meta["neurocache"]))
     state = load_file(folder / WEIGHTS, device=str(next(model.parameters()).device))
-    neurocache.load_adapter_state_dict({k: v.to(next(model.parameters()).dtype) if v.is_floating_point() else v for k, v in state.items()})
+    neurocache.load_adapter_state_dict(
+        {k: v.to(next(model.parameters()).dtype) if v.is_floating_point() else v for k, v in state.items()}
+    )
     return neurocache

@@ -24,26 +24,105 @@ from research.training.evaluate import EvalSetup, run_with_engine
 FILLER = texts.QaText("jargon-d-z", "filler", texts.BY_NAME["jargon"].source, start="   :daemon:")
 
 FIRST = ("Orsolya", "Teodor", "Mirela", "Casimir", "Ysolde", "Bartholomew", "Philippa", "Anselm", "Rosalind", "Evander")
-LAST = ("Brightwater", "Quennell", "Marchetti", "Oakhollow", "Szabados", "Vennard", "Ilvermoor", "Castellane", "Dunmore", "Feathergill")
-PLACES = ("Port Velmira", "Aldenreach", "Saint Ombrel", "Kestrelmouth", "Vintry Cross", "Lake Oravessa", "Harrowgate Fen", "Duskwater")
-TITLES = ("The Glass Orchard", "A Ledger of Tides", "Songs for the Lamplighter", "The Copper Almanac", "Winter at Greyfold", "The Ninth Lantern")
-MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December")
-SUBJECTS = ("the old observatory", "the harbour tunnel", "the river museum", "the northern archive", "the glassworks", "the signal tower")
+LAST = (
+    "Brightwater",
+    "Quennell",
+    "Marchetti",
+    "Oakhollow",
+    "Szabados",
+    "Vennard",
+    "Ilvermoor",
+    "Castellane",
+    "Dunmore",
+    "Feathergill",
+)
+PLACES = (
+    "Port Velmira",
+    "Aldenreach",
+    "Saint Ombrel",
+    "Kestrelmouth",
+    "Vintry Cross",
+    "Lake Oravessa",
+    "Harrowgate Fen",
+    "Duskwater",
+)
+TITLES = (
+    "The Glass Orchard",
+    "A Ledger of Tides",
+    "Songs for the Lamplighter",
+    "The Copper Almanac",
+    "Winter at Greyfold",
+    "The Ninth Lantern",
+)
+MONTHS = (
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+)
+SUBJECTS = (
+    "the old observatory",
+    "the harbour tunnel",
+    "the river museum",
+    "the northern archive",
+    "the glassworks",
+    "the signal tower",
+)
 
 # kind -> (fact phrasings, question), "{s}" the subject and "{v}" the value
 KINDS: dict[str, tuple[tuple[str, ...], str]] = {
-    "name": (("The keeper of {s} was a woman named {v}.", "Few remember that {s} was looked after by {v} for many years.",
-              "It was {v} who kept the keys of {s}."), "Who kept {s}? Give the name."),
-    "number": (("Exactly {v} visitors passed through {s} in its first year.", "In its first year {s} counted {v} visitors.",
-                "The ledger of {s} records {v} visitors in the first year."), "How many visitors did {s} have in its first year?"),
-    "place": (("The bell of {s} was cast in a foundry at {v}.", "{v} is where the foundry that cast the bell of {s} stood.",
-               "They cast the bell of {s} at {v}, far to the south."), "Where was the bell of {s} cast?"),
-    "code": (("The door of {s} opens with the code {v}.", "To open the door of {s}, one types {v}.",
-              "The code that opens the door of {s} is {v}."), "What code opens the door of {s}?"),
-    "date": (("{s} first opened on {v}.", "On {v}, {s} opened for the first time.",
-              "The first day {s} was open was {v}."), "On what date did {s} first open?"),
-    "title": (("The only book kept in {s} was called {v}.", "A single book lay in {s}: {v}.",
-               "{v} was the one book anyone ever found in {s}."), "What was the title of the book kept in {s}?"),
+    "name": (
+        (
+            "The keeper of {s} was a woman named {v}.",
+            "Few remember that {s} was looked after by {v} for many years.",
+            "It was {v} who kept the keys of {s}.",
+        ),
+        "Who kept {s}? Give the name.",
+    ),
+    "number": (
+        (
+            "Exactly {v} visitors passed through {s} in its first year.",
+            "In its first year {s} counted {v} visitors.",
+            "The ledger of {s} records {v} visitors in the first year.",
+        ),
+        "How many visitors did {s} have in its first year?",
+    ),
+    "place": (
+        (
+            "The bell of {s} was cast in a foundry at {v}.",
+            "{v} is where the foundry that cast the bell of {s} stood.",
+            "They cast the bell of {s} at {v}, far to the south.",
+        ),
+        "Where was the bell of {s} cast?",
+    ),
+    "code": (
+        (
+            "The door of {s} opens with the code {v}.",
+            "To open the door of {s}, one types {v}.",
+            "The code that opens the door of {s} is {v}.",
+        ),
+        "What code opens the door of {s}?",
+    ),
+    "date": (
+        ("{s} first opened on {v}.", "On {v}, {s} opened for the first time.", "The first day {s} was open was {v}."),
+        "On what date did {s} first open?",
+    ),
+    "title": (
+        (
+            "The only book kept in {s} was called {v}.",
+            "A single book lay in {s}: {v}.",
+            "{v} was the one book anyone ever found in {s}.",
+        ),
+        "What was the title of the book kept in {s}?",
+    ),
 }
 
 
@@ -113,11 +192,14 @@ async def _run(engine: Engine, memory: str, options: dict[str, Any], length: int
 async def _ask(engine: Engine, row: Row, session_id: str, needle: Needle, text: str) -> None:
     start = text.index(needle.fact)
     events = await engine.ask(session_id, needle.question, GenerationParams(max_tokens=ANSWER_TOKENS))
-    await score(row, events, (start, start + len(needle.fact)), needle.answers, f"{needle.kind}@{needle.depth:.2f} {needle.answers[0]!r}")
+    await score(
+        row, events, (start, start + len(needle.fact)), needle.answers, f"{needle.kind}@{needle.depth:.2f} {needle.answers[0]!r}"
+    )
 
 
-def bench(setup: EvalSetup, runs: list[tuple[str, dict[str, Any]]], lengths: list[int], seeds: int = 3,
-          qa_dir: Path = texts.QA_DIR) -> list[Row]:
+def bench(
+    setup: EvalSetup, runs: list[tuple[str, dict[str, Any]]], lengths: list[int], seeds: int = 3, qa_dir: Path = texts.QA_DIR
+) -> list[Row]:
     async def body(engine: Engine) -> list[Row]:
         return [await _run(engine, m, o, n, range(seeds), qa_dir) for m, o in runs for n in lengths]
 

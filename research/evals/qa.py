@@ -112,7 +112,9 @@ def overlaps(items: Iterable[RetrievedItem], start: int, end: int) -> bool:
     return any(item.char_start < end and start < item.char_end for item in items)
 
 
-async def score(row: Row, events: AsyncIterator[GenerationEvent], gold: tuple[int, int], answers: Iterable[str], label: str) -> None:
+async def score(
+    row: Row, events: AsyncIterator[GenerationEvent], gold: tuple[int, int], answers: Iterable[str], label: str
+) -> None:
     """Read one answer's events into `row`: recall of the gold span, timings, and whether it is right."""
     parts: list[str] = []
     async for event in events:
@@ -177,7 +179,11 @@ async def run_memory(engine: Engine, memory: str, options: dict[str, Any], quest
 
 
 def bench(
-    setup: EvalSetup, runs: list[tuple[str, dict[str, Any]]], *, limit: int | None = None, qa_dir: Path = texts.QA_DIR,
+    setup: EvalSetup,
+    runs: list[tuple[str, dict[str, Any]]],
+    *,
+    limit: int | None = None,
+    qa_dir: Path = texts.QA_DIR,
     questions_path: Path = QUESTIONS,
 ) -> list[Row]:
     """One row per (memory, options); `limit` asks only the first questions of each text."""

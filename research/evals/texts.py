@@ -34,10 +34,20 @@ TEXTS = (
     QaText("alice", "novel", "alice29.txt"),
     QaText("paradise-lost", "poem", "plrabn12.txt", end="Book XII"),
     QaText("acts", "scripture and history", "kjv-Acts.txt"),
-    QaText("jargon", "technical reference", "debian:jargon-text:usr/share/doc/jargon-text/jargon.txt.gz",
-           start="   :(TM):", end="   :daemon:"),
-    QaText("devil", "reference (dictionary)", "debian:dict-devil:usr/share/dictd/devil.dict.dz",
-           start="THE DEVIL'S DICTIONARY", end=" abcdefghijklmnopqrstuvwxyz"),
+    QaText(
+        "jargon",
+        "technical reference",
+        "debian:jargon-text:usr/share/doc/jargon-text/jargon.txt.gz",
+        start="   :(TM):",
+        end="   :daemon:",
+    ),
+    QaText(
+        "devil",
+        "reference (dictionary)",
+        "debian:dict-devil:usr/share/dictd/devil.dict.dz",
+        start="THE DEVIL'S DICTIONARY",
+        end=" abcdefghijklmnopqrstuvwxyz",
+    ),
 )
 BY_NAME = {t.name: t for t in TEXTS}
 

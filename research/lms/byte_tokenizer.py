@@ -32,6 +32,8 @@ class ByteTokenizer:
     def convert_tokens_to_ids(self, token: str) -> None:
         return None  # no special tokens
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, tokenize: bool = False) -> Any:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, tokenize: bool = False
+    ) -> Any:
         text = "\n\n".join(m["content"].strip() for m in messages) + ("\n" if add_generation_prompt else "")
         return self(text)["input_ids"] if tokenize else text

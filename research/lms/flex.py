@@ -67,7 +67,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, copies: Mod, scale
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         return copies(b, h, q_idx, kv_idx) > 0
 
-    def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    def score_mod(
+        score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
         return score + torch.log(copies(b, h, q_idx, kv_idx).clamp_min(1).to(score.dtype))
 
     block_mask = create_block_mask(mask_mod, B, H, L, k.shape[2], device=q.device, _compile=q.is_cuda)

@@ -71,7 +71,12 @@ class LongShortAttention(nn.Module):
         return self.out(merge_heads(out)[:, :T])
 
     def joint_attention(
-        self, q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, k_bar: torch.Tensor, v_bar: torch.Tensor,
+        self,
+        q: torch.Tensor,
+        k_win: torch.Tensor,
+        v_win: torch.Tensor,
+        k_bar: torch.Tensor,
+        v_bar: torch.Tensor,
         ends: torch.Tensor,
     ) -> torch.Tensor:
         """One softmax per query over its window, the compressed segments ending before it, and
@@ -102,7 +107,12 @@ class LongShortAttention(nn.Module):
         return out.reshape(B, H, Tp, hd)
 
     def _joint_flex(
-        self, q: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, k_bar: torch.Tensor, v_bar: torch.Tensor,
+        self,
+        q: torch.Tensor,
+        k_win: torch.Tensor,
+        v_win: torch.Tensor,
+        k_bar: torch.Tensor,
+        v_bar: torch.Tensor,
         ends: torch.Tensor,
     ) -> torch.Tensor:
         """The same softmax in one flex call over [compressed keys | every position's window key]."""

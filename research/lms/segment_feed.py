@@ -76,8 +76,14 @@ class LayerState:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         named = {name: g.view().clone() for name, g in zip(GROWABLE_NAMES, self.growables(), strict=True)}
-        return {**named, "raw_k": self.raw_k.clone(), "raw_v": self.raw_v.clone(), "previous_sum": self.previous_sum.clone(),
-                "current_sum": self.current_sum.clone(), "raw_start": torch.tensor(self.raw_start)}
+        return {
+            **named,
+            "raw_k": self.raw_k.clone(),
+            "raw_v": self.raw_v.clone(),
+            "previous_sum": self.previous_sum.clone(),
+            "current_sum": self.current_sum.clone(),
+            "raw_start": torch.tensor(self.raw_start),
+        }
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, g in zip(GROWABLE_NAMES, self.growables(), strict=True):
@@ -122,8 +128,7 @@ class FeedState:
 
     def mark(self) -> Mark:
         layers = tuple(
-            (tuple(g.n for g in s.growables()), s.raw_k, s.raw_v, s.raw_start, s.previous_sum, s.current_sum)
-            for s in self.layers
+            (tuple(g.n for g in s.growables()), s.raw_k, s.raw_v, s.raw_start, s.previous_sum, s.current_sum) for s in self.layers
         )
         return Mark(self.length, layers)
 
@@ -222,7 +227,9 @@ def _compress_completed(attn: LongShortAttention, layer: LayerState, k: torch.Te
         complete = max(0, (end - start) // l)
         if complete:
             lo = start - layer.raw_start
-            k_bar, v_bar = compress(layer.raw_k[None, :, lo : lo + complete * l], layer.raw_v[None, :, lo : lo + complete * l], proj, l)
+            k_bar, v_bar = compress(
+                layer.raw_k[None, :, lo : lo + complete * l], layer.raw_v[None, :, lo : lo + complete * l], proj, l
+            )
             seg_ends = offset + (torch.arange(done, done + complete, device=k.device) + 1) * l - 1
             k_bar = attn._rope(attn.long_norm_k(k_bar[0]), seg_ends.view(-1, 1))  # H, c, r, hd
             keys.append(k_bar.flatten(1, 2))
@@ -249,7 +256,11 @@ def _group_sums(layer: LayerState, row_scores: torch.Tensor, rows: torch.Tensor,
 
 
 def _cached_segments(
-    attn: LongShortAttention, layer: LayerState, q: torch.Tensor, s_long: torch.Tensor, visible: torch.Tensor,
+    attn: LongShortAttention,
+    layer: LayerState,
+    q: torch.Tensor,
+    s_long: torch.Tensor,
+    visible: torch.Tensor,
     rows: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores [H, n, K'*l] (masked) and values [H, n, K'*l, hd] of each row's selected segments."""

@@ -29,6 +29,7 @@ from research.training.corpus import DEFAULT_DIR, fetch, split
 
 PASSKEY_QUESTION = "What is the pass key? Answer with the number."
 
+
 @dataclass(frozen=True)
 class EvalSetup:
     model: str = DEFAULT_MODEL
@@ -109,9 +110,7 @@ def passkey_document(filler: str, length_tokens: int, depth: float, key: str, to
     return f"{head} The pass key is {key}. Remember it. {key} is the pass key. {tail}"
 
 
-async def _answers(
-    engine: Engine, memory: str, document: str, questions: list[str], capacity: int | None = None
-) -> list[str]:
+async def _answers(engine: Engine, memory: str, document: str, questions: list[str], capacity: int | None = None) -> list[str]:
     """Ingest `document` into a fresh session once, then answer each question greedily.
     `capacity` sets a neurocache session's m (None: the adapter's)."""
     options = {"capacity": capacity} if memory == "neurocache" and capacity else {}
@@ -158,7 +157,12 @@ def run_with_engine(setup: EvalSetup, max_tokens: int, body: Callable[[Engine], 
 
 
 def passkey(
-    setup: EvalSetup, *, memories: tuple[str, ...], lengths: tuple[int, ...], depths: tuple[float, ...], seed: int = 0,
+    setup: EvalSetup,
+    *,
+    memories: tuple[str, ...],
+    lengths: tuple[int, ...],
+    depths: tuple[float, ...],
+    seed: int = 0,
     capacity: int | None = None,
 ) -> list[dict[str, Any]]:
     """Accuracy per memory and document length, over the depths; the filler is held-out text."""
@@ -179,8 +183,15 @@ def passkey(
                     hits += key in answer
                     if key not in answer:
                         missed.append(f"depth {depth}: key {key}, answered {_gist(answer)!r}")
-                rows.append({"memory": memory, "length": length, "correct": hits, "trials": len(depths),
-                             "missed": "; ".join(missed) or "-"})
+                rows.append(
+                    {
+                        "memory": memory,
+                        "length": length,
+                        "correct": hits,
+                        "trials": len(depths),
+                        "missed": "; ".join(missed) or "-",
+                    }
+                )
         return rows
 
     return run_with_engine(setup, max(lengths), body)

@@ -12,23 +12,100 @@ import random
 from dataclasses import dataclass
 from string import Formatter
 
-NAMES = ("Anna", "Boris", "Clara", "Daniel", "Edith", "Felix", "Greta", "Hugo", "Ida", "Jonas", "Karin", "Leo",
-         "Marta", "Nils", "Olga", "Pavel", "Rosa", "Simon", "Tilda", "Viktor", "Wanda", "Yusuf", "Zora", "Emil",
-         "Lotte", "Oskar", "Priya", "Ruben", "Selma", "Tomas")
-THINGS = ("key", "letter", "map", "ring", "coin", "diary", "lantern", "knife", "watch", "violin", "compass", "photograph",
-          "kettle", "umbrella", "necklace", "hammer", "candle", "telescope", "basket", "mirror")
-PLACES = ("the floorboards", "the old oak tree", "the kitchen sink", "the chapel steps", "the broken stove",
-          "the red carpet", "the garden wall", "the second bed", "the stone bridge", "the piano")
+NAMES = (
+    "Anna",
+    "Boris",
+    "Clara",
+    "Daniel",
+    "Edith",
+    "Felix",
+    "Greta",
+    "Hugo",
+    "Ida",
+    "Jonas",
+    "Karin",
+    "Leo",
+    "Marta",
+    "Nils",
+    "Olga",
+    "Pavel",
+    "Rosa",
+    "Simon",
+    "Tilda",
+    "Viktor",
+    "Wanda",
+    "Yusuf",
+    "Zora",
+    "Emil",
+    "Lotte",
+    "Oskar",
+    "Priya",
+    "Ruben",
+    "Selma",
+    "Tomas",
+)
+THINGS = (
+    "key",
+    "letter",
+    "map",
+    "ring",
+    "coin",
+    "diary",
+    "lantern",
+    "knife",
+    "watch",
+    "violin",
+    "compass",
+    "photograph",
+    "kettle",
+    "umbrella",
+    "necklace",
+    "hammer",
+    "candle",
+    "telescope",
+    "basket",
+    "mirror",
+)
+PLACES = (
+    "the floorboards",
+    "the old oak tree",
+    "the kitchen sink",
+    "the chapel steps",
+    "the broken stove",
+    "the red carpet",
+    "the garden wall",
+    "the second bed",
+    "the stone bridge",
+    "the piano",
+)
 COLOURS = ("green", "yellow", "purple", "orange", "white", "black", "blue", "scarlet", "grey", "brown")
 ANIMALS = ("dog", "cat", "horse", "parrot", "goat", "donkey", "rabbit", "pony")
-PET_NAMES = ("Biscuit", "Captain", "Pepper", "Mustard", "Thistle", "Comet", "Nutmeg", "Domino", "Pickles", "Juniper",
-             "Sprout", "Marble")
-CITIES = ("Lisbon", "Krakow", "Bergen", "Naples", "Odessa", "Ghent", "Tallinn", "Seville", "Zurich", "Riga",
-          "Porto", "Bruges")
-TRADES = ("baker", "blacksmith", "sailor", "tailor", "miller", "carpenter", "shepherd", "printer", "locksmith",
-          "glassblower")
-FOODS = ("plum cake", "onion soup", "roast chestnuts", "barley bread", "pear jam", "smoked herring", "apple dumplings",
-         "cheese pie")
+PET_NAMES = (
+    "Biscuit",
+    "Captain",
+    "Pepper",
+    "Mustard",
+    "Thistle",
+    "Comet",
+    "Nutmeg",
+    "Domino",
+    "Pickles",
+    "Juniper",
+    "Sprout",
+    "Marble",
+)
+CITIES = ("Lisbon", "Krakow", "Bergen", "Naples", "Odessa", "Ghent", "Tallinn", "Seville", "Zurich", "Riga", "Porto", "Bruges")
+TRADES = ("baker", "blacksmith", "sailor", "tailor", "miller", "carpenter", "shepherd", "printer", "locksmith", "glassblower")
+FOODS = (
+    "plum cake",
+    "onion soup",
+    "roast chestnuts",
+    "barley bread",
+    "pear jam",
+    "smoked herring",
+    "apple dumplings",
+    "cheese pie",
+)
 
 
 @dataclass(frozen=True)
@@ -38,8 +115,16 @@ class Fact:
     answer: str  # repeats the statement's words
 
 
-CHOICES = {"thing": THINGS, "place": PLACES, "colour": COLOURS, "animal": ANIMALS, "pet": PET_NAMES, "city": CITIES,
-           "trade": TRADES, "food": FOODS}
+CHOICES = {
+    "thing": THINGS,
+    "place": PLACES,
+    "colour": COLOURS,
+    "animal": ANIMALS,
+    "pet": PET_NAMES,
+    "city": CITIES,
+    "trade": TRADES,
+    "food": FOODS,
+}
 
 TEMPLATES: tuple[tuple[str, str, str], ...] = (  # statement, question, answer
     ("{name} hid the {thing} under {place}.", "Where did {name} hide the {thing}?", "{name} hid the {thing} under {place}."),

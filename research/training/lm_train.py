@@ -94,7 +94,9 @@ def train_lm(config: LMTrainConfig, command: str = "") -> dict[str, Any]:
     train_data, held_out = corpus_bytes(config.corpus_dir)
     model = initial_model(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config.warmup, config.steps, config.min_lr_ratio))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, config.warmup, config.steps, config.min_lr_ratio)
+    )
     rng = np.random.default_rng(config.seed)
     step, out = 0, config.out
     out.mkdir(parents=True, exist_ok=True)
@@ -103,8 +105,12 @@ def train_lm(config: LMTrainConfig, command: str = "") -> dict[str, Any]:
         model.load_state_dict(load_checkpoint(out / "checkpoint").state_dict())
         optimizer.load_state_dict(state["optimizer"]), scheduler.load_state_dict(state["scheduler"])
         rng.bit_generator.state, step = state["rng"], state["step"]
-    manifest: dict[str, Any] = {"command": command, "data": f"{config.corpus_dir} training split, {len(train_data)} bytes",
-                "seed": config.seed, "train_config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}}
+    manifest: dict[str, Any] = {
+        "command": command,
+        "data": f"{config.corpus_dir} training split, {len(train_data)} bytes",
+        "seed": config.seed,
+        "train_config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+    }
     manifest["train_config"]["model"] = model.config.to_dict()  # what was trained (with --init: the checkpoint's)
     started, tokens, losses = time.time(), 0, []
     with tqdm(total=config.steps, initial=step, desc=f"train {config.arch}") as bar:
@@ -112,7 +118,9 @@ def train_lm(config: LMTrainConfig, command: str = "") -> dict[str, Any]:
             model.train()
             for _ in range(config.accumulation):
                 starts = rng.integers(0, len(train_data) - config.seq_len - 1, config.batch_size)
-                batch = torch.from_numpy(np.stack([train_data[s : s + config.seq_len + 1] for s in starts]).astype(np.int64)).to(device)
+                batch = torch.from_numpy(np.stack([train_data[s : s + config.seq_len + 1] for s in starts]).astype(np.int64)).to(
+                    device
+                )
                 logits = model(batch[:, :-1])
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
                 (loss / config.accumulation).backward()
@@ -127,8 +135,15 @@ def train_lm(config: LMTrainConfig, command: str = "") -> dict[str, Any]:
             bar.update(1)
             if step % config.checkpoint_every == 0 or step == config.steps:
                 save_checkpoint(model, out / "checkpoint", **manifest, steps=step)
-                torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                            "rng": rng.bit_generator.state, "step": step}, out / "trainer.pt")
+                torch.save(
+                    {
+                        "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(),
+                        "rng": rng.bit_generator.state,
+                        "step": step,
+                    },
+                    out / "trainer.pt",
+                )
     elapsed = time.time() - started
     model.eval()
     summary = {
@@ -149,6 +164,15 @@ def train_lm(config: LMTrainConfig, command: str = "") -> dict[str, Any]:
 
 def default_model_config(**overrides: Any) -> dict[str, Any]:
     """The small ablation model: ~1.2M parameters, byte vocabulary."""
-    base = LMConfig(vocab_size=256, dim=128, n_layers=4, n_heads=4, window=64, segment_len=16,
-                    compressed_per_segment=4, group_size=32, max_seq_len=512)
+    base = LMConfig(
+        vocab_size=256,
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        window=64,
+        segment_len=16,
+        compressed_per_segment=4,
+        group_size=32,
+        max_seq_len=512,
+    )
     return {**asdict(base), **overrides}

@@ -54,8 +54,16 @@ def passkey_prompt(tokenizer: PreTrainedTokenizerBase, key: str) -> tuple[list[i
     return chat_turn(tokenizer, "What is the pass key? Answer with the number.", f"The pass key is {key}.")
 
 
-DISTRACTOR_NAMES = ("door code", "room number", "ticket number", "order number", "locker code", "serial number",
-                    "account number", "phone extension")
+DISTRACTOR_NAMES = (
+    "door code",
+    "room number",
+    "ticket number",
+    "order number",
+    "locker code",
+    "serial number",
+    "account number",
+    "phone extension",
+)
 
 
 def needle(tokenizer: PreTrainedTokenizerBase, key: str, name: str = "pass key") -> list[int]:
@@ -147,7 +155,9 @@ class EpisodeSampler:
         filler = self._window(self.length - len(q_ids) - len(a_ids) - len(fact) - sum(map(len, others)))
         room = self.length - self.segment_len - len(fact) - sum(map(len, others))
         if room < 1:
-            raise ValueError("the fact and its distractors do not fit before the last segment: use fewer distractors or longer episodes")
+            raise ValueError(
+                "the fact and its distractors do not fit before the last segment: use fewer distractors or longer episodes"
+            )
         inserts = [(self.rng.randrange(0, room), fact)] + [(self.rng.randrange(0, len(filler)), o) for o in others]
         body = filler
         for cut, piece in sorted(inserts, key=lambda item: item[0], reverse=True):

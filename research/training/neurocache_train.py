@@ -127,9 +127,15 @@ class Trainer:
         train_files, _ = split(fetch(config.corpus_dir))
         corpus = tokenize_files(self.tokenizer, train_files)
         self.sampler = EpisodeSampler(
-            self.tokenizer, corpus, segment_len=config.segment_len, n_segments=config.n_segments,
-            passkey_ratio=config.passkey_ratio, seed=config.seed, distractors=config.distractors,
-            repeats=config.repeats, fact_ratio=config.fact_ratio,
+            self.tokenizer,
+            corpus,
+            segment_len=config.segment_len,
+            n_segments=config.n_segments,
+            passkey_ratio=config.passkey_ratio,
+            seed=config.seed,
+            distractors=config.distractors,
+            repeats=config.repeats,
+            fact_ratio=config.fact_ratio,
         )
         capacity = max(self.neurocache.config.capacity, config.segment_len * config.n_segments)
         self.rows = [Row(new_training_cache(self.neurocache, capacity)) for _ in range(config.batch_size)]

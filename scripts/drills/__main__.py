@@ -25,8 +25,18 @@ DRILLS = ("sweep", "load", "rss", "crash", "fuzz")
 LEAK_TOLERANCE = 0.05
 MAX_DOCUMENT_BYTES = 2_000_000
 # Bounded so a drill measures the server's handling, not minutes of decoding on 2 cores.
-SERVER_ARGS = ["--max-new-tokens", "32", "--default-max-tokens", "16", "--max-document-bytes", str(MAX_DOCUMENT_BYTES),
-               "--max-prompt-chars", "100000", "--max-sessions", "256"]
+SERVER_ARGS = [
+    "--max-new-tokens",
+    "32",
+    "--default-max-tokens",
+    "16",
+    "--max-document-bytes",
+    str(MAX_DOCUMENT_BYTES),
+    "--max-prompt-chars",
+    "100000",
+    "--max-sessions",
+    "256",
+]
 
 
 def main() -> int:
@@ -77,8 +87,11 @@ def main() -> int:
             # all sessions are deleted after each round: RSS that keeps growing round after round is a leak
             first, last = rounds[0]["rss_after_mib"], rounds[-1]["rss_after_mib"]
             results["load"]["rss_growth_after_first_round_mib"] = round(last - first, 1)
-            passed["load"] = (all(load_passed(r) for r in rounds) and not results["load"]["keys_in_log"]
-                              and last <= first * (1 + LEAK_TOLERANCE))
+            passed["load"] = (
+                all(load_passed(r) for r in rounds)
+                and not results["load"]["keys_in_log"]
+                and last <= first * (1 + LEAK_TOLERANCE)
+            )
             report("load", results["load"])
     if "crash" in chosen:  # the default model and its default memory (neurocache)
         results["crash"] = run_crash(SERVER_ARGS, book, memory=None)

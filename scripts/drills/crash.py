@@ -19,12 +19,16 @@ def run_crash(server_args: list[str], book: str, *, memory: str | None, kept_doc
         client = httpx.Client(base_url=server.url, timeout=600)
         session_id = client.post("/v1/sessions", json={"memory": memory} if memory else {}).json()["id"]
         step = len(book) // (kept_documents + 2)
-        kept = [client.post(f"/v1/sessions/{session_id}/documents", json={"text": book[i * step : (i + 1) * step]}).json()
-                for i in range(kept_documents)]
+        kept = [
+            client.post(f"/v1/sessions/{session_id}/documents", json={"text": book[i * step : (i + 1) * step]}).json()
+            for i in range(kept_documents)
+        ]
         before = client.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).json()
         cache_before = client.get(f"/v1/sessions/{session_id}/cache").json()
         progress = 0
-        with client.stream("POST", f"{server.url}/v1/sessions/{session_id}/documents?stream=true", json={"text": book}) as response:
+        with client.stream(
+            "POST", f"{server.url}/v1/sessions/{session_id}/documents?stream=true", json={"text": book}
+        ) as response:
             for line in response.iter_lines():
                 if line.startswith("data:") and "segments_done" in line:
                     progress = json.loads(line[5:])["segments_done"]
@@ -57,5 +61,9 @@ def run_crash(server_args: list[str], book: str, *, memory: str | None, kept_doc
 
 
 def crash_passed(result: dict) -> bool:
-    return (result["documents_after"] == result["documents_before"] and result["cache_same"]
-            and result["answer_after"] == result["answer_before"] and result["killed_at_segment"] >= 2)
+    return (
+        result["documents_after"] == result["documents_before"]
+        and result["cache_same"]
+        and result["answer_after"] == result["answer_before"]
+        and result["killed_at_segment"] >= 2
+    )

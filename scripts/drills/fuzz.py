@@ -14,13 +14,36 @@ SCHEMATHESIS = Path(__file__).resolve().parents[2] / ".venv-drills" / "bin" / "s
 
 
 def run_fuzz(server: Server, *, max_examples: int, max_time: int, seed: int = 0) -> dict:
-    cmd = [str(SCHEMATHESIS), "run", f"{server.url}/openapi.json", "--checks", "not_a_server_error",
-           "--max-examples", str(max_examples), "--max-time", str(max_time), "--seed", str(seed), "--workers", "2",
-           "--request-timeout", "300", "--generation-database", "none", "--no-color", "--suppress-health-check", "all"]
+    cmd = [
+        str(SCHEMATHESIS),
+        "run",
+        f"{server.url}/openapi.json",
+        "--checks",
+        "not_a_server_error",
+        "--max-examples",
+        str(max_examples),
+        "--max-time",
+        str(max_time),
+        "--seed",
+        str(seed),
+        "--workers",
+        "2",
+        "--request-timeout",
+        "300",
+        "--generation-database",
+        "none",
+        "--no-color",
+        "--suppress-health-check",
+        "all",
+    ]
     started = time.perf_counter()
     completed = subprocess.run(cmd, capture_output=True, text=True)
     output = completed.stdout + completed.stderr
-    summary = [line.strip() for line in output.splitlines() if re.match(r"\s*(Test cases|API Operations|Test Phases|Failures|Errors|Seed)\b", line)]
+    summary = [
+        line.strip()
+        for line in output.splitlines()
+        if re.match(r"\s*(Test cases|API Operations|Test Phases|Failures|Errors|Seed)\b", line)
+    ]
     cases = re.search(r"Test cases:\s*(\d+) generated", output)
     return {
         "exit_code": completed.returncode,

@@ -22,9 +22,40 @@ import httpx
 from scripts.drills.server import Server
 
 BOOK = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "alice29.txt"
-CODENAMES = ["amber", "birch", "cobalt", "dune", "ember", "fjord", "garnet", "harbor", "indigo", "juniper",
-             "kestrel", "lichen", "marble", "nectar", "onyx", "pewter", "quartz", "russet", "saffron", "tundra",
-             "umber", "velvet", "willow", "xenon", "yarrow", "zephyr", "alder", "basalt", "cedar", "delta", "elm", "flint"]
+CODENAMES = [
+    "amber",
+    "birch",
+    "cobalt",
+    "dune",
+    "ember",
+    "fjord",
+    "garnet",
+    "harbor",
+    "indigo",
+    "juniper",
+    "kestrel",
+    "lichen",
+    "marble",
+    "nectar",
+    "onyx",
+    "pewter",
+    "quartz",
+    "russet",
+    "saffron",
+    "tundra",
+    "umber",
+    "velvet",
+    "willow",
+    "xenon",
+    "yarrow",
+    "zephyr",
+    "alder",
+    "basalt",
+    "cedar",
+    "delta",
+    "elm",
+    "flint",
+]
 PASSAGE_CHARS = 12_000
 
 
@@ -47,8 +78,10 @@ def secrets_for(n: int, seed: int = 0) -> list[Secret]:
     codes: set[str] = set()
     while len(codes) < n:
         codes.add("".join(rng.choices(string.ascii_uppercase, k=2)) + "-" + "".join(rng.choices(string.digits, k=4)))
-    return [Secret(CODENAMES[i % len(CODENAMES)] + (str(i // len(CODENAMES)) if i >= len(CODENAMES) else ""), code)
-            for i, code in enumerate(sorted(codes))]
+    return [
+        Secret(CODENAMES[i % len(CODENAMES)] + (str(i // len(CODENAMES)) if i >= len(CODENAMES) else ""), code)
+        for i, code in enumerate(sorted(codes))
+    ]
 
 
 def passage(index: int, secret: Secret) -> str:
@@ -107,7 +140,9 @@ async def stream_events(client: httpx.AsyncClient, tally: Tally, path: str, body
     raise RuntimeError("still 429 after 60 tries")
 
 
-def check_answer(tally: Tally, index: int, answer: str, items: list[dict], own_documents: set[str], secrets: list[Secret]) -> None:
+def check_answer(
+    tally: Tally, index: int, answer: str, items: list[dict], own_documents: set[str], secrets: list[Secret]
+) -> None:
     tally.asks += 1
     tally.right += secrets[index].code in answer
     for other, secret in enumerate(secrets):
@@ -130,7 +165,9 @@ async def one_session(server: Server, tally: Tally, index: int, key: str, secret
             events = await stream_events(client, tally, f"{url}/documents?stream=true", {"text": passage(index, secret)})
             document_id = events[-1][1]["id"]
         else:
-            document_id = (await call(client, tally, "POST", f"{url}/documents", json={"text": passage(index, secret)})).json()["id"]
+            document_id = (await call(client, tally, "POST", f"{url}/documents", json={"text": passage(index, secret)})).json()[
+                "id"
+            ]
         body = {"question": secret.question, "max_tokens": 24}
         plain = (await call(client, tally, "POST", f"{url}/ask", json=body)).json()
         check_answer(tally, index, plain["answer"], plain["retrieval"]["items"], {document_id}, secrets)
@@ -138,8 +175,12 @@ async def one_session(server: Server, tally: Tally, index: int, key: str, secret
         streamed = "".join(data["text"] for name, data in events if name == "delta")
         items = next(data["items"] for name, data in events if name == "retrieval")
         check_answer(tally, index, streamed, items, {document_id}, secrets)
-        chat = {"messages": [{"role": "user", "content": secret.question}], "session_id": session_id,
-                "max_tokens": 24, "stream": True}
+        chat = {
+            "messages": [{"role": "user", "content": secret.question}],
+            "session_id": session_id,
+            "max_tokens": 24,
+            "stream": True,
+        }
         await stream_events(client, tally, "/v1/chat/completions", chat, stop_after_delta=True)
 
 
@@ -188,6 +229,13 @@ async def run_load(server: Server, keys: list[str], sessions: int) -> dict:
 
 
 def load_passed(result: dict) -> bool:
-    return (result["server_errors"] == 0 and not result["leaks"] and not result["stream_errors"]
-            and result["foreign_sessions_listed"] == 0 and result["queue_depth_after"] == 0
-            and result["session_memory_bytes_after"] == 0 and result["reserved_bytes_after"] == 0 and result["alive"])
+    return (
+        result["server_errors"] == 0
+        and not result["leaks"]
+        and not result["stream_errors"]
+        and result["foreign_sessions_listed"] == 0
+        and result["queue_depth_after"] == 0
+        and result["session_memory_bytes_after"] == 0
+        and result["reserved_bytes_after"] == 0
+        and result["alive"]
+    )
