@@ -6,22 +6,7 @@ import json
 
 import pytest
 
-from clients.client import events_of as parse_events
-from tests.conftest import FIXTURES
-
-TEXT = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")[:20_000]
-
-
-def events_of(response) -> list:
-    assert response.status_code == 200, response.text
-    assert response.headers["content-type"].startswith("text/event-stream")
-    return list(parse_events(response))
-
-
-def new_session(client, **body) -> str:
-    response = client.post("/v1/sessions", json=body)
-    assert response.status_code == 201, response.text
-    return response.json()["id"]
+from tests.helpers import TEXT, events_of, make_tiny_llama, new_session
 
 
 def test_health_and_models(client, tiny_dir):
@@ -150,8 +135,6 @@ def test_openai_sdk_works_as_a_client(client):
 
 
 def test_two_models_side_by_side(make_client, tiny_dir, tmp_path):
-    from tests.conftest import make_tiny_llama
-
     other = make_tiny_llama(tmp_path / "other-tiny", tiny_dir, seed=1)
     client = make_client(model=[str(tiny_dir), str(other)])
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [tiny_dir.name, "other-tiny"]

@@ -9,20 +9,7 @@ from fastapi.testclient import TestClient
 
 from engine.engine import Engine
 from server.app import create_app
-from tests.conftest import tiny_settings, wait_ready
-
-
-def assert_error(response, status: int, kind: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"type", "message"} and error["message"]
-    if kind:
-        assert error["type"] == kind
-    return error
-
-
-def new_session(client, **body) -> str:
-    return client.post("/v1/sessions", json=body).json()["id"]
+from tests.helpers import assert_error, new_session, tiny_settings, wait_ready
 
 
 def test_400_bad_requests(client):

@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_api_errors import assert_error, new_session
-from tests.test_api_neurocache import adapter_dir  # noqa: F401 - a fixture used below
+from tests.helpers import assert_error, new_session
 
 CHAT = "/v1/chat/completions"
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import FIXTURES, fail_on_third_segment
-from tests.test_api_errors import assert_error, new_session
+from tests.helpers import FIXTURES, assert_error, fail_on_third_segment, new_session
 
 TEXT = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")[:6000]
 SMALL = {"segment_len": 16, "top_k": 2, "neighbours": 3, "window": 64, "sinks": 8, "query_chunk": 16}

@@ -4,32 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
-from typing import cast
 
-import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.models.neurocache import CacheAttention, Neurocache, NeurocacheConfig
-from engine.models.neurocache_io import save_adapter
-from tests.conftest import FIXTURES, fail_on_third_segment
+from tests.helpers import FIXTURES, fail_on_third_segment
 
 TEXT = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")[:6000]
-
-
-@pytest.fixture(scope="module")
-def adapter_dir(tmp_path_factory, tiny_dir):
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
-    neurocache = Neurocache(model, NeurocacheConfig(top_k=4, capacity=4096, lora_rank=4))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for module in neurocache.cache_attention.values():
-            attention = cast(CacheAttention, module)
-            attention.gate.fill_(3.0)
-            attention.o.weight.mul_(200.0)  # a loud cache branch, so its effect shows in sampled text
-    folder = tmp_path_factory.mktemp("adapters")
-    save_adapter(neurocache, AutoTokenizer.from_pretrained(tiny_dir), folder / tiny_dir.name, note="test adapter")
-    return folder
 
 
 def test_the_default_memory_is_the_one_the_model_manifest_names(make_client, adapter_dir, tiny_dir, tmp_path):

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from tests.test_api_errors import assert_error
+from tests.helpers import assert_error
 
 ALICE, BOB, ADMIN = "alice-secret-1", "bob-secret-2", "admin-secret-3"
 

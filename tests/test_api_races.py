@@ -9,59 +9,11 @@
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
 
 import pytest
 
-from tests.test_api_errors import assert_error, new_session
-from tests.test_api_neurocache import adapter_dir  # noqa: F401 - a fixture used below
-
-DOCUMENT = "The lighthouse of Velmora is painted violet. " * 60
-TIMEOUT = 60.0
-
-
-class Hold:
-    """Block the `after`-th call of a function until released, and say when it is reached."""
-
-    def __init__(self, after: int) -> None:
-        self.after, self.calls = after, 0
-        self.reached, self.released = threading.Event(), threading.Event()
-
-    def wrap(self, fn: Callable) -> Callable:
-        def held(*args, **kwargs):
-            self.calls += 1
-            if self.calls == self.after:
-                self.reached.set()
-                assert self.released.wait(TIMEOUT), "never released"
-            return fn(*args, **kwargs)
-
-        return held
-
-    def hook(self, module, args) -> None:  # a forward pre-hook
-        self.wrap(lambda: None)()
-
-
-def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list]:
-    result: list = []
-    thread = threading.Thread(target=lambda: result.append(fn()))
-    thread.start()
-    return thread, result
-
-
-def session_of(client, session_id: str):
-    return client.app.state.engine.sessions.get(session_id)
-
-
-def ingest_held(client, session_id: str) -> tuple[Hold, threading.Thread, list]:
-    """Start ingesting DOCUMENT in a thread and hold it at its second segment."""
-    memory = session_of(client, session_id).memory
-    hold = Hold(after=2)
-    memory.add_segment = hold.wrap(memory.add_segment)
-    thread, result = in_thread(lambda: client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT}))
-    assert hold.reached.wait(TIMEOUT)
-    return hold, thread, result
+from tests.helpers import DOCUMENT, TIMEOUT, Hold, assert_error, in_thread, ingest_held, new_session, session_of
 
 
 def each_step(client):

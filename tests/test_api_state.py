@@ -9,10 +9,8 @@ import pytest
 import torch
 
 from research.lms import build
-from research.lms.byte_tokenizer import ByteTokenizer
 from research.lms.lm_io import save_checkpoint
-from research.lms.segment_feed import FeedState, feed
-from tests.conftest import FIXTURES, fail_on_third_segment
+from tests.helpers import FIXTURES, fail_on_third_segment, greedy
 
 TEXT = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")[:3000]  # longer than max_seq_len
 CONFIG = dict(
@@ -45,18 +43,6 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture
 def lm_client(make_client, checkpoint, tiny_dir):
     return make_client(model=[str(checkpoint), str(tiny_dir)], segment_len=512)
-
-
-def greedy(model, context: str, question: str, n: int) -> str:
-    """The answer computed directly: documents, a blank line, the question as the template renders it."""
-    tokenizer, state = ByteTokenizer(), FeedState(model)
-    feed(model, state, tokenizer(context)["input_ids"])
-    prompt = tokenizer("\n\n" + tokenizer.apply_chat_template([{"role": "user", "content": question}]))["input_ids"]
-    logits, out = feed(model, state, prompt)[-1], []
-    for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits = feed(model, state, out[-1:])[-1]
-    return tokenizer.decode(out)
 
 
 def test_checkpoint_is_listed_with_the_state_memory(lm_client, checkpoint, tiny_dir):

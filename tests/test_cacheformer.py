@@ -3,23 +3,13 @@ against a slow reference, padding, and batch-row independence."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
 from research.lms import build
+from tests.helpers import SMALL, VARIANTS
 from tests.reference_attention import reference_forward
 
-SMALL = dict(vocab_size=50, dim=16, n_layers=2, n_heads=2, max_seq_len=64, window=6, segment_len=4, compressed_per_segment=2)
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "transformer": ("transformer", {}),
-    "long-short": ("long-short", {}),
-    "cf-overlap": ("cacheformer", {"overlap": True}),
-    "cf-cache-p4": ("cacheformer", {"cache_top_k": 2, "group_size": 4}),
-    "cf-cache-p1-u3": ("cacheformer", {"cache_top_k": 2, "group_size": 1, "cache_neighbours": 3}),
-    "cf-both-p8": ("cacheformer", {"overlap": True, "cache_top_k": 3, "group_size": 8, "cache_neighbours": 3}),
-}
 T = 29  # not a multiple of l, w or p
 
 

@@ -4,7 +4,7 @@ folder: every earlier document and answer is intact."""
 from __future__ import annotations
 
 from scripts.drills.crash import crash_passed, run_crash
-from tests.conftest import CACHE_DIR
+from tests.helpers import CACHE_DIR
 
 
 def test_kill_9_mid_ingestion_loses_only_that_document(tiny_dir, alice):

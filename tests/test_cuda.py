@@ -11,9 +11,7 @@ from engine.knn import FaissCpuKnn, TorchKnn
 from engine.models.loader import load_model
 from research.lms import build
 from server.app import create_app
-from tests.conftest import CACHE_DIR, FIXTURES, tiny_settings, wait_ready
-from tests.test_cacheformer import SMALL, VARIANTS
-from tests.test_neurocache import ARCHS, VOCAB, adapted, filled_cache
+from tests.helpers import ARCHS, CACHE_DIR, FIXTURES, SMALL, VARIANTS, VOCAB, adapted, filled_cache, tiny_settings, wait_ready
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

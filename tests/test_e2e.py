@@ -18,7 +18,7 @@ import pytest
 
 from clients.client import LongdocClient
 from engine.config import DEFAULT_MODEL
-from tests.conftest import CACHE_DIR, FIXTURES
+from tests.helpers import CACHE_DIR, FIXTURES, greedy
 
 BOOK = FIXTURES / "alice29.txt"
 LOG = Path("test-artifacts/e2e-server.log")
@@ -239,7 +239,6 @@ def test_cli_asks_the_shipped_cacheformer_through_the_server(server, tmp_path):
     is the model's greedy continuation after the whole document, computed here directly."""
     from research.lms.lm_io import load_checkpoint
     from research.plugin import SHIPPED_CHECKPOINTS
-    from tests.test_api_state import greedy
 
     text = BOOK.read_text(encoding="utf-8")[:5000]  # ten times the model's 512-byte training length
     (tmp_path / "alice.txt").write_text(text, encoding="utf-8")

@@ -10,7 +10,7 @@ from engine.interface import RetrievedItem
 from research.evals import needles, texts
 from research.evals.qa import bench, is_correct, load_questions, overlaps, wilson
 from research.training.evaluate import EvalSetup
-from tests.conftest import CACHE_DIR
+from tests.helpers import CACHE_DIR
 
 
 def test_an_answer_is_correct_when_a_keyword_appears_as_a_word():

@@ -11,7 +11,7 @@ from engine.models.neurocache import Neurocache, NeurocacheConfig
 from engine.models.neurocache_io import save_adapter
 from research.training.corpus import CANTERBURY
 from research.training.evaluate import EvalSetup, markdown, passkey, passkey_document, perplexity
-from tests.test_memories import filler
+from tests.helpers import filler
 
 
 def test_passkey_document_puts_the_key_at_the_depth(tiny_tokenizer):

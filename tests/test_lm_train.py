@@ -11,7 +11,7 @@ import torch
 
 from research.training.corpus import CANTERBURY
 from research.training.lm_train import LMTrainConfig, bits_per_byte, corpus_bytes, initial_model, load_checkpoint, train_lm
-from tests.test_memories import filler
+from tests.helpers import filler
 
 TINY = dict(dim=16, n_layers=1, n_heads=2, window=8, segment_len=4, compressed_per_segment=2, group_size=4)
 

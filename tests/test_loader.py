@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from engine.config import DEFAULT_MODEL, GenerationLimits, IngestConfig, SessionLimits
 from engine.models.loader import default_model_dir, load_model, resolve_dtype
 from server.settings import Settings
-from tests.conftest import CACHE_DIR, make_tiny_llama
+from tests.helpers import CACHE_DIR, make_tiny_llama
 
 
 def test_load_local_folder(tiny_dir):

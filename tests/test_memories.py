@@ -12,13 +12,9 @@ from engine.errors import BudgetExceededError, InvalidRequestError, TooLargeErro
 from engine.ingest import ingest_steps, piece_bounds, tokenize_document
 from engine.interface import DocumentInfo, IngestDone
 from engine.memories import MemoryContext, build_memory
+from tests.helpers import filler
 
 FACT = "The secret harbour of Velmora is guarded by a lighthouse painted violet."
-
-
-def filler(n: int) -> str:
-    words = ["river", "stone", "market", "winter", "lantern", "orchard", "bridge", "sparrow"]
-    return " ".join(f"The {words[i % 8]} number {i} was quiet that day." for i in range(n))
 
 
 def limit_to(budget: int):

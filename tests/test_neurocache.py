@@ -3,78 +3,14 @@ cached decoding equal to full recomputation, strict adapter loading."""
 
 from __future__ import annotations
 
-import copy
-from typing import Any, cast
+from typing import cast
 
 import pytest
 import torch
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
 
-from engine.models.neurocache import CacheAttention, LoRALinear, Neurocache, NeurocacheConfig
+from engine.models.neurocache import CacheAttention, Neurocache, NeurocacheConfig
 from research.training.neurocache_adapter import merge_lora, new_training_cache, training_caches
-
-VOCAB = 97
-
-
-def tiny(arch: str) -> Any:
-    """A tiny Hugging Face model, typed `Any`: tests reach its layers by attribute name."""
-    torch.manual_seed(0)
-    common: dict[str, Any] = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    model: torch.nn.Module
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif arch == "mistral":
-        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
-    elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    else:
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=256))
-    return model.eval()
-
-
-ARCHS = ["llama", "mistral", "qwen2", "gpt2"]
-CONFIG = NeurocacheConfig(top_k=4, window=2, context=2, capacity=256, lora_rank=4)
-
-
-def adapted(arch: str, config: NeurocacheConfig = CONFIG):
-    base = tiny(arch)
-    reference = copy.deepcopy(base)
-    return base, Neurocache(base, config), reference
-
-
-def filled_cache(neurocache: Neurocache, n: int = 100, seed: int = 1):
-    torch.manual_seed(seed)
-    cache = neurocache.new_cache()
-    cache.add(torch.nn.functional.layer_norm(torch.randn(n, neurocache.compressed_dim), (neurocache.compressed_dim,)), document=0)
-    return cache
-
-
-def open_gates(neurocache: Neurocache, seed: int = 2) -> None:
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for module in neurocache.cache_attention.values():
-            attention = cast(CacheAttention, module)
-            attention.gate.normal_(0, 1.0)
-            attention.slot_bias.normal_(0, 1.0)
-        for module in neurocache.lora.values():
-            cast(LoRALinear, module).lora_b.weight.normal_(0, 0.1)
+from tests.helpers import ARCHS, CONFIG, VOCAB, adapted, filled_cache, open_gates, tiny
 
 
 def test_slot_bias_selects_a_retrieval_slot():

@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.models.neurocache_io import load_adapter, read_meta, save_adapter
-from tests.test_neurocache import CONFIG, VOCAB, adapted, filled_cache, open_gates, tiny
+from tests.helpers import CONFIG, VOCAB, adapted, filled_cache, open_gates, tiny
 
 
 class VocabTokenizer:

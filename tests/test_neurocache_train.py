@@ -19,8 +19,7 @@ from research.training.fact_tasks import NAMES, facts
 from research.training.neurocache_data import DISTRACTOR_NAMES, EpisodeSampler, near_miss, tokenize_files
 from research.training.neurocache_train import TrainConfig, Trainer, parameter_groups, train
 from research.training.schedule import lr_factor
-from tests.test_memories import filler
-from tests.test_neurocache import CONFIG, tiny
+from tests.helpers import CONFIG, filler, tiny
 
 
 @pytest.fixture(scope="module")

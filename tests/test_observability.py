@@ -14,8 +14,7 @@ from engine.interface import DocumentInfo, IngestDone, IngestProgress
 from scripts.drills.server import free_port
 from server import healthcheck
 from server.metrics import IngestionMeter, Metrics
-from tests.conftest import fail_on_third_segment
-from tests.test_api import TEXT, events_of, new_session
+from tests.helpers import TEXT, events_of, fail_on_third_segment, new_session
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 METRIC = re.compile(r"\blongdoc_[a-z0-9_]+")

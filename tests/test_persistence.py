@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from engine.persistence import Snapshot, SnapshotError, SnapshotStore, pack, unpack
-from tests.test_api_errors import new_session
-from tests.test_api_neurocache import adapter_dir  # noqa: F401 - a fixture used below
+from tests.helpers import ingest_held, new_session
 
 DOCUMENT = "The lighthouse of Velmora is painted violet. " * 40
 QUESTION = {"question": "What colour is the lighthouse?", "max_tokens": 8}
@@ -137,8 +136,6 @@ def test_a_session_in_use_is_never_evicted_for_its_own_answer(make_client, tmp_p
 
 
 def test_a_session_deleted_while_it_is_saved_stays_deleted(make_client, tmp_path):
-    from tests.test_api_races import ingest_held
-
     client = make_client(data_dir=tmp_path / "sessions")
     session_id = new_session(client, memory="text")
     hold, thread, result = ingest_held(client, session_id)

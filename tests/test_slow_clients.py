@@ -8,7 +8,7 @@ import time
 import pytest
 
 from scripts.drills.server import Server
-from tests.conftest import CACHE_DIR
+from tests.helpers import CACHE_DIR
 
 
 @pytest.fixture(scope="module")

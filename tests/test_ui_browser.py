@@ -20,7 +20,7 @@ from playwright.sync_api import Page, expect, sync_playwright
 
 from engine.config import DEFAULT_MODEL
 from scripts.drills.server import Server
-from tests.conftest import CACHE_DIR, FIXTURES
+from tests.helpers import CACHE_DIR, FIXTURES
 
 pytestmark = pytest.mark.slow
 
