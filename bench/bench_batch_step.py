@@ -1,6 +1,7 @@
-"""One batched decode step of the default model in process (float32, rows at 512 tokens), with and
-without `batch_invariant`, for 1, 2, 4 and 8 rows; and why invariance needs 4 rows: how much a
-row of `F.linear` at the model's shapes changes with the number of rows beside it.
+"""One batched decode step of the default model in process (float32, rows at 512 tokens) for 1, 2,
+3, 4 and 8 answers: unpadded (every count steps as itself, the policy before 2-3 rows were padded
+to 4), the default (2-3 padded to 4) and `batch_invariant` (1-3 padded to 4); and why 4 rows: how
+much a row of `F.linear` at the model's shapes changes with the number of rows beside it.
 
     .venv/bin/python -m bench.bench_batch_step
 """
@@ -34,11 +35,22 @@ def filled_rows(decoder: BatchDecoder, tokenizer, count: int) -> list[Row]:
     return rows
 
 
+class Unpadded(BatchDecoder):
+    def step_rows(self, answers: int) -> int:
+        return answers
+
+
 def step_times(model, tokenizer) -> None:
-    decoders = {"plain": BatchDecoder(model), "batch_invariant": BatchDecoder(model, invariant=True)}
-    print("| rows | step ms, plain | step ms, batch_invariant | tok/s, plain | tok/s, batch_invariant |")
-    print("|---|---|---|---|---|")
-    for count in (1, 2, 4, 8):
+    decoders = {
+        "unpadded": Unpadded(model),
+        "default": BatchDecoder(model),
+        "batch_invariant": BatchDecoder(model, invariant=True),
+    }
+    print(
+        "| answers | step ms, unpadded | step ms, default | step ms, batch_invariant | tok/s, unpadded | tok/s, default | tok/s, batch_invariant |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for count in (1, 2, 3, 4, 8):
         rows = {name: filled_rows(decoder, tokenizer, count) for name, decoder in decoders.items()}
         times: dict[str, list[float]] = {name: [] for name in decoders}
         for name, decoder in decoders.items():
@@ -48,8 +60,10 @@ def step_times(model, tokenizer) -> None:
                 started = time.perf_counter()
                 decoder.step(rows[name])
                 times[name].append(time.perf_counter() - started)
-        plain, invariant = (statistics.median(times[name]) for name in decoders)
-        print(f"| {count} | {plain * 1000:.0f} | {invariant * 1000:.0f} | {count / plain:.1f} | {count / invariant:.1f} |")
+        medians = [statistics.median(times[name]) for name in decoders]
+        milliseconds = " | ".join(f"{m * 1000:.0f}" for m in medians)
+        rates = " | ".join(f"{count / m:.1f}" for m in medians)
+        print(f"| {count} | {milliseconds} | {rates} |")
 
 
 def linear_regimes(model) -> None:

@@ -5,7 +5,8 @@ others for one prefill only) and leave when they finish, are cancelled or fail. 
 sampling, stop strings and repetition guard (`AnswerState`), and its own key/value rows sized
 prompt + max_tokens, as reserved before it was admitted. The projections and MLPs of a step run
 on all rows at once (the weights are read once a step, not once a request); attention runs row by
-row over that row's own keys, so no row sees another's and none is padded.
+row over that row's own keys (no row sees another's; a step of 2 or 3 rows is padded to 4,
+see `INVARIANT_ROWS`).
 
 `BatchDecoder` steps Llama-family models (Llama, Qwen2, Mistral: pre-norm layers with rotary
 attention) through their own modules; a model it does not support is answered one request at a
@@ -33,7 +34,9 @@ from engine.worker import SerialWorker
 
 BATCHED_FAMILIES = ("llama", "qwen2", "mistral")
 # float32 matmuls on x86 (MKL) sum in one order for 1 row, another for 2-3, a third from 4 rows on
-# (measured up to 32): a batch-invariant step pads to 4 rows, so a row's logits never depend on its
+# (measured up to 32, bench/bench_batch_step.py). A step of 2 or 3 answers is padded to 4 rows: the
+# same order as every larger batch, and no slower (a 4-row step measured faster than a 2-row one).
+# A batch-invariant step pads a lone answer to 4 rows too, so a row's logits never depend on its
 # company, at the cost of a 4-row step for a lone answer.
 INVARIANT_ROWS = 4
 log = logging.getLogger(__name__)
@@ -93,7 +96,7 @@ class BatchDecoder:
 
     def __init__(self, model: PreTrainedModel, invariant: bool = False) -> None:
         self.model = model
-        self.min_rows = INVARIANT_ROWS if invariant else 1
+        self.invariant = invariant
         config = model.config
         self.layers = [_base(layer) for layer in cast(_Backbone, model.model).layers]
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -138,13 +141,20 @@ class BatchDecoder:
         row.length = len(ids)
         return out.logits[0, -1]
 
+    def step_rows(self, answers: int) -> int:
+        """Rows a step computes for `answers` answers: 2 or 3 are padded to 4, and so is a lone answer
+        when batch-invariant; a lone answer otherwise steps alone (a 1-row step is the fastest)."""
+        if answers >= INVARIANT_ROWS or (answers == 1 and not self.invariant):
+            return answers
+        return INVARIANT_ROWS
+
     @torch.inference_mode()
     def step(self, rows: list[Row]) -> torch.Tensor:
         """Feed each row its next token at its own position; the logits [rows, V]."""
         model, device = self.model, self.model.device
         assert all(row.state is not None for row in rows)
         states = [cast(AnswerState, row.state) for row in rows]
-        padding = [states[0].next_token] * max(0, self.min_rows - len(rows))  # rows computed, then dropped
+        padding = [states[0].next_token] * (self.step_rows(len(rows)) - len(rows))  # rows computed, then dropped
         tokens = torch.tensor([[state.next_token] for state in states] + [[t] for t in padding], device=device)
         positions = torch.tensor([[row.length] for row in rows] + [[rows[0].length]] * len(padding), device=device)
         inner = cast(_Backbone, model.model)

@@ -279,3 +279,32 @@ def test_an_invariant_step_gives_a_row_the_same_logits_in_any_company():
         for row in (lone[0], *crowd):
             row.state.next_token = token
         assert torch.equal(decoder.step(lone)[0], decoder.step(crowd)[0])
+
+
+def test_two_or_three_answers_step_as_four_rows_and_get_a_larger_batchs_logits():
+    """Without `batch_invariant`, a step of 2 or 3 answers is padded to 4 rows: a row's logits are
+    bit for bit those it gets beside 3 or 5 others, and only a lone answer steps alone."""
+    model = tiny("llama", 101)
+    decoder = BatchDecoder(model)
+    assert [decoder.step_rows(n) for n in (1, 2, 3, 4, 6)] == [1, 4, 4, 4, 6]
+    assert [BatchDecoder(model, invariant=True).step_rows(n) for n in (1, 2, 3, 5)] == [4, 4, 4, 5]
+
+    def rows(lengths):
+        made = []
+        for n in lengths:
+            sequence = torch.randint(0, 101, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+            row = Row(sequence, GenerationParams(max_tokens=4))
+            row.state = AnswerState(cast(PreTrainedTokenizerBase, ByteTokenizer()), sequence, row.params, NO_STOP)
+            decoder.prefill(row)
+            made.append(row)
+        return made
+
+    pair, trio, four, six = rows([20, 7]), rows([20, 7, 33]), rows([20, 7, 33, 12]), rows([20, 7, 33, 12, 25, 9])
+    for token in (5, 17, 60):
+        for row in (*pair, *trio, *four, *six):
+            assert row.state is not None
+            row.state.next_token = token
+        reference = decoder.step(six)[:2]
+        assert torch.equal(decoder.step(pair), reference)
+        assert torch.equal(decoder.step(trio)[:2], reference)
+        assert torch.equal(decoder.step(four)[:2], reference)
