@@ -23,10 +23,10 @@ from engine.worker import EventStream, Releasable, released_on_error
 
 
 class Answering:
-    def __init__(self, limits: GenerationLimits, sessions: SessionService) -> None:
+    def __init__(self, limits: GenerationLimits, session_service: SessionService) -> None:
         self.limits = limits
-        self.sessions = sessions
-        self.models = sessions.models
+        self.session_service = session_service
+        self.models = session_service.models
 
     def _check_params(self, params: GenerationParams) -> GenerationParams:
         """Bounds the HTTP schema also states, checked again here for every caller of the engine;
@@ -57,7 +57,7 @@ class Answering:
         self._check_prompt_chars(messages)
         if not messages or messages[-1].get("role") != "user" or not messages[-1].get("content", "").strip():
             raise InvalidRequestError("the last message must be a non-empty user message")
-        session = self.sessions.store.get(session_id) if session_id else None
+        session = self.session_service.store.use(session_id) if session_id else None
         held: list[Releasable] = [Pin(session)] if session is not None else []
         with released_on_error(held):
             events = await self._admit(messages, params, model, session, held)
@@ -68,13 +68,13 @@ class Answering:
     ) -> AsyncGenerator[GenerationEvent, None]:
         """Check and admit a chat; what it holds (reservation, worker slot) is appended to `held`."""
         if session is not None:
-            await self.sessions.resident(session)
+            await self.session_service.resident(session)
         if session is not None and model is not None and model != session.model:
             raise InvalidRequestError(f"session {session.id} uses model {session.model!r}, not {model!r}")
         runtime = self.models.runtime(session.model if session else model)
         tokenizer = runtime.loaded.tokenizer
         context_len, kv_bytes = runtime.loaded.context_len, runtime.loaded.kv_bytes_per_token
-        store = self.sessions.store
+        store = self.session_service.store
         if session is None:
             prompt_ids = await asyncio.to_thread(render, tokenizer, messages)
             _check_context(context_len, len(prompt_ids), params)
@@ -104,7 +104,7 @@ class Answering:
         answer on the model's worker (the request's pin keeps the session busy)."""
         memory = session.memory
         assert memory is not None
-        worker = self.sessions.memory_worker(session)
+        worker = self.session_service.memory_worker(session)
         try:
             started = time.perf_counter()
             pieces: list[ContextPiece] = await worker.run(memory.retrieve, messages[-1]["content"], budget)
@@ -134,10 +134,10 @@ class Answering:
 
         def apply() -> None:
             if write.apply():
-                self.sessions.save(session)
+                self.session_service.save(session)
 
         async with contextlib.nullcontext() if holding_lock else session.write_lock:
-            await self.sessions.memory_worker(session).run(apply)
+            await self.session_service.memory_worker(session).run(apply)
 
     async def _generate(
         self, runtime: ModelRuntime, prompt_ids: list[int], params: GenerationParams

@@ -144,6 +144,7 @@ class BatchDecoder:
     def step_rows(self, answers: int) -> int:
         """Rows a step computes for `answers` answers: 2 or 3 are padded to 4, and so is a lone answer
         when batch-invariant; a lone answer otherwise steps alone (a 1-row step is the fastest)."""
+        assert answers > 0
         if answers >= INVARIANT_ROWS or (answers == 1 and not self.invariant):
             return answers
         return INVARIANT_ROWS

@@ -40,6 +40,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig, *, embedder_factory: Callable[[], Embedder] | None = None) -> None:
         self.config = config
+        load_plugins()  # before anything reads the memory registry
         self.models = ModelRegistry(config, self._require_ready)
         self.session_service = SessionService(config, self.models)
         self.sessions = self.session_service.store
@@ -60,7 +61,6 @@ class Engine:
         return Embedder(device=device, dtype=resolve_dtype(self.config.models.dtype, device))
 
     def _load(self) -> None:
-        load_plugins()
         self.models.load_all()
         self.session_service.embedder = self._embedder_factory()
         self.session_service.restore()
@@ -109,13 +109,13 @@ class Engine:
         return [session.info() for session in self.sessions.list()]
 
     def get_session(self, session_id: str) -> SessionInfo:
-        return self.sessions.get(session_id).info()
+        return self.sessions.use(session_id).info()
 
     def delete_session(self, session_id: str) -> None:
         self.session_service.delete(session_id)
 
     def cache_info(self, session_id: str) -> CacheInfo:
-        return self.sessions.get(session_id).cache()
+        return self.sessions.use(session_id).cache()
 
     async def clear_cache(self, session_id: str) -> CacheInfo:
         return await self.session_service.clear(session_id)

@@ -157,35 +157,35 @@ class Ingestion:
     """Admits a document into a session (checked, tokenized, its bytes reserved) and streams its
     ingestion on the session's memory worker."""
 
-    def __init__(self, config: IngestConfig, sessions: SessionService) -> None:
+    def __init__(self, config: IngestConfig, session_service: SessionService) -> None:
         self.config = config
-        self.sessions = sessions
+        self.session_service = session_service
 
     async def start(self, session_id: str, text: str, name: str) -> EventStream[IngestEvent]:
         """Tokenize and check the document now; the returned event stream ingests it segment by segment."""
-        session = self.sessions.store.get(session_id)
+        session = self.session_service.store.use(session_id)
         if not text.strip():
             raise InvalidRequestError("the document is empty")
         held: list[Releasable] = [Pin(session)]  # resident and busy until the event stream ends
         with released_on_error(held):
-            await self.sessions.resident(session)
+            await self.session_service.resident(session)
             assert session.memory is not None
-            tokenizer = self.sessions.models.named(session.model).loaded.tokenizer
+            tokenizer = self.session_service.models.named(session.model).loaded.tokenizer
             document_id = "d-" + secrets.token_hex(6)
             document = await asyncio.to_thread(
                 tokenize_document, tokenizer, document_id, name, text, self.config.max_document_tokens
             )
             # an early refusal; ingest_steps asks again under the write lock, where the memory cannot change
             estimate = session.memory.estimate_bytes(len(text), len(document.token_ids))
-            reservation = self.sessions.store.reserve(session, estimate)
+            reservation = self.session_service.store.reserve(session, estimate)
             held.append(reservation)
-            held.append(self.sessions.memory_worker(session).admit())
+            held.append(self.session_service.memory_worker(session).admit())
         return EventStream(self._events(session, document, reservation), held)
 
     def _committed(self, session: Session, document: DocumentInfo) -> None:
         """A document is in the memory: list it and save the session before `done` is sent."""
         session.documents.append(document)
-        self.sessions.save(session)
+        self.session_service.save(session)
 
     async def _events(
         self, session: Session, document: TokenizedDocument, reservation: Reservation
@@ -202,7 +202,7 @@ class Ingestion:
                     reserve=reservation.grow_to,
                     on_commit=functools.partial(self._committed, session),
                 )
-                async for event in self.sessions.memory_worker(session).iterate(steps):
+                async for event in self.session_service.memory_worker(session).iterate(steps):
                     if session.deleted:
                         raise NotFoundError(f"session {session.id} was deleted during ingestion")
                     yield event

@@ -35,8 +35,9 @@ class ModelFamily:
 
 
 _families: list[ModelFamily] = []
-_lock = threading.Lock()
+_lock = threading.RLock()  # a plugin's register() may itself look at the registry
 _loaded = False
+plugin_errors: list[str] = []  # plugins that failed to load: "name: error", named where a model is not found
 
 
 def register_family(family: ModelFamily) -> None:
@@ -44,19 +45,25 @@ def register_family(family: ModelFamily) -> None:
 
 
 def load_plugins() -> None:
-    """Call every installed plugin's `register()`, once per process."""
+    """Call every installed plugin's `register()`, once per process. A plugin that fails is logged
+    and skipped: the engine's own models and memories are served without it."""
     global _loaded
     with _lock:
         if _loaded:
             return
         _loaded = True
         for entry in entry_points(group=PLUGIN_GROUP):
-            entry.load()()
-            log.debug("plugin %s registered", entry.name)
+            try:
+                entry.load()()
+            except Exception as exc:
+                log.exception("plugin %s (%s) failed to load; serving without it", entry.name, entry.value)
+                plugin_errors.append(f"{entry.name}: {exc}")
+            else:
+                log.debug("plugin %s registered", entry.name)
 
 
 def model_families() -> list[ModelFamily]:
-    load_plugins()
+    """The families registered so far (`load_plugins` registers the installed ones)."""
     return list(_families)
 
 

@@ -43,8 +43,8 @@ class ModelRuntime:
             tokenizer=loaded.tokenizer,
             embedder=embedder,
             neurocache=self.neurocache,
-            state_model=loaded.model if loaded.own_memory else None,
-            model=None if loaded.own_memory else loaded.model,
+            state_model=loaded.model if loaded.own_memory is not None else None,
+            model=None if loaded.own_memory is not None else loaded.model,
             context_len=loaded.context_len,
         )
 
@@ -81,13 +81,13 @@ class ModelRegistry:
             if loaded.name in self._runtimes:
                 raise ValueError(f"two models are named {loaded.name!r}; serve each folder once")
             worker = SerialWorker(f"model:{loaded.name}", self.config.generation.max_queue)
-            neurocache = None if loaded.own_memory else self._find_adapter(loaded)
+            neurocache = None if loaded.own_memory is not None else self._find_adapter(loaded)
             stop = StopTokens.of(loaded.model, loaded.tokenizer)
             self._runtimes[loaded.name] = ModelRuntime(loaded, worker, stop, neurocache, self._batcher(loaded, worker, stop))
             log.info("loaded model %s (%s, %s on %s)", loaded.name, loaded.architecture, loaded.dtype, loaded.device)
 
     def _batcher(self, loaded: LoadedModel, worker: SerialWorker, stop: StopTokens) -> Batcher | None:
-        if self.config.generation.max_batch == 1 or loaded.own_memory or not BatchDecoder.supports(loaded.model):
+        if self.config.generation.max_batch == 1 or loaded.own_memory is not None or not BatchDecoder.supports(loaded.model):
             return None
         limits = self.config.generation
         return Batcher(BatchDecoder(loaded.model, limits.batch_invariant), worker, loaded.tokenizer, stop, limits.max_batch)

@@ -3,6 +3,7 @@ start and loaded back into RAM on first use. Every byte a session's memory takes
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -10,7 +11,7 @@ from engine.config import EngineConfig
 from engine.embedder import Embedder
 from engine.errors import ConflictError, NotFoundError, SnapshotUnreadableError, StorageError
 from engine.interface import CacheInfo, SessionInfo
-from engine.memories import Memory, MemoryContext, build_memory, memory_type
+from engine.memories import MEMORIES, Memory, MemoryContext, build_memory, memory_type, saved_kind
 from engine.os_memory import return_free_memory
 from engine.persistence import Snapshot, SnapshotError, SnapshotStore
 from engine.registry import ModelRegistry, ModelRuntime
@@ -63,7 +64,7 @@ class SessionService:
 
     async def clear(self, session_id: str) -> CacheInfo:
         """Forget every document of the session; runs on the worker that reads the memory."""
-        session = self.store.get(session_id)
+        session = self.store.use(session_id)
         if session.write_lock.locked():
             raise ConflictError(f"session {session_id} is ingesting a document or writing an answer; clear it afterwards")
         pin = Pin(session)
@@ -120,6 +121,14 @@ class SessionService:
                 continue
             if not self.models.serves(session.model):
                 log.warning("session %s on disk uses model %r, which is not served; skipped", session_id, session.model)
+                continue
+            session.kind = saved_kind(session.kind)
+            if session.saved_cache is not None:
+                session.saved_cache = dataclasses.replace(session.saved_cache, memory=session.kind)
+            if session.kind not in MEMORIES:
+                log.warning(
+                    "session %s on disk uses memory %r, which no installed code provides; skipped", session_id, session.kind
+                )
                 continue
             self.store.add(session)
         log.info("%d sessions on disk", len(self.store))

@@ -202,7 +202,8 @@ class SessionStore:
         with self.books_lock:
             self._sessions[session.id] = session
 
-    def get(self, session_id: str) -> Session:
+    def use(self, session_id: str) -> Session:
+        """The session, marked used now (an idle session is evicted `idle_ttl_seconds` after its last use)."""
         session = self._sessions.get(session_id)
         if session is None:
             raise NotFoundError(f"no session {session_id!r}")

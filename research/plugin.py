@@ -45,5 +45,5 @@ def load(name: str, source: str, folder: Path, device: torch.device) -> LoadedMo
 
 
 def register() -> None:
-    register_memory(StateMemory)
+    register_memory(StateMemory, former_names=("stream",))  # its name until 2026-11-23
     register_family(ModelFamily("from-scratch LM", shipped_checkpoints, is_checkpoint, load))

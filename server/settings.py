@@ -75,11 +75,10 @@ class Settings(BaseSettings):
     max_queue: int = Field(GenerationLimits.max_queue, description="requests admitted per model worker before 429")
     batch_invariant: bool = Field(
         GenerationLimits.batch_invariant,
-        description="pad batched steps to 4 rows so that an answer never depends on the answers beside it (float32 on x86), at the cost of a 4-row step for a lone answer",
+        description="step a lone answer as 4 rows too (2-3 answers always are), so that an answer never depends on the answers beside it (float32 on x86), at the cost of a 4-row step for a lone answer",
     )
     max_batch: int = Field(
         GenerationLimits.max_batch,
-        gt=0,
         description="answers of one model decoded together, one forward pass a step (1: no batching, each answer steps alone, interleaved)",
     )
     max_new_tokens: int = GenerationLimits.max_new_tokens
@@ -104,9 +103,14 @@ class Settings(BaseSettings):
     @field_validator("model")
     @classmethod
     def _check_models(cls, value: list[str]) -> list[str]:
-        from engine.models.loader import known_source, unknown_source_message  # torch and transformers: only when serving
-
         for source in value:
+            if source == DEFAULT_MODEL or (Path(source).expanduser() / "config.json").is_file():
+                continue
+            # a plugin's model by name: the plugins (and with them torch) are loaded only for this
+            from engine.models.loader import known_source, unknown_source_message
+            from engine.plugins import load_plugins
+
+            load_plugins()
             if not known_source(source):
                 raise ValueError(unknown_source_message(source))
         return value

@@ -142,7 +142,7 @@ def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list]:
 
 
 def session_of(client, session_id: str):
-    return client.app.state.engine.sessions.get(session_id)
+    return client.app.state.engine.sessions.use(session_id)
 
 
 def ingest_held(client, session_id: str) -> tuple[Hold, threading.Thread, list]:

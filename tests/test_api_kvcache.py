@@ -55,7 +55,7 @@ def test_a_failed_ingestion_leaves_earlier_documents_exact(client):
     client.post(f"/v1/sessions/{session}/documents", json={"text": TEXT[:3000]})
     before = client.get(f"/v1/sessions/{session}/cache").json()
     answer = client.post(f"/v1/sessions/{session}/ask", json=QUESTION).json()
-    fail_on_third_segment(client.app.state.engine.sessions.get(session).memory)
+    fail_on_third_segment(client.app.state.engine.sessions.use(session).memory)
     response = client.post(f"/v1/sessions/{session}/documents?stream=true", json={"text": TEXT * 2})
     assert "event: error" in response.text
     assert client.get(f"/v1/sessions/{session}/cache").json() == before

@@ -66,7 +66,7 @@ def test_failed_ingestion_rolls_the_cache_back(make_client, adapter_dir):
     client.post(f"/v1/sessions/{session}/documents", json={"text": TEXT[:2000]})
     before = client.get(f"/v1/sessions/{session}/cache").json()
     engine = client.app.state.engine
-    memory = engine.sessions.get(session).memory
+    memory = engine.sessions.use(session).memory
     states = memory.cache.states.clone()
     fail_on_third_segment(memory)
     response = client.post(f"/v1/sessions/{session}/documents?stream=true", json={"text": TEXT})
@@ -87,7 +87,7 @@ def test_remembered_turns_are_written_after_the_answer(make_client, adapter_dir)
     fed = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"] - 1  # the last token is never fed
     assert cache["turns"] == 1 and cache["documents"] == 1
     assert cache["entries"] == doc["tokens"] + fed
-    memory = client.app.state.engine.sessions.get(session).memory
+    memory = client.app.state.engine.sessions.use(session).memory
     blocks = memory.cache.slot_document[: cache["entries"]]
     assert len(set(blocks[: doc["tokens"]].tolist())) == 1 and len(set(blocks[doc["tokens"] :].tolist())) == 1
     assert blocks[0] != blocks[-1]  # retrieval windows never run from the document into the turn

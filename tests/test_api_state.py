@@ -3,6 +3,7 @@ own state (the `state` memory), and answers continue from it."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -84,7 +85,7 @@ def test_failed_ingestion_rolls_the_state_back(lm_client, checkpoint):
     session = lm_client.post("/v1/sessions", json={"model": checkpoint.name}).json()["id"]
     lm_client.post(f"/v1/sessions/{session}/documents", json={"text": TEXT[:700]})
     before = lm_client.get(f"/v1/sessions/{session}/cache").json()
-    memory = lm_client.app.state.engine.sessions.get(session).memory
+    memory = lm_client.app.state.engine.sessions.use(session).memory
     saved = memory.state.state_dict()
     fail_on_third_segment(memory)
     response = lm_client.post(f"/v1/sessions/{session}/documents?stream=true", json={"text": TEXT})
@@ -92,3 +93,30 @@ def test_failed_ingestion_rolls_the_state_back(lm_client, checkpoint):
     assert lm_client.get(f"/v1/sessions/{session}/cache").json() == before
     after = memory.state.state_dict()
     assert after.keys() == saved.keys() and all(torch.equal(after[k], saved[k]) for k in saved)
+
+
+def test_a_session_saved_under_the_old_name_stream_comes_back_and_an_unknown_memory_is_skipped(
+    make_client, checkpoint, tiny_dir, tmp_path
+):
+    """The `state` memory was named `stream` until 2026-11-23: a session saved then is read back as
+    `state`. A saved session whose memory no installed code provides is skipped at start, not served."""
+    settings = dict(model=[str(checkpoint), str(tiny_dir)], segment_len=512, data_dir=tmp_path / "sessions")
+    client = make_client(**settings)
+    old = client.post("/v1/sessions", json={"model": checkpoint.name}).json()["id"]
+    client.post(f"/v1/sessions/{old}/documents", json={"text": TEXT[:1500]})
+    body = {"question": "Who was sitting by her sister?", "max_tokens": 12, "no_repeat_ngram_size": 0}
+    before = client.post(f"/v1/sessions/{old}/ask", json=body).json()["answer"]
+    unknown = client.post("/v1/sessions", json={"model": tiny_dir.name, "memory": "text"}).json()["id"]
+    client.__exit__(None, None, None)
+    for session_id, kind in ((old, "stream"), (unknown, "no-such-memory")):
+        manifest = tmp_path / "sessions" / session_id / "session.json"
+        saved = json.loads(manifest.read_text())
+        saved["session"]["memory"] = saved["session"]["cache"]["memory"] = kind
+        manifest.write_text(json.dumps(saved))
+
+    restarted = make_client(**settings)
+    assert [s["id"] for s in restarted.get("/v1/sessions").json()["data"]] == [old]
+    info = restarted.get(f"/v1/sessions/{old}").json()
+    assert info["memory"] == info["cache"]["memory"] == "state" and info["resident"] is False
+    assert restarted.post(f"/v1/sessions/{old}/ask", json=body).json()["answer"] == before
+    assert restarted.get("/metrics").status_code == 200

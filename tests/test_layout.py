@@ -38,7 +38,25 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
 def test_the_research_plugin_is_installed_as_an_entry_point():
     from importlib.metadata import entry_points
 
-    from engine.plugins import PLUGIN_GROUP, shipped_models
+    from engine.plugins import PLUGIN_GROUP, load_plugins, shipped_models
 
     assert [entry.value for entry in entry_points(group=PLUGIN_GROUP)] == ["research.plugin:register"]
+    load_plugins()
     assert "cacheformer-bytes" in shipped_models()
+
+
+def test_a_plugin_that_fails_to_load_is_logged_and_skipped(monkeypatch, caplog):
+    from engine import plugins
+
+    class Broken:
+        name, value = "broken", "nowhere:register"
+
+        def load(self):
+            raise ImportError("no module named nowhere")
+
+    monkeypatch.setattr(plugins, "_loaded", False)
+    monkeypatch.setattr(plugins, "plugin_errors", [])
+    monkeypatch.setattr(plugins, "entry_points", lambda group: [Broken()])
+    plugins.load_plugins()
+    assert plugins.plugin_errors == ["broken: no module named nowhere"]
+    assert "plugin broken (nowhere:register) failed to load" in caplog.text

@@ -64,7 +64,7 @@ def test_errors_are_counted_by_type(make_client):
 
 def test_a_failed_streamed_ingestion_is_an_error_event_counted_and_leaves_nothing_pending(client):
     session_id = new_session(client, memory="text")
-    fail_on_third_segment(client.app.state.engine.sessions.get(session_id).memory)
+    fail_on_third_segment(client.app.state.engine.sessions.use(session_id).memory)
     events = events_of(client.post(f"/v1/sessions/{session_id}/documents?stream=true", json={"text": TEXT}))
     assert events[-1].event == "error"
     after = samples(client)

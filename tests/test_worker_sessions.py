@@ -95,12 +95,12 @@ def test_idle_sessions_are_evicted_but_busy_ones_stay(memory_factory):
     idle, busy, fresh = (store.create("m", memory_factory(), {}) for _ in range(3))
     busy.requests_in_flight = 1
     clock.now += 50
-    store.get(fresh.id)
+    store.use(fresh.id)
     clock.now += 20
     assert [s.id for s in store.evict_idle()] == [idle.id]
     assert {s.id for s in store.list()} == {busy.id, fresh.id}
     with pytest.raises(NotFoundError):
-        store.get(idle.id)
+        store.use(idle.id)
 
 
 def test_session_count_limit(memory_factory):

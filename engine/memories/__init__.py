@@ -12,13 +12,21 @@ from engine.memories.text import TextMemory
 from engine.memories.truncate import TruncateMemory
 
 MEMORIES: dict[str, type[Memory]] = {cls.kind: cls for cls in (TruncateMemory, TextMemory, NeurocacheMemory, KVCacheMemory)}
+FORMER_NAMES: dict[str, str] = {}  # a memory's earlier name -> its kind, for sessions saved under the old name
 
 
-def register_memory(memory: type[Memory]) -> None:
-    """A plugin's memory (engine/plugins.py), chosen by its `kind` like the engine's own."""
+def register_memory(memory: type[Memory], *, former_names: tuple[str, ...] = ()) -> None:
+    """A plugin's memory (engine/plugins.py), chosen by its `kind` like the engine's own. Sessions
+    saved under one of its `former_names` are read back as this memory's."""
     if MEMORIES.get(memory.kind, memory) is not memory:
         raise ValueError(f"a different memory is already named {memory.kind!r}")
     MEMORIES[memory.kind] = memory
+    FORMER_NAMES.update(dict.fromkeys(former_names, memory.kind))
+
+
+def saved_kind(kind: str) -> str:
+    """The memory a saved session's kind names today (its own name, or the one it was renamed to)."""
+    return FORMER_NAMES.get(kind, kind)
 
 
 def memory_type(kind: str) -> type[Memory]:
@@ -34,4 +42,14 @@ def build_memory(kind: str, context: MemoryContext, options: dict[str, Any]) -> 
         raise InvalidRequestError(str(exc)) from exc
 
 
-__all__ = ["MEMORIES", "ContextPiece", "Memory", "MemoryContext", "Segment", "build_memory", "memory_type", "register_memory"]
+__all__ = [
+    "MEMORIES",
+    "ContextPiece",
+    "Memory",
+    "MemoryContext",
+    "Segment",
+    "build_memory",
+    "memory_type",
+    "register_memory",
+    "saved_kind",
+]

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.config import DEFAULT_MODEL
-from engine.plugins import family_of, shipped_models
+from engine.plugins import family_of, load_plugins, plugin_errors, shipped_models
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,11 @@ def _model_path(source: str, cache_dir: Path) -> tuple[str, Path]:
 
 def unknown_source_message(source: str) -> str:
     shipped = ", ".join(sorted(shipped_models())) or "none"
-    return f"{source!r} is neither {DEFAULT_MODEL!r}, a shipped model ({shipped}) nor a local Hugging Face model folder (one with a config.json)"
+    failed = f"; plugins that failed to load: {'; '.join(plugin_errors)}" if plugin_errors else ""
+    return (
+        f"{source!r} is neither {DEFAULT_MODEL!r}, a shipped model ({shipped}) "
+        f"nor a local Hugging Face model folder (one with a config.json){failed}"
+    )
 
 
 def known_source(source: str) -> bool:
@@ -158,6 +162,7 @@ def load_model(source: str, *, cache_dir: Path, device: str = "auto", dtype: str
         device: "auto", "cpu", "cuda" or "cuda:N".
         dtype: "auto" (bfloat16 where the hardware is fast at it, else float32) or a torch dtype name.
     """
+    load_plugins()  # a plugin's model may be named
     name, path = _model_path(source, cache_dir)
     torch_device = resolve_device(device)
     family = family_of(path)

@@ -1,5 +1,5 @@
-"""Streaming inference for the Long-Short and CacheFormer LMs: a text of any length goes through
-the model a chunk at a time, against a per-session state of its past segments.
+"""The segment feed of the Long-Short and CacheFormer LMs: a text of any length goes through the
+model a chunk at a time, against a per-session state of its past segments.
 
 Per layer the state holds what the one-pass forward would compute for the past:
 - every past token's window key and value (normed, rotated): the sliding window reads the last
@@ -10,7 +10,7 @@ Per layer the state holds what the one-pass forward would compute for the past:
 
 Cache attention's top-k lookup reuses the long-attention scores: every query already scores every
 compressed key, and the model's relevance (the mean |q·k̄| of a segment) is read off them, so the
-lookup is exact and costs no extra pass. Streaming a text in chunks of any size gives the logits
+lookup is exact and costs no extra pass. Feeding a text in chunks of any size gives the logits
 of one forward pass over it (tests/test_segment_feed.py). Positions keep counting past the training
 length: beyond it the model runs where it was never trained, under the same equations.
 """

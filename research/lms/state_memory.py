@@ -1,8 +1,8 @@
 """State memory: the session's documents fed, segment by segment, through a Long-Short or
 CacheFormer model, whose own state is the memory.
 
-Ingestion runs each segment through the model, whose per-session state keeps every past segment (compressed keys/values per layer, and the uncompressed segments
-that cache attention fetches). Answering feeds the question after the documents and generates,
+Ingestion runs each segment through the model, whose per-session state keeps every past segment
+(compressed keys/values per layer, and the uncompressed segments that cache attention fetches). Answering feeds the question after the documents and generates,
 then rolls the state back, so the memory stays read-only while answering. Documents follow one
 another, separated by a blank line, as one continuous text.
 """
