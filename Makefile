@@ -12,7 +12,7 @@ APT := $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive
 DRILL_VENV  := .venv-drills
 DRILL_STAMP := $(DRILL_VENV)/.installed
 
-.PHONY: serve test install chromium bench bench-kvcache bench-batching corpus drills observe image image-smoke clean
+.PHONY: serve test install chromium bench bench-kvcache bench-batching peers corpus drills observe image image-smoke clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -73,6 +73,18 @@ bench: $(STAMP)
 # concurrent answers, one a step against batched (max_batch 1 and 8), docs/benchmarks.md#batched-decoding
 bench-batching: $(STAMP)
 	$(BIN)/python -m bench.bench_batching $(ARGS)
+
+# peers in one run: longdoc, llama-cpp-python's server (built from PyPI's source in a venv of its
+# own, a few minutes on 2 cores) and transformers generate, docs/benchmarks.md#peers
+PEERS_VENV  := .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed
+$(PEERS_STAMP):
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(PEERS_VENV)/bin/pip install -q 'llama-cpp-python[server]==0.3.36'
+	touch $(PEERS_STAMP)
+
+peers: $(STAMP) $(PEERS_STAMP)
+	$(BIN)/python -m bench.peers --peers-python $(PEERS_VENV)/bin/python $(ARGS)
 
 # kvcache speed against the plain model (ingestion, decode, TTFT), docs/benchmarks.md#kvcache
 bench-kvcache: $(STAMP)

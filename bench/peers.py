@@ -1,0 +1,243 @@
+"""Peers in one run, on this machine and this model: longdoc's server, llama-cpp-python's server
+(on the GGUF file longdoc's default model is converted from) and plain transformers `generate`.
+
+    make peers   # builds llama-cpp-python[server] in .venv-peers, then runs this:
+    .venv/bin/python -m bench.peers --peers-python .venv-peers/bin/python
+
+Per system: prefill tok/s for prompts of about 512, 2K and 8K tokens (prompt tokens / time to the
+first token), decode tok/s of one stream after a 512- and a 2K-token prompt, and, through each
+server's OpenAI-compatible HTTP API, all output tokens / wall time with 1, 4 and 8 streams at once
+(512-token prompts). Greedy, 64 new tokens; an answer may end earlier at the end token, and the
+rates count the tokens produced (the output text tokenized again with the model's tokenizer).
+Every request reads its own stretch of the book, so no server reuses a cached prompt prefix.
+longdoc and transformers run the dequantized weights (float32 on a CPU without fast bfloat16);
+llama.cpp runs the GGUF's Q4_1 weights as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from engine.models.loader import DEFAULT_GGUF, DEFAULT_WHEEL, load_model, wheel_dir
+from scripts.drills.server import Server, free_port
+
+BOOK = Path("tests/fixtures/alice29.txt")  # 41K tokens: every request below reads its own stretch
+NEW_TOKENS = 64
+PROMPTS = (512, 2048, 8000)  # 8K: what fits 8,192 positions with the answer
+DECODE_CONTEXTS = (512, 2048)
+STREAMS = (1, 4, 8)
+INSTRUCTION = "\n\nContinue this text."
+
+
+@dataclass
+class Prompts:
+    """Chat prompts of a given length in tokens, each from its own stretch of the book."""
+
+    tokenizer: PreTrainedTokenizerBase
+    book_ids: list[int]
+    next_at: int = 0
+
+    def make(self, tokens: int) -> str:
+        body = tokens - 40  # the chat template and the instruction
+        if self.next_at + body > len(self.book_ids):
+            self.next_at = 0
+        text = str(self.tokenizer.decode(self.book_ids[self.next_at : self.next_at + body]))
+        self.next_at += body
+        return text + INSTRUCTION
+
+
+def stream_chat(url: str, model: str, content: str) -> tuple[float, float, str]:
+    """(seconds to the first content, seconds to the end, the answer) of one streamed chat completion."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "stream": True,
+    }
+    started = time.perf_counter()
+    first, parts = None, []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line.removeprefix("data: "))["choices"]
+            delta = choices[0]["delta"].get("content") if choices else None
+            if delta:
+                first = first or time.perf_counter()
+                parts.append(delta)
+    assert first is not None, "no content streamed"
+    return first - started, time.perf_counter() - started, "".join(parts)
+
+
+@dataclass
+class Measures:
+    prefill: dict[int, float]  # prompt tokens -> tok/s
+    decode: dict[int, float]  # context tokens -> tok/s
+    streams: dict[int, float]  # streams at once -> output tok/s in all
+
+
+def http_measures(url: str, model: str, prompts: Prompts, count_tokens: Callable[[str], int]) -> Measures:
+    stream_chat(url, model, prompts.make(128))  # warm-up
+    prefill, decode = {}, {}
+    for tokens in PROMPTS:
+        ttft, _, _ = stream_chat(url, model, prompts.make(tokens))
+        prefill[tokens] = tokens / ttft
+    for tokens in DECODE_CONTEXTS:
+        ttft, total, answer = stream_chat(url, model, prompts.make(tokens))
+        decode[tokens] = (count_tokens(answer) - 1) / (total - ttft)
+    streams = {}
+    for count in STREAMS:
+        contents = [prompts.make(512) for _ in range(count)]
+        started = time.perf_counter()
+        with ThreadPoolExecutor(count) as pool:
+            answers = list(pool.map(lambda c: stream_chat(url, model, c)[2], contents))
+        streams[count] = sum(count_tokens(a) for a in answers) / (time.perf_counter() - started)
+    return Measures(prefill, decode, streams)
+
+
+def transformers_measures(model, tokenizer, prompts: Prompts) -> Measures:
+    """Plain `generate` in this process: no server, no batching, one request at a time."""
+
+    def ids_of(tokens: int) -> torch.Tensor:
+        messages = [{"role": "user", "content": prompts.make(tokens)}]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+            "input_ids"
+        ]
+
+    def generate(ids: torch.Tensor, new: int) -> float:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        return time.perf_counter() - started
+
+    generate(ids_of(128), 2)  # warm-up
+    prefill = {}
+    for tokens in PROMPTS:
+        ids = ids_of(tokens)
+        prefill[tokens] = ids.shape[1] / generate(ids, 1)
+    decode = {}
+    for tokens in DECODE_CONTEXTS:
+        ids = ids_of(tokens)
+        first = generate(ids, 1)
+        decode[tokens] = (NEW_TOKENS - 1) / (generate(ids, NEW_TOKENS) - first)
+    return Measures(prefill, decode, {})
+
+
+def llama_server(python: str, gguf: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = Path("/tmp/longdoc-peers-llama.log")
+    cmd = [
+        python,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(gguf),
+        "--n_threads",
+        "2",
+        "--n_ctx",
+        "8192",
+        "--interrupt_requests",
+        "False",
+        "--port",
+        str(port),
+    ]
+    process = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"llama_cpp.server exited: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise RuntimeError("llama_cpp.server did not start")
+
+
+def measure(kind: str, key: int) -> Callable[[Measures], float | None]:
+    """Reads one figure of a system's measures (None where the system does not have it)."""
+
+    def pick(measures: Measures) -> float | None:
+        figures: dict[int, float] = getattr(measures, kind)
+        return figures.get(key)
+
+    return pick
+
+
+def table(results: dict[str, Measures]) -> str:
+    names = list(results)
+    lines = [
+        "| measure | " + " | ".join(names) + " | longdoc / llama.cpp |",
+        "|---|" + "---|" * (len(names) + 1),
+    ]
+
+    def row(label: str, pick: Callable[[Measures], float | None]) -> None:
+        values = [pick(results[name]) for name in names]
+        cells = [f"{v:,.1f}" if v is not None else "—" for v in values]
+        ours, theirs = pick(results["longdoc"]), pick(results["llama.cpp"])
+        ratio = f"{ours / theirs:.2f}x" if ours and theirs else "—"
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {ratio} |")
+
+    for tokens in PROMPTS:
+        row(f"prefill tok/s, {tokens:,}-token prompt", measure("prefill", tokens))
+    for tokens in DECODE_CONTEXTS:
+        row(f"decode tok/s, one stream, {tokens:,}-token context", measure("decode", tokens))
+    for count in STREAMS:
+        row(f"output tok/s in all, {count} stream{'s' if count > 1 else ''} at once (HTTP)", measure("streams", count))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers-python", default=".venv-peers/bin/python", help="a Python with llama-cpp-python[server]")
+    args = parser.parse_args()
+    loaded = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu")
+    tokenizer = loaded.tokenizer
+    book_ids = tokenizer(BOOK.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    print(f"torch threads {torch.get_num_threads()}, {DEFAULT_MODEL} as {loaded.dtype}", flush=True)
+    results: dict[str, Measures] = {}
+    server = Server(["--model", DEFAULT_MODEL]).start()
+    try:
+        results["longdoc"] = http_measures(server.url, DEFAULT_MODEL, Prompts(tokenizer, book_ids), count_tokens)
+    finally:
+        server.stop()
+    print("longdoc:", results["longdoc"], flush=True)
+    process, url = llama_server(args.peers_python, wheel_dir(DEFAULT_WHEEL) / DEFAULT_GGUF)
+    try:
+        results["llama.cpp"] = http_measures(url, DEFAULT_MODEL, Prompts(tokenizer, book_ids), count_tokens)
+    finally:
+        process.kill()
+    print("llama.cpp:", results["llama.cpp"], flush=True)
+    results["transformers generate"] = transformers_measures(loaded.model, tokenizer, Prompts(tokenizer, book_ids))
+    print("transformers:", results["transformers generate"], flush=True)
+    version = subprocess.run(
+        [args.peers_python, "-c", "import llama_cpp; print(llama_cpp.__version__)"], capture_output=True, text=True
+    ).stdout.strip()
+    print(f"\nllama-cpp-python {version}, 2 threads; `{' '.join(sys.argv)}`\n")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
