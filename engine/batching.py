@@ -20,7 +20,7 @@ import collections
 import logging
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from engine.generation import AnswerState, StopTokens
 from engine.interface import GenerationDone, GenerationEvent, GenerationParams
+from engine.models.llama_parts import Attention, Backbone, Layer
 from engine.worker import SerialWorker
 
 BATCHED_FAMILIES = ("llama", "qwen2", "mistral")
@@ -41,35 +42,6 @@ BATCHED_FAMILIES = ("llama", "qwen2", "mistral")
 INVARIANT_ROWS = 4
 log = logging.getLogger(__name__)
 _Events = list[tuple["Row", list[GenerationEvent | BaseException]]]  # what a tick hands each row
-
-
-class _Attention(Protocol):
-    """A Llama-family layer's attention, as stepped here (typed: `nn.Module` attributes read as
-    `Tensor | Module`)."""
-
-    q_proj: nn.Linear
-    k_proj: nn.Linear
-    v_proj: nn.Linear
-    o_proj: nn.Linear
-    scaling: float
-
-
-class _Layer(Protocol):
-    """A Llama-family decoder layer."""
-
-    self_attn: _Attention
-    input_layernorm: nn.Module
-    post_attention_layernorm: nn.Module
-    mlp: nn.Module
-
-
-class _Backbone(Protocol):
-    """A Llama-family causal LM's `model`: embeddings, rotary embedding, layers, final norm."""
-
-    embed_tokens: nn.Embedding
-    rotary_emb: nn.Module
-    layers: nn.ModuleList
-    norm: nn.Module
 
 
 @dataclass(eq=False)
@@ -86,9 +58,9 @@ class Row:
     cancelled: bool = False
 
 
-def _base(layer: torch.nn.Module) -> _Layer:
+def _base(layer: torch.nn.Module) -> Layer:
     """A decoder layer under a Neurocache wrapper (which adds nothing while no cache is attached)."""
-    return cast(_Layer, getattr(layer, "base", layer))
+    return cast(Layer, getattr(layer, "base", layer))
 
 
 class BatchDecoder:
@@ -98,7 +70,7 @@ class BatchDecoder:
         self.model = model
         self.invariant = invariant
         config = model.config
-        self.layers = [_base(layer) for layer in cast(_Backbone, model.model).layers]
+        self.layers = [_base(layer) for layer in cast(Backbone, model.model).layers]
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -158,7 +130,7 @@ class BatchDecoder:
         padding = [states[0].next_token] * (self.step_rows(len(rows)) - len(rows))  # rows computed, then dropped
         tokens = torch.tensor([[state.next_token] for state in states] + [[t] for t in padding], device=device)
         positions = torch.tensor([[row.length] for row in rows] + [[rows[0].length]] * len(padding), device=device)
-        inner = cast(_Backbone, model.model)
+        inner = cast(Backbone, model.model)
         hidden = inner.embed_tokens(tokens)  # [B, 1, d]
         cos, sin = inner.rotary_emb(hidden, positions)
         for index, layer in enumerate(self.layers):
@@ -171,7 +143,7 @@ class BatchDecoder:
         return logits
 
     def _attention(
-        self, index: int, attention: _Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: list[Row]
+        self, index: int, attention: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: list[Row]
     ) -> torch.Tensor:
         batch = x.shape[0]
         q = attention.q_proj(x).view(batch, 1, self.heads, self.head_dim).transpose(1, 2)

@@ -265,6 +265,18 @@ def test_a_failing_forward_ends_its_rows_and_a_scheduler_fault_hangs_no_one(tiny
     assert batcher._rows == [] and not batcher._waiting  # nothing kept: no keys or values leak
 
 
+def prefilled_rows(decoder: BatchDecoder, lengths: list[int]) -> list[Row]:
+    """A row per length, its prompt drawn from a seed of that length, prefilled."""
+    made = []
+    for n in lengths:
+        sequence = torch.randint(0, 101, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        row = Row(sequence, GenerationParams(max_tokens=4))
+        row.state = AnswerState(cast(PreTrainedTokenizerBase, ByteTokenizer()), sequence, row.params, NO_STOP)
+        decoder.prefill(row)
+        made.append(row)
+    return made
+
+
 @X86_CPU_ONLY
 def test_an_invariant_step_gives_a_row_the_same_logits_in_any_company():
     """With `batch_invariant` a row's logits are bit for bit the same stepped alone or beside
@@ -273,20 +285,11 @@ def test_an_invariant_step_gives_a_row_the_same_logits_in_any_company():
     decoder = BatchDecoder(model, invariant=True)
     generator = torch.Generator().manual_seed(4)
 
-    def rows(lengths):
-        made = []
-        for n in lengths:
-            sequence = torch.randint(0, 101, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-            row = Row(sequence, GenerationParams(max_tokens=4))
-            row.state = AnswerState(cast(PreTrainedTokenizerBase, ByteTokenizer()), sequence, row.params, NO_STOP)
-            decoder.prefill(row)
-            made.append(row)
-        return made
-
-    lone, crowd = rows([20]), rows([20, 7, 33, 12, 25, 9])
+    lone, crowd = prefilled_rows(decoder, [20]), prefilled_rows(decoder, [20, 7, 33, 12, 25, 9])
     for _ in range(4):
         token = int(torch.randint(0, 101, (1,), generator=generator))
         for row in (lone[0], *crowd):
+            assert row.state is not None  # prefilled_rows made it
             row.state.next_token = token
         assert torch.equal(decoder.step(lone)[0], decoder.step(crowd)[0])
 
@@ -300,17 +303,9 @@ def test_two_or_three_answers_step_as_four_rows_and_get_a_larger_batchs_logits()
     assert [decoder.step_rows(n) for n in (1, 2, 3, 4, 6)] == [1, 4, 4, 4, 6]
     assert [BatchDecoder(model, invariant=True).step_rows(n) for n in (1, 2, 3, 5)] == [4, 4, 4, 5]
 
-    def rows(lengths):
-        made = []
-        for n in lengths:
-            sequence = torch.randint(0, 101, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-            row = Row(sequence, GenerationParams(max_tokens=4))
-            row.state = AnswerState(cast(PreTrainedTokenizerBase, ByteTokenizer()), sequence, row.params, NO_STOP)
-            decoder.prefill(row)
-            made.append(row)
-        return made
-
-    pair, trio, four, six = rows([20, 7]), rows([20, 7, 33]), rows([20, 7, 33, 12]), rows([20, 7, 33, 12, 25, 9])
+    pair, trio, four, six = (
+        prefilled_rows(decoder, lengths) for lengths in ([20, 7], [20, 7, 33], [20, 7, 33, 12], [20, 7, 33, 12, 25, 9])
+    )
     for token in (5, 17, 60):
         for row in (*pair, *trio, *four, *six):
             assert row.state is not None

@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,7 @@ from torch.nn.attention.bias import causal_lower_right
 from transformers import PretrainedConfig
 
 from engine.models.kv_store import KVStore, StoreShape
+from engine.models.llama_parts import Backbone, Layer, NormedAttention
 from engine.models.rope import apply_rope as rotate
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -88,41 +89,6 @@ def pick_segments(scores: torch.Tensor, eligible: int, top_k: int, neighbours: i
     return picks
 
 
-class _Attention(Protocol):
-    """The attention of a Llama-family decoder layer, as used here (typed: `nn.Module` attributes
-    read as `Tensor | Module`)."""
-
-    q_proj: nn.Linear
-    k_proj: nn.Linear
-    v_proj: nn.Linear
-    o_proj: nn.Linear
-
-
-class _NormedAttention(_Attention, Protocol):
-    """Qwen3's attention: each head's queries and keys normalised before rotary."""
-
-    q_norm: nn.Module
-    k_norm: nn.Module
-
-
-class _Layer(Protocol):
-    """A Llama-family decoder layer."""
-
-    self_attn: _Attention
-    input_layernorm: nn.Module
-    post_attention_layernorm: nn.Module
-    mlp: nn.Module
-
-
-class _Backbone(Protocol):
-    """A Llama-family causal LM's `model`: embeddings, rotary embedding, layers, final norm."""
-
-    embed_tokens: nn.Embedding
-    rotary_emb: nn.Module
-    layers: nn.ModuleList
-    norm: nn.Module
-
-
 class SelectiveModel:
     """A Llama-family causal LM run with segment-selection attention (module docstring)."""
 
@@ -135,13 +101,13 @@ class SelectiveModel:
         self.kv_heads: int = cfg.num_key_value_heads
         self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.q_heads
         # a Neurocache adapter wraps some layers; outside its binding they compute the base layer
-        self.layers = [cast(_Layer, getattr(layer, "base", layer)) for layer in self._backbone.layers]
+        self.layers = [cast(Layer, getattr(layer, "base", layer)) for layer in self._backbone.layers]
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
 
     @property
-    def _backbone(self) -> _Backbone:
-        return cast(_Backbone, self.model.model)
+    def _backbone(self) -> Backbone:
+        return cast(Backbone, self.model.model)
 
     @property
     def _lm_head(self) -> nn.Linear:
@@ -168,7 +134,7 @@ class SelectiveModel:
         cos, sin = self._backbone.rotary_emb(probe, flat)
         return cos.view(*positions.shape, cos.shape[-1]), sin.view(*positions.shape, sin.shape[-1])
 
-    def _project(self, layer: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _project(self, layer: Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries [Hq, T, D], keys and values [T, Hkv, D], all before rotary."""
         T = x.shape[0]
         a = layer.self_attn
@@ -177,7 +143,7 @@ class SelectiveModel:
         k = a.k_proj(h).view(T, self.kv_heads, self.head_dim)
         v = a.v_proj(h).view(T, self.kv_heads, self.head_dim)
         if hasattr(a, "q_norm"):  # Qwen3 normalises each head before rotary
-            normed = cast(_NormedAttention, a)
+            normed = cast(NormedAttention, a)
             q, k = normed.q_norm(q), normed.k_norm(k)
         return q.transpose(0, 1), k, v
 
@@ -230,7 +196,7 @@ class SelectiveModel:
         out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True)[0]
         return out.transpose(0, 1).reshape(T, -1)
 
-    def _finish_layer(self, layer: _Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    def _finish_layer(self, layer: Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         x = x + layer.self_attn.o_proj(attended)
         return x + layer.mlp(layer.post_attention_layernorm(x))
 

@@ -1,0 +1,43 @@
+"""The parts of a Llama-family causal LM that the engine steps itself (engine/batching.py,
+engine/models/kv_select.py), as types: `nn.Module` attributes otherwise read as `Tensor | Module`."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from torch import nn
+
+
+class Attention(Protocol):
+    """A decoder layer's attention."""
+
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    o_proj: nn.Linear
+    scaling: float
+
+
+class NormedAttention(Attention, Protocol):
+    """Qwen3's attention: each head's queries and keys normalised before rotary."""
+
+    q_norm: nn.Module
+    k_norm: nn.Module
+
+
+class Layer(Protocol):
+    """A decoder layer."""
+
+    self_attn: Attention
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+
+class Backbone(Protocol):
+    """A causal LM's `model`: embeddings, rotary embedding, layers, final norm."""
+
+    embed_tokens: nn.Embedding
+    rotary_emb: nn.Module
+    layers: nn.ModuleList
+    norm: nn.Module
