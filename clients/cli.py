@@ -6,13 +6,16 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from tqdm import tqdm
 
 from clients.client import DEFAULT_URL, ApiError, LongdocClient
 from engine.config import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from server.settings import Settings
 
 app = typer.Typer(help="longdoc: ask questions about documents far longer than a model's context.", no_args_is_help=True)
 
@@ -29,6 +32,12 @@ def _fail(exc: ApiError) -> None:
     raise typer.Exit(1)
 
 
+def _settings(args: list[str], prog: str) -> Settings:
+    from server.settings import Settings  # imported late: it pulls the engine's config
+
+    return Settings(_cli_parse_args=args, _cli_prog_name=prog)
+
+
 @app.command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
     add_help_option=False,
@@ -38,9 +47,8 @@ def serve(ctx: typer.Context) -> None:
     import uvicorn
 
     from server.app import create_app
-    from server.settings import Settings
 
-    settings = Settings(_cli_parse_args=ctx.args, _cli_prog_name="longdoc serve")
+    settings = _settings(ctx.args, "longdoc serve")
     uvicorn.run(
         create_app(settings),
         host=settings.host,
@@ -49,6 +57,29 @@ def serve(ctx: typer.Context) -> None:
         limit_concurrency=settings.max_connections,
         timeout_keep_alive=settings.keep_alive_seconds,  # type: ignore[arg-type]  # typed int; a float works (asyncio's call_later)
     )
+
+
+@app.command(
+    "serve-ray",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def serve_ray(
+    ctx: typer.Context,
+    replicas: Annotated[int, typer.Option(help="replicas, each a model worker")] = 2,
+    min_replicas: Annotated[int | None, typer.Option(help="autoscale from this many (with --max-replicas)")] = None,
+    max_replicas: Annotated[int | None, typer.Option(help="autoscale up to this many")] = None,
+    replica_cpus: Annotated[float, typer.Option(help="CPUs Ray reserves for each replica")] = 1.0,
+    ray_address: Annotated[str | None, typer.Option(help="join this Ray cluster (default: start one here)")] = None,
+    metrics_targets_dir: Annotated[
+        Path | None, typer.Option(help="write each replica's metrics address here (Prometheus file_sd)")
+    ] = None,
+) -> None:
+    """Serve on Ray Serve: N replicas sharing the data folder, each session's requests routed to
+    its replica (docs/scale-out.md). Every `longdoc serve` flag applies to the replicas."""
+    from server.ray_serve.launch import run
+
+    settings = _settings(ctx.args, "longdoc serve-ray")
+    run(settings, ray_address, replicas, min_replicas, max_replicas, replica_cpus, metrics_targets_dir)
 
 
 @app.command()

@@ -57,7 +57,7 @@ class Answering:
         self._check_prompt_chars(messages)
         if not messages or messages[-1].get("role") != "user" or not messages[-1].get("content", "").strip():
             raise InvalidRequestError("the last message must be a non-empty user message")
-        session = self.session_service.store.use(session_id) if session_id else None
+        session = self.session_service.use(session_id) if session_id else None
         held: list[Releasable] = [Pin(session)] if session is not None else []
         with released_on_error(held):
             events = await self._admit(messages, params, model, session, held)

@@ -107,3 +107,7 @@ class EngineConfig:
     generation: GenerationLimits = field(default_factory=GenerationLimits)
     default_memory: str = "auto"  # "auto": a plugin model's own memory, else the model's manifest (engine/models/manifest.py)
     data_dir: Path | None = None  # sessions are saved here as they change; None: kept in RAM only
+    # other servers (replicas) save sessions in data_dir too: a session is looked up on disk when
+    # this server does not hold it, and read again before use when another server changed it
+    shared_data_dir: bool = False
+    session_id_prefix: str = "s-"  # new session ids start with it (a replica names itself there)

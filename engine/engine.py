@@ -106,16 +106,16 @@ class Engine:
         return self.session_service.create(model, memory, options, owner)
 
     def list_sessions(self) -> list[SessionInfo]:
-        return [session.info() for session in self.sessions.list()]
+        return [session.info() for session in self.session_service.list()]
 
     def get_session(self, session_id: str) -> SessionInfo:
-        return self.sessions.use(session_id).info()
+        return self.session_service.use(session_id).info()
 
     def delete_session(self, session_id: str) -> None:
         self.session_service.delete(session_id)
 
     def cache_info(self, session_id: str) -> CacheInfo:
-        return self.sessions.use(session_id).cache()
+        return self.session_service.use(session_id).cache()
 
     async def clear_cache(self, session_id: str) -> CacheInfo:
         return await self.session_service.clear(session_id)

@@ -163,7 +163,7 @@ class Ingestion:
 
     async def start(self, session_id: str, text: str, name: str) -> EventStream[IngestEvent]:
         """Tokenize and check the document now; the returned event stream ingests it segment by segment."""
-        session = self.session_service.store.use(session_id)
+        session = self.session_service.use(session_id)
         if not text.strip():
             raise InvalidRequestError("the document is empty")
         held: list[Releasable] = [Pin(session)]  # resident and busy until the event stream ends

@@ -5,6 +5,8 @@ A session lives in `<data dir>/<session id>/`:
     session.json           the commit point: format version, the session's metadata, the memory's
                            non-tensor state, and the name and SHA-256 of its tensors file
     state-<n>.safetensors  the memory's tensors (numpy arrays and torch tensors, by path)
+    used                   touched when a server that shares the folder uses the session (its
+                           modification time only)
 
 A snapshot is written as a new tensors file, then session.json, each to a temporary name,
 fsynced and renamed, then the folder is fsynced; older tensors files go last. A crash at any
@@ -14,6 +16,7 @@ the checksum; a bad snapshot raises `SnapshotError` and is left on disk for an o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -28,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 FORMAT = "longdoc-session-v1"
 MANIFEST = "session.json"
+USED = "used"  # touched when a session is used, by servers that share the data folder
 SESSION_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-")
 INLINE_TEXT_CHARS = 256  # longer strings (documents) go to the tensors file, not the manifest
 
@@ -141,6 +145,28 @@ class SnapshotStore:
         for old in folder.glob("state-*.safetensors"):
             if old.name != tensors_name:
                 old.unlink(missing_ok=True)
+
+    def stamp(self, session_id: str) -> tuple[int, int, int] | None:
+        """What changes whenever the session's snapshot is written (each write renames a new
+        manifest into place): None when there is none."""
+        try:
+            stat = (self.folder(session_id) / MANIFEST).stat()
+        except (OSError, ValueError):
+            return None
+        return (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+
+    def mark_used(self, session_id: str) -> None:
+        """Record a use that wrote nothing (for servers sharing the folder: `last_activity`)."""
+        with contextlib.suppress(OSError, ValueError):
+            (self.folder(session_id) / USED).touch()
+
+    def last_activity(self, session_id: str) -> float:
+        """When the session was last written or marked used (epoch seconds; 0 when unknown)."""
+        times = [0.0]
+        for name in (MANIFEST, USED):
+            with contextlib.suppress(OSError, ValueError):
+                times.append((self.folder(session_id) / name).stat().st_mtime)
+        return max(times)
 
     def read_session(self, session_id: str) -> dict[str, Any]:
         """The session's metadata alone (no tensors read): for listing sessions at start."""

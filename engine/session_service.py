@@ -1,10 +1,15 @@
 """Sessions: made, listed, deleted and cleared; saved to disk after every change, listed from disk at
-start and loaded back into RAM on first use. Every byte a session's memory takes is reserved first."""
+start and loaded back into RAM on first use. Every byte a session's memory takes is reserved first.
+
+With a shared data folder (replicas of one service, each holding some sessions), a session this
+server does not hold is looked up on disk, and one that another server has written since is read
+again before use (while nothing here uses it)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any
 
 from engine.config import EngineConfig
@@ -13,7 +18,7 @@ from engine.errors import ConflictError, NotFoundError, SnapshotUnreadableError,
 from engine.interface import CacheInfo, SessionInfo
 from engine.memories import MEMORIES, Memory, MemoryContext, build_memory, memory_type, saved_kind
 from engine.os_memory import return_free_memory
-from engine.persistence import Snapshot, SnapshotError, SnapshotStore
+from engine.persistence import SESSION_ID_CHARS, Snapshot, SnapshotError, SnapshotStore
 from engine.registry import ModelRegistry, ModelRuntime
 from engine.sessions import Pin, Session, SessionStore
 from engine.worker import SerialWorker
@@ -21,14 +26,22 @@ from engine.worker import SerialWorker
 log = logging.getLogger(__name__)
 
 EMBEDDER_WORKER = "embedder"
+MARK_USED_EVERY_SECONDS = 60.0  # with a shared data folder, how often a use is recorded on disk
 
 
 class SessionService:
     def __init__(self, config: EngineConfig, models: ModelRegistry) -> None:
+        if not config.session_id_prefix or not set(config.session_id_prefix) <= SESSION_ID_CHARS:
+            raise ValueError(f"session_id_prefix {config.session_id_prefix!r}: use a-z, 0-9 and '-'")
+        if config.shared_data_dir and config.data_dir is None:
+            raise ValueError("shared_data_dir needs a data_dir")
         self.models = models
         self.snapshots = SnapshotStore(config.data_dir) if config.data_dir is not None else None
-        self.store = SessionStore(config.sessions, keep_on_disk=self.snapshots is not None)
+        self.shared = config.shared_data_dir
+        self.store = SessionStore(config.sessions, keep_on_disk=self.snapshots is not None, id_prefix=config.session_id_prefix)
         self.store.on_drop = self._delete_files
+        if self.shared:
+            self.store.used_elsewhere = self._used_elsewhere
         self.snapshot_failures = 0  # snapshots found unreadable (logged, skipped, left on disk)
         self.embedder: Embedder | None = None  # set once the models are loaded
         self.embed_worker = SerialWorker(EMBEDDER_WORKER, config.generation.max_queue)
@@ -58,13 +71,34 @@ class SessionService:
             raise
         return session.info()
 
+    def use(self, session_id: str) -> Session:
+        """The session, marked used; with a shared data folder, brought up to date with disk first."""
+        if self.shared:
+            self._sync(session_id)
+            session = self.store.use(session_id)
+            if session.snapshot_stamp is not None:
+                self._mark_used(session)
+            return session
+        return self.store.use(session_id)
+
+    def list(self) -> list[Session]:
+        """Every session held; with a shared data folder, every one on disk, as disk has it."""
+        if self.shared:
+            assert self.snapshots is not None
+            on_disk = set(self.snapshots.list())
+            for session_id in on_disk | {s.id for s in self.store.list()}:
+                self._sync(session_id)
+        return self.store.list()
+
     def delete(self, session_id: str) -> None:
+        if self.shared:
+            self._sync(session_id)
         self._delete_files(self.store.delete(session_id))
         return_free_memory()
 
     async def clear(self, session_id: str) -> CacheInfo:
         """Forget every document of the session; runs on the worker that reads the memory."""
-        session = self.store.use(session_id)
+        session = self.use(session_id)
         if session.write_lock.locked():
             raise ConflictError(f"session {session_id} is ingesting a document or writing an answer; clear it afterwards")
         pin = Pin(session)
@@ -96,6 +130,7 @@ class SessionService:
                 return
             try:
                 self.snapshots.write(Snapshot(session.metadata(), session.memory.state_dict()))
+                session.snapshot_stamp = self.snapshots.stamp(session.id)
             except OSError as exc:
                 session.dirty = True
                 log.error("session %s could not be saved: %s", session.id, exc)
@@ -112,26 +147,62 @@ class SessionService:
         if self.snapshots is None:
             return
         for session_id in self.snapshots.list():
-            try:
-                session = Session.from_metadata(self.snapshots.read_session(session_id))
-                if session.id != session_id:
-                    raise SnapshotError(f"the snapshot in folder {session_id} names session {session.id}")
-            except (SnapshotError, KeyError, TypeError, ValueError) as exc:
-                self._snapshot_failed(session_id, exc)
-                continue
-            if not self.models.serves(session.model):
-                log.warning("session %s on disk uses model %r, which is not served; skipped", session_id, session.model)
-                continue
-            session.kind = saved_kind(session.kind)
-            if session.saved_cache is not None:
-                session.saved_cache = dataclasses.replace(session.saved_cache, memory=session.kind)
-            if session.kind not in MEMORIES:
-                log.warning(
-                    "session %s on disk uses memory %r, which no installed code provides; skipped", session_id, session.kind
-                )
-                continue
-            self.store.add(session)
+            self._add_from_disk(session_id)
         log.info("%d sessions on disk", len(self.store))
+
+    def _add_from_disk(self, session_id: str) -> None:
+        """Hold a session saved on disk (not resident), unless it cannot be served here."""
+        assert self.snapshots is not None
+        stamp = self.snapshots.stamp(session_id)  # before reading: a write in between is seen next time
+        try:
+            session = Session.from_metadata(self.snapshots.read_session(session_id))
+            if session.id != session_id:
+                raise SnapshotError(f"the snapshot in folder {session_id} names session {session.id}")
+        except (SnapshotError, KeyError, TypeError, ValueError) as exc:
+            self._snapshot_failed(session_id, exc)
+            return
+        if not self.models.serves(session.model):
+            log.warning("session %s on disk uses model %r, which is not served; skipped", session_id, session.model)
+            return
+        session.kind = saved_kind(session.kind)
+        if session.saved_cache is not None:
+            session.saved_cache = dataclasses.replace(session.saved_cache, memory=session.kind)
+        if session.kind not in MEMORIES:
+            log.warning("session %s on disk uses memory %r, which no installed code provides; skipped", session_id, session.kind)
+            return
+        session.snapshot_stamp = stamp
+        self.store.add(session)
+
+    def _sync(self, session_id: str) -> None:
+        """Bring what this server holds of a session up to date with a shared data folder: read a
+        session it does not hold, read again one another server has written since, forget one
+        another server deleted. A session this server is using is left as it is."""
+        assert self.snapshots is not None
+        stamp = self.snapshots.stamp(session_id)
+        held = self.store.peek(session_id)
+        if held is not None:
+            if held.snapshot_stamp == stamp or held.requests_in_flight or held.reserved or held.dirty:
+                return
+            if held.write_lock.locked() or held.load_lock.locked():
+                return
+            self.store.delete(session_id)  # its files stay: they are newer, or gone already
+        if stamp is not None:
+            self._add_from_disk(session_id)
+
+    def _mark_used(self, session: Session) -> None:
+        assert self.snapshots is not None
+        now = time.time()
+        if now - session.marked_used_at >= MARK_USED_EVERY_SECONDS:
+            session.marked_used_at = now
+            self.snapshots.mark_used(session.id)
+
+    def _used_elsewhere(self, session: Session) -> bool:
+        """A session on disk that another server wrote or used within the TTL is not dropped here."""
+        assert self.snapshots is not None
+        last = self.snapshots.last_activity(session.id)
+        if last > session.last_used_at:
+            session.last_used_at = last
+        return last >= time.time() - self.store.limits.saved_ttl_seconds
 
     def _snapshot_failed(self, session_id: str, exc: Exception) -> None:
         self.snapshot_failures += 1

@@ -41,6 +41,8 @@ class Session:
     saved_cache: CacheInfo | None = None  # the memory's stats as last saved, shown while on disk
     dirty: bool = False  # RAM holds changes its snapshot lacks (a save failed): never evicted
     save_lock: threading.Lock = field(default_factory=threading.Lock)  # one save or delete of its files at a time
+    snapshot_stamp: tuple[int, int, int] | None = None  # its snapshot on disk as last written or read here
+    marked_used_at: float = 0.0  # when this server last recorded a use on disk (shared data folder)
 
     @property
     def resident(self) -> bool:
@@ -158,8 +160,11 @@ class SessionStore:
     recently used one when the server's budget is short, leaves RAM for disk instead of being
     dropped; otherwise idle sessions are dropped."""
 
-    def __init__(self, limits: SessionLimits, clock: Any = time.time, *, keep_on_disk: bool = False) -> None:
+    def __init__(
+        self, limits: SessionLimits, clock: Any = time.time, *, keep_on_disk: bool = False, id_prefix: str = "s-"
+    ) -> None:
         self.limits = limits
+        self.id_prefix = id_prefix
         self._clock = clock
         self._sessions: dict[str, Session] = {}
         self._reserved = 0  # bytes of every live Reservation
@@ -168,6 +173,8 @@ class SessionStore:
         # threads (a growing ingestion) both reach them
         self.books_lock = threading.RLock()
         self.on_drop: Callable[[Session], None] | None = None  # told of sessions dropped for good (their files)
+        # asked before a session on disk is dropped for being unused: True when it is used elsewhere
+        self.used_elsewhere: Callable[[Session], bool] = lambda session: False
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -184,7 +191,7 @@ class SessionStore:
         self.check_room()
         now = self._clock()
         session = Session(
-            id=session_id or "s-" + secrets.token_hex(8),
+            id=session_id or self.id_prefix + secrets.token_hex(8),
             model=model,
             kind=memory.kind,
             memory=memory,
@@ -201,6 +208,10 @@ class SessionStore:
         """Hold a session found on disk (not resident)."""
         with self.books_lock:
             self._sessions[session.id] = session
+
+    def peek(self, session_id: str) -> Session | None:
+        """The session if held (in RAM or listed from disk), not marked used."""
+        return self._sessions.get(session_id)
 
     def use(self, session_id: str) -> Session:
         """The session, marked used now (an idle session is evicted `idle_ttl_seconds` after its last use)."""
@@ -238,6 +249,7 @@ class SessionStore:
                     not session.resident
                     and session.requests_in_flight == 0
                     and session.last_used_at < now - self.limits.saved_ttl_seconds
+                    and not self.used_elsewhere(session)
                 ):
                     self._drop(session)
                 if session.deleted:

@@ -41,6 +41,11 @@ class Settings(BaseSettings):
     cache_dir: Path = DEFAULT_CACHE_DIR
     data_dir: Path | None = Field(None, description="where sessions are saved as they change; default <cache_dir>/sessions")
     persist_sessions: bool = Field(True, description="save sessions to data_dir (false: sessions live in RAM only)")
+    shared_data_dir: bool = Field(
+        False,
+        description="other servers save sessions in data_dir too (replicas behind a session-affine router): a session "
+        "not held here is looked up there, and one changed there is read again before use",
+    )
     api_key: SecretStr | None = Field(None, description="when set, /v1 requires 'Authorization: Bearer <key>'")
     api_keys_file: Path | None = Field(
         None, description="more API keys, one 'name:key' (or a bare key) a line; each key sees only the sessions it made"
@@ -154,4 +159,5 @@ class Settings(BaseSettings):
             ),
             default_memory=self.default_memory,
             data_dir=(self.data_dir or self.cache_dir / "sessions").expanduser() if self.persist_sessions else None,
+            shared_data_dir=self.shared_data_dir,
         )

@@ -6,7 +6,6 @@ the openai SDK, and the `longdoc` command line; a session in the default memory 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,7 +17,7 @@ import pytest
 
 from clients.client import LongdocClient
 from engine.config import DEFAULT_MODEL
-from tests.helpers import CACHE_DIR, FIXTURES, greedy
+from tests.helpers import CACHE_DIR, FIXTURES, free_port, greedy
 
 BOOK = FIXTURES / "alice29.txt"
 LOG = Path("test-artifacts/e2e-server.log")
@@ -34,12 +33,6 @@ def names_the_sisters(answer: str) -> bool:
 
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,22 @@
+"""Ray Serve's request router for the replicas: a request that names a session goes to the
+replica that owns it (routing.owner_of); any other request goes by Serve's own power of two
+choices, to the less loaded of two replicas. The owner alone is offered: when it is busy the
+request waits for it, as Serve's router waits, rather than reach a replica without the session."""
+
+from __future__ import annotations
+
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.request_router import PendingRequest, RunningReplica
+
+from server.ray_serve.routing import owner_of
+
+
+class SessionRouter(PowerOfTwoChoicesRequestRouter):
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        session_id = pending_request.kwargs.get("session_id") if pending_request is not None else None
+        if not session_id or not candidate_replicas:
+            return await super().choose_replicas(candidate_replicas, pending_request)
+        by_name = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+        return [[by_name[owner_of(session_id, sorted(by_name))]]]

@@ -1,0 +1,116 @@
+"""Scale-out on a real local Ray cluster (loopback): `longdoc serve-ray` with 2 replicas on the
+tiny model. 8 sessions are made, fed and asked in parallel; every request for a session lands on
+the replica that owns it (the x-longdoc-replica header); one replica's process is killed, and its
+sessions answer from the survivors as they did before, their documents intact."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.ray_serve.routing import named_replica
+from tests.helpers import CACHE_DIR, free_port
+
+pytestmark = pytest.mark.ray
+
+LOG = Path("test-artifacts/ray-serve.log")
+SESSIONS = 8
+REPLICA = "x-longdoc-replica"
+
+
+def document(i: int) -> str:
+    return f"Harbour {i} keeps the lamp number {1000 + i} and a boat called Wren-{i}. " * 30
+
+
+def ask(url: str, session_id: str) -> httpx.Response:
+    body = {"question": "Which lamp does the harbour keep?", "max_tokens": 8}
+    return httpx.post(f"{url}/v1/sessions/{session_id}/ask", json=body, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ray-serve")
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    cmd = [
+        *(sys.executable, "-m", "clients.cli", "serve-ray", "--replicas", "2", "--port", str(port)),
+        *("--metrics-targets-dir", str(root / "targets"), "--model", str(tiny_dir), "--dtype", "float32"),
+        *("--data-dir", str(root / "sessions"), "--cache-dir", str(CACHE_DIR), "--segment-len", "64"),
+    ]
+    LOG.parent.mkdir(exist_ok=True)
+    with LOG.open("w") as log:  # kept after the run
+        process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while len(list((root / "targets").glob("*.json"))) < 2 or not ready(url):
+        assert process.poll() is None, LOG.read_text()[-5000:]
+        assert time.monotonic() < deadline, "the Ray Serve app did not become ready"
+        time.sleep(1)
+    yield url, root / "targets"
+    process.send_signal(signal.SIGTERM)  # a graceful stop: Serve, then Ray, shut down
+    try:
+        process.wait(timeout=60)
+    finally:
+        with pytest.raises(ProcessLookupError):  # nothing started in its process group outlives it
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def pid_of(targets: Path, replica: str) -> int:
+    return int(json.loads((targets / f"{replica}.json").read_text())[0]["labels"]["pid"])
+
+
+def test_sessions_stay_on_their_replica_and_survive_its_death(cluster):
+    url, targets = cluster
+    with ThreadPoolExecutor(SESSIONS) as pool:
+        made = list(pool.map(lambda _: httpx.post(f"{url}/v1/sessions", json={"memory": "text"}, timeout=60), range(SESSIONS)))
+        owners = {r.json()["id"]: r.headers[REPLICA] for r in made}
+        assert all(named_replica(s) == owner for s, owner in owners.items())  # a replica names its sessions
+        assert len(set(owners.values())) == 2, owners  # new sessions spread over both replicas
+
+        ids = sorted(owners)
+        fed = list(
+            pool.map(
+                lambda i: httpx.post(f"{url}/v1/sessions/{ids[i]}/documents", json={"text": document(i)}, timeout=120),
+                range(SESSIONS),
+            )
+        )
+        answers = list(pool.map(lambda s: ask(url, s), ids))
+    for session_id, response in zip(ids, fed, strict=True):
+        assert response.status_code == 201 and response.headers[REPLICA] == owners[session_id]
+    for session_id, response in zip(ids, answers, strict=True):
+        assert response.status_code == 200 and response.headers[REPLICA] == owners[session_id]
+    before = {s: r.json() for s, r in zip(ids, answers, strict=True)}
+
+    victim = owners[ids[0]]
+    os.kill(pid_of(targets, victim), signal.SIGKILL)
+    orphans = [s for s in ids if owners[s] == victim]
+    for session_id in ids:
+        response = httpx.get(f"{url}/v1/sessions/{session_id}", timeout=60)  # GETs are retried on a new owner
+        assert response.status_code == 200, response.text
+        assert response.headers[REPLICA] != victim
+        if session_id not in orphans:
+            assert response.headers[REPLICA] == owners[session_id]  # the others did not move
+        assert [d["id"] for d in response.json()["documents"]] == [fed[ids.index(session_id)].json()["id"]]
+    for session_id in orphans:
+        response = ask(url, session_id)
+        assert response.status_code == 200 and response.headers[REPLICA] != victim
+        after = response.json()
+        assert after["answer"] == before[session_id]["answer"]
+        assert after["retrieval"]["items"] == before[session_id]["retrieval"]["items"]
+    print(f"killed replica {victim}: {len(orphans)} of {SESSIONS} sessions answered from the others as before")

@@ -1,0 +1,82 @@
+"""Two servers sharing one data folder (replicas behind a session-affine router): each finds the
+other's sessions on disk, reads a session again when the other has changed it, forgets one the
+other deleted, and never drops a session on disk that the other is using."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+
+from fastapi.testclient import TestClient
+
+from engine.engine import Engine
+from server.app import create_app
+from tests.helpers import new_session, tiny_settings, wait_ready
+
+DOCUMENT = "The lighthouse of Velmora is painted violet. " * 40
+SECOND = "The harbour master of Velmora is called Odile Brandt. " * 20
+QUESTION = {"question": "What colour is the lighthouse?", "max_tokens": 8}
+
+
+def two_servers(make_client, tmp_path, **overrides):
+    settings = dict(data_dir=tmp_path / "sessions", shared_data_dir=True, **overrides)
+    return make_client(**settings), make_client(**settings)
+
+
+def test_a_session_moves_between_servers_with_nothing_lost(make_client, tmp_path):
+    a, b = two_servers(make_client, tmp_path)
+    session_id = new_session(a, memory="text")
+    first = a.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT}).json()
+    answer_a = a.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).json()
+
+    # b never saw this session: it is found on disk, and answers as a did
+    answer_b = b.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).json()
+    assert answer_b["answer"] == answer_a["answer"]
+    assert answer_b["retrieval"]["items"] == answer_a["retrieval"]["items"]
+    second = b.post(f"/v1/sessions/{session_id}/documents", json={"text": SECOND}).json()
+
+    # a's copy in RAM is older than disk now: it is read again, with both documents
+    info = a.get(f"/v1/sessions/{session_id}").json()
+    assert info["documents"] == [first, second] and info["resident"] is False
+    assert a.get(f"/v1/sessions/{session_id}/cache").json() == b.get(f"/v1/sessions/{session_id}/cache").json()
+    asked = a.post(f"/v1/sessions/{session_id}/ask", json={**QUESTION, "question": "Who is the harbour master?"}).json()
+    assert second["id"] in {item["document_id"] for item in asked["retrieval"]["items"]}
+
+    assert b.delete(f"/v1/sessions/{session_id}").status_code == 204
+    assert a.get(f"/v1/sessions/{session_id}").status_code == 404
+    assert session_id not in [s["id"] for s in a.get("/v1/sessions").json()["data"]]
+
+
+def test_each_server_lists_every_session_on_disk(make_client, tmp_path):
+    a, b = two_servers(make_client, tmp_path)
+    made = {new_session(a, memory="text"), new_session(b, memory="truncate")}
+    for server in (a, b):
+        assert {s["id"] for s in server.get("/v1/sessions").json()["data"]} == made
+
+
+def test_a_session_used_elsewhere_is_not_dropped_for_age(make_client, tmp_path):
+    a, b = two_servers(make_client, tmp_path, saved_session_ttl_seconds=100.0)
+    session_id = new_session(a, memory="text")
+    b.get("/v1/sessions")  # b lists it from disk, not resident there
+    held = b.app.state.engine.sessions.peek(session_id)
+    held.last_used_at = time.time() - 1000  # b has not used it for ten TTLs ...
+    b.app.state.engine.sessions.evict_idle()
+    assert (tmp_path / "sessions" / session_id).is_dir()  # ... but a wrote it just now: kept
+    assert b.get(f"/v1/sessions/{session_id}").status_code == 200
+
+    folder = tmp_path / "sessions" / session_id
+    old = time.time() - 1000
+    for path in folder.iterdir():
+        os.utime(path, (old, old))
+    b.app.state.engine.sessions.peek(session_id).last_used_at = old
+    b.app.state.engine.sessions.evict_idle()  # no server has written or used it within the TTL
+    assert not folder.exists()
+
+
+def test_new_session_ids_carry_the_prefix(tiny_dir, tmp_path):
+    settings = tiny_settings(tiny_dir, data_dir=tmp_path / "sessions", shared_data_dir=True)
+    app = create_app(settings, lambda s: Engine(replace(s.engine_config(), session_id_prefix="s-r1x-")))
+    with TestClient(app) as client:
+        wait_ready(client)
+        assert new_session(client, memory="text").startswith("s-r1x-")
