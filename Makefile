@@ -12,7 +12,7 @@ APT := $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive
 DRILL_VENV  := .venv-drills
 DRILL_STAMP := $(DRILL_VENV)/.installed
 
-.PHONY: serve test install chromium bench bench-kvcache bench-batching peers corpus drills observe image image-smoke clean
+.PHONY: serve test install chromium bench bench-kvcache bench-batching bench-scaleout peers corpus drills observe image image-smoke clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -73,6 +73,10 @@ bench: $(STAMP)
 # concurrent answers, one a step against batched (max_batch 1 and 8), docs/benchmarks.md#batched-decoding
 bench-batching: $(STAMP)
 	$(BIN)/python -m bench.bench_batching $(ARGS)
+
+# answers per minute with 1 and 2 Ray Serve replicas against longdoc serve, and the ingress hop's cost
+bench-scaleout: $(STAMP)
+	$(BIN)/python -m bench.bench_scaleout $(ARGS)
 
 # peers in one run: longdoc, llama-cpp-python's server (built from PyPI's source in a venv of its
 # own, a few minutes on 2 cores) and transformers generate, docs/benchmarks.md#peers

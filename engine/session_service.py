@@ -43,6 +43,7 @@ class SessionService:
         if self.shared:
             self.store.used_elsewhere = self._used_elsewhere
         self.snapshot_failures = 0  # snapshots found unreadable (logged, skipped, left on disk)
+        self._unreadable: dict[str, tuple[int, int, int] | None] = {}  # id: the stamp found unreadable
         self.embedder: Embedder | None = None  # set once the models are loaded
         self.embed_worker = SerialWorker(EMBEDDER_WORKER, config.generation.max_queue)
 
@@ -159,6 +160,7 @@ class SessionService:
             if session.id != session_id:
                 raise SnapshotError(f"the snapshot in folder {session_id} names session {session.id}")
         except (SnapshotError, KeyError, TypeError, ValueError) as exc:
+            self._unreadable[session_id] = stamp  # counted once, until it changes
             self._snapshot_failed(session_id, exc)
             return
         if not self.models.serves(session.model):
@@ -180,6 +182,8 @@ class SessionService:
         assert self.snapshots is not None
         stamp = self.snapshots.stamp(session_id)
         held = self.store.peek(session_id)
+        if held is None and session_id in self._unreadable and self._unreadable[session_id] == stamp:
+            return
         if held is not None:
             if held.snapshot_stamp == stamp or held.requests_in_flight or held.reserved or held.dirty:
                 return

@@ -1,6 +1,6 @@
 """`make observe`: the shipped dashboard and alert rules checked against a real Prometheus.
 
-    python -m scripts.observe [--keep]
+    python -m scripts.observe [--keep] [--ray]
 
 Starts `longdoc serve` (with one unreadable session snapshot planted in its data folder) and a real
 Prometheus scraping it every second with deploy/prometheus/alerts.yml loaded, drives traffic in two
@@ -9,6 +9,10 @@ requests), then runs every query of deploy/grafana/dashboards/longdoc.json again
 API. Each query must return data (a result that is all NaN counts as none). Every alert rule must
 evaluate without error; the snapshot alert must fire and the others must stay quiet on this healthy
 server. Prints one line per query and per rule; exits non-zero if any check failed.
+
+With --ray the server is `longdoc serve-ray` with 2 replicas: Prometheus finds each replica's own
+/metrics through the targets folder the replicas write (file_sd), must scrape both, and the same
+dashboard queries (which sum over replicas) must return data.
 """
 
 from __future__ import annotations
@@ -43,12 +47,13 @@ def plant_unreadable_snapshot(data_dir: Path) -> None:
     (folder / "session.json").write_text(json.dumps({"format": "longdoc-session-v0"}))
 
 
-def start_prometheus(target: str, folder: Path) -> tuple[subprocess.Popen, str]:
+def start_prometheus(targets: dict, folder: Path) -> tuple[subprocess.Popen, str]:
+    """`targets`: a scrape config's `static_configs` or `file_sd_configs` entry."""
     port = free_port()
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(ALERTS)],
-        "scrape_configs": [{"job_name": "longdoc", "static_configs": [{"targets": [target]}]}],
+        "scrape_configs": [{"job_name": "longdoc", **targets}],
     }
     (folder / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
     cmd = [
@@ -118,6 +123,12 @@ def check_dashboard(prometheus: str) -> list[tuple[bool, str]]:
     return lines
 
 
+def check_replicas(prometheus: str, count: int) -> list[tuple[bool, str]]:
+    result = query(prometheus, 'up{job="longdoc"} == 1')
+    replicas = sorted(series["metric"].get("replica", "-") for series in result)
+    return [(len(replicas) == count, f"replicas scraped: {len(replicas)} of {count} {replicas}")]
+
+
 def check_rules(prometheus: str) -> list[tuple[bool, str]]:
     """Every rule evaluated without error; the alerts firing are exactly the expected ones."""
     groups = httpx.get(f"{prometheus}/api/v1/rules", timeout=10).raise_for_status().json()["data"]["groups"]
@@ -143,22 +154,31 @@ def wait_for(check, seconds: float) -> list[tuple[bool, str]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--keep", action="store_true", help="leave both running until Ctrl-C (to look at them)")
+    parser.add_argument("--ray", action="store_true", help="longdoc serve-ray, 2 replicas, found by file_sd")
     args = parser.parse_args()
     if shutil.which("prometheus") is None:
         print("prometheus is not installed: `make observe` installs Debian's package", file=sys.stderr)
         return 2
     folder = Path(tempfile.mkdtemp(prefix="longdoc-observe-"))
-    server = Server(SERVER_ARGS, log=folder / "server.log")
+    if args.ray:
+        ray_args = ["--replicas", "2", "--metrics-targets-dir", str(folder / "targets")]
+        server = Server([*SERVER_ARGS, *ray_args], command="serve-ray", log=folder / "server.log")
+        targets: dict = {"file_sd_configs": [{"files": [str(folder / "targets" / "*.json")], "refresh_interval": "1s"}]}
+    else:
+        server = Server(SERVER_ARGS, log=folder / "server.log")
+        targets = {"static_configs": [{"targets": [f"127.0.0.1:{server.port}"]}]}
     plant_unreadable_snapshot(server.data_dir)
     prometheus, failed = None, 1
     try:
         server.start()
-        prometheus, prom_url = start_prometheus(f"127.0.0.1:{server.port}", folder)
+        prometheus, prom_url = start_prometheus(targets, folder)
         document = BOOK.read_text(encoding="utf-8")[:12_000]
         for _ in range(2):  # rates need samples before and after the traffic
             drive(server.url, document)
             time.sleep(3)
         lines = wait_for(lambda: check_dashboard(prom_url), 30) + wait_for(lambda: check_rules(prom_url), 30)
+        if args.ray:
+            lines += wait_for(lambda: check_replicas(prom_url, 2), 30)
         for ok, line in lines:
             print(f"{'ok  ' if ok else 'FAIL'} {line}")
         failed = sum(not ok for ok, _ in lines)

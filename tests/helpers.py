@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -65,12 +64,6 @@ def tiny_settings(tiny_dir: Path, **overrides) -> Settings:
     )
     values.update(overrides)
     return Settings(**values)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_ready(client: TestClient, timeout: float = 120.0) -> None:

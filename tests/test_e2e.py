@@ -17,7 +17,8 @@ import pytest
 
 from clients.client import LongdocClient
 from engine.config import DEFAULT_MODEL
-from tests.helpers import CACHE_DIR, FIXTURES, free_port, greedy
+from scripts.drills.server import free_port
+from tests.helpers import CACHE_DIR, FIXTURES, greedy
 
 BOOK = FIXTURES / "alice29.txt"
 LOG = Path("test-artifacts/e2e-server.log")

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import string
+from pathlib import Path
 
 import pytest
 
@@ -112,3 +113,21 @@ def test_metrics_targets_are_written_and_dead_replicas_entries_removed(tmp_path)
     path = metrics_target(tmp_path, "r1", "127.0.0.1", 9100)
     assert json.loads(path.read_text()) == [{"targets": ["127.0.0.1:9100"], "labels": {"replica": "r1", "pid": str(os.getpid())}}]
     assert not dead.exists() and elsewhere.exists()
+
+
+@pytest.mark.parametrize("path", ["deploy/ray/serve.yaml", "deploy/k8s/rayservice.yaml"])
+def test_the_shipped_serve_configs_build_the_application(path, monkeypatch, tmp_path):
+    import yaml  # type: ignore[import-untyped]  # PyYAML, installed with Ray, ships no stubs
+    from ray.serve.deployment import Application
+
+    from server.ray_serve import deployments
+
+    documents = list(yaml.safe_load_all(Path(path).read_text()))
+    config = documents[0]
+    if config.get("kind") == "RayService":
+        config = yaml.safe_load(config["spec"]["serveConfigV2"])
+    (app,) = config["applications"]
+    assert app["import_path"] == "server.ray_serve.deployments:app_builder"
+    monkeypatch.setenv("LONGDOC_DATA_DIR", str(tmp_path))
+    assert set(app["args"]) <= set(deployments.ScaleOut.__dataclass_fields__)
+    assert isinstance(deployments.app_builder(app["args"]), Application)

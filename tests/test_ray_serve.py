@@ -17,8 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from scripts.drills.server import free_port
 from server.ray_serve.routing import named_replica
-from tests.helpers import CACHE_DIR, free_port
+from tests.helpers import CACHE_DIR
 
 pytestmark = pytest.mark.ray
 

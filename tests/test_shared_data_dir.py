@@ -80,3 +80,13 @@ def test_new_session_ids_carry_the_prefix(tiny_dir, tmp_path):
     with TestClient(app) as client:
         wait_ready(client)
         assert new_session(client, memory="text").startswith("s-r1x-")
+
+
+def test_an_unreadable_snapshot_is_counted_once(make_client, tmp_path):
+    a, _ = two_servers(make_client, tmp_path)
+    folder = tmp_path / "sessions" / "unreadable-0"
+    folder.mkdir(parents=True)
+    (folder / "session.json").write_text('{"format": "longdoc-session-v0"}')
+    for _ in range(3):
+        assert a.get("/v1/sessions").status_code == 200
+    assert a.app.state.engine.session_service.snapshot_failures == 1

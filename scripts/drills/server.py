@@ -24,9 +24,10 @@ def free_port() -> int:
 
 @dataclass
 class Server:
-    """`longdoc serve ARGS`; `start` waits until /readyz answers 200."""
+    """`longdoc <command> ARGS` (`serve`, or `serve-ray`); `start` waits until /readyz answers 200."""
 
     args: list[str]
+    command: str = "serve"
     env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     log: Path = Path("/tmp/longdoc-drill-server.log")
@@ -38,9 +39,11 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 600.0) -> Server:
-        cmd = [sys.executable, "-m", "clients.cli", "serve", "--port", str(self.port), "--log-level", "warning", *self.args]
+        cmd = [sys.executable, "-m", "clients.cli", self.command, "--port", str(self.port), "--log-level", "warning", *self.args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "LONGDOC_DATA_DIR": str(self.data_dir), **self.env}
-        self.process = subprocess.Popen(cmd, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            cmd, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=self.command != "serve"
+        )
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
@@ -85,7 +88,7 @@ class Server:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=30)
+                self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.process.kill()
         return self.log.read_text()
