@@ -35,6 +35,7 @@ UPLOAD_SLACK_BYTES = 64 * 1024  # multipart framing around a document of max_doc
 READY_POLL_SECONDS = 0.2
 GONE_ERRORS = (RayActorError, ActorUnavailableError)
 ROUTER = "server.ray_serve.router:SessionRouter"
+INGRESS_MAX_ONGOING = 1024  # Serve's default of 5 would cap the whole service at 5 requests (streams hold theirs)
 
 
 @dataclass(frozen=True)
@@ -125,9 +126,12 @@ class LongdocReplica:
 
     def _serve_metrics(self, host: str, directory: Path) -> Path:
         from prometheus_client import start_http_server
+        from ray.util import get_node_ip_address
 
         server, _ = start_http_server(0, addr=host, registry=self.app.state.metrics.registry)
-        return metrics_target(directory, self.name, host, server.server_port)
+        # what Prometheus can reach
+        advertised = get_node_ip_address() if host in ("0.0.0.0", "::") else host  # type: ignore[no-untyped-call]
+        return metrics_target(directory, self.name, advertised, server.server_port)
 
     async def forward(self, request: ForwardedRequest, session_id: str | None = None) -> AsyncIterator[Any]:
         """The response to a forwarded request: a `ResponseStart`, then its body chunks."""
@@ -161,8 +165,9 @@ class RelayedResponse(Response):
 
 
 def unavailable(message: str) -> Response:
+    """502, not 503: the replica may have done part of the request, so clients must not resend it blindly."""
     body = json.dumps(error_body("replica_unavailable", message)).encode()
-    return Response(body, status_code=503, media_type="application/json", headers={"Retry-After": "5"})
+    return Response(body, status_code=502, media_type="application/json")
 
 
 async def relay(stream: Any, start: ResponseStart) -> AsyncIterator[bytes]:
@@ -227,7 +232,9 @@ def build(settings: Settings, scale: ScaleOut) -> Any:
         health_check_period_s=5,
         **scale.deployment_options(),
     )(LongdocReplica)
-    ingress = serve.deployment(name="LongdocIngress", ray_actor_options={"num_cpus": 0})(LongdocIngress)
+    ingress = serve.deployment(
+        name="LongdocIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=INGRESS_MAX_ONGOING
+    )(LongdocIngress)
     return ingress.bind(replica.bind(settings, scale.metrics_targets_dir), settings)
 
 

@@ -18,5 +18,7 @@ class SessionRouter(PowerOfTwoChoicesRequestRouter):
         session_id = pending_request.kwargs.get("session_id") if pending_request is not None else None
         if not session_id or not candidate_replicas:
             return await super().choose_replicas(candidate_replicas, pending_request)
+        assert pending_request is not None
+        pending_request.routing_context.should_backoff = True  # a busy owner is probed again after a backoff
         by_name = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
         return [[by_name[owner_of(session_id, sorted(by_name))]]]
