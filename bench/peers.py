@@ -32,7 +32,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
 from engine.models.loader import DEFAULT_GGUF, DEFAULT_WHEEL, load_model, wheel_dir
-from scripts.drills.server import Server, free_port
+from scripts.drills.server import Server, free_port, wait_until_up
 
 BOOK = Path("tests/fixtures/alice29.txt")  # 41K tokens: every request below reads its own stretch
 NEW_TOKENS = 64
@@ -158,18 +158,8 @@ def llama_server(python: str, gguf: Path) -> tuple[subprocess.Popen, str]:
     ]
     process = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"llama_cpp.server exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError("llama_cpp.server did not start")
+    wait_until_up(process, f"{url}/v1/models", "llama_cpp.server", log, 300)
+    return process, url
 
 
 def measure(kind: str, key: int) -> Callable[[Measures], float | None]:

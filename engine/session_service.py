@@ -182,16 +182,20 @@ class SessionService:
         assert self.snapshots is not None
         stamp = self.snapshots.stamp(session_id)
         held = self.store.peek(session_id)
-        if held is None and session_id in self._unreadable and self._unreadable[session_id] == stamp:
+        if held is None:
+            if session_id in self._unreadable and self._unreadable[session_id] == stamp:
+                return  # counted already
+        elif held.snapshot_stamp == stamp or self._in_use(held):
             return
-        if held is not None:
-            if held.snapshot_stamp == stamp or held.requests_in_flight or held.reserved or held.dirty:
-                return
-            if held.write_lock.locked() or held.load_lock.locked():
-                return
+        else:
             self.store.delete(session_id)  # its files stay: they are newer, or gone already
         if stamp is not None:
             self._add_from_disk(session_id)
+
+    @staticmethod
+    def _in_use(session: Session) -> bool:
+        busy = session.requests_in_flight or session.reserved or session.dirty
+        return bool(busy or session.write_lock.locked() or session.load_lock.locked())
 
     def _mark_used(self, session: Session) -> None:
         assert self.snapshots is not None

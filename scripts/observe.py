@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from scripts.drills.server import Server, free_port
+from scripts.drills.server import Server, free_port, wait_until_up
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "longdoc.json"
@@ -63,20 +63,11 @@ def start_prometheus(targets: dict, folder: Path) -> tuple[subprocess.Popen, str
         f"--web.listen-address=127.0.0.1:{port}",
         "--log.level=warn",
     ]
-    process = subprocess.Popen(cmd, stdout=(folder / "prometheus.log").open("w"), stderr=subprocess.STDOUT)
+    log = folder / "prometheus.log"
+    process = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"prometheus exited: {(folder / 'prometheus.log').read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError("prometheus did not become ready")
+    wait_until_up(process, f"{url}/-/ready", "prometheus", log, 60)
+    return process, url
 
 
 def drive(url: str, document: str) -> None:

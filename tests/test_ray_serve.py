@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scripts.drills.server import free_port
+from scripts.drills.server import Server
 from server.ray_serve.routing import named_replica
 from tests.helpers import CACHE_DIR
 
@@ -40,36 +38,22 @@ def ask(url: str, session_id: str) -> httpx.Response:
 @pytest.fixture(scope="module")
 def cluster(tiny_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("ray-serve")
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0"}
-    cmd = [
-        *(sys.executable, "-m", "clients.cli", "serve-ray", "--replicas", "2", "--port", str(port)),
-        *("--metrics-targets-dir", str(root / "targets"), "--model", str(tiny_dir), "--dtype", "float32"),
-        *("--data-dir", str(root / "sessions"), "--cache-dir", str(CACHE_DIR), "--segment-len", "64"),
+    args = [
+        *("--replicas", "2", "--metrics-targets-dir", str(root / "targets"), "--model", str(tiny_dir)),
+        *("--dtype", "float32", "--cache-dir", str(CACHE_DIR), "--segment-len", "64"),
     ]
-    LOG.parent.mkdir(exist_ok=True)
-    with LOG.open("w") as log:  # kept after the run
-        process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while len(list((root / "targets").glob("*.json"))) < 2 or not ready(url):
-        assert process.poll() is None, LOG.read_text()[-5000:]
-        assert time.monotonic() < deadline, "the Ray Serve app did not become ready"
+    LOG.parent.mkdir(exist_ok=True)  # the log is kept after the run
+    server = Server(args, command="serve-ray", env={"RAY_USAGE_STATS_ENABLED": "0"}, log=LOG, data_dir=root / "sessions")
+    server.start(timeout=240)
+    assert server.process is not None
+    deadline = time.monotonic() + 60  # both replicas are up once each has written its metrics target
+    while len(list((root / "targets").glob("*.json"))) < 2:
+        assert time.monotonic() < deadline, "the replicas did not write their metrics targets"
         time.sleep(1)
-    yield url, root / "targets"
-    process.send_signal(signal.SIGTERM)  # a graceful stop: Serve, then Ray, shut down
-    try:
-        process.wait(timeout=60)
-    finally:
-        with pytest.raises(ProcessLookupError):  # nothing started in its process group outlives it
-            os.killpg(process.pid, signal.SIGKILL)
-
-
-def ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/readyz", timeout=5).status_code == 200
-    except httpx.TransportError:
-        return False
+    yield server.url, root / "targets"
+    server.stop()  # a graceful stop: Serve, then Ray, shut down
+    with pytest.raises(ProcessLookupError):  # nothing started in its process group outlives it
+        os.killpg(server.process.pid, signal.SIGKILL)
 
 
 def pid_of(targets: Path, replica: str) -> int:

@@ -22,6 +22,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_until_up(process: subprocess.Popen, url: str, name: str, log: Path, timeout: float) -> None:
+    """Poll `url` until it answers 200. Raises (the log's tail in the message) if the process exits;
+    kills it and raises if `timeout` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise RuntimeError(f"{name} did not become ready")
+
+
 @dataclass
 class Server:
     """`longdoc <command> ARGS` (`serve`, or `serve-ray`); `start` waits until /readyz answers 200."""
@@ -44,18 +61,8 @@ class Server:
         self.process = subprocess.Popen(
             cmd, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=self.command != "serve"
         )
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited: {self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=5).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not become ready")
-            time.sleep(0.5)
+        wait_until_up(self.process, f"{self.url}/readyz", "the server", self.log, timeout)
+        return self
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
