@@ -7,20 +7,29 @@ A session lives in `<data dir>/<session id>/`:
     state-<n>.safetensors  the memory's tensors (numpy arrays and torch tensors, by path)
     used                   touched when a server that shares the folder uses the session (its
                            modification time only)
+    lock                   held (flock) while a snapshot is written or the folder deleted
 
-A snapshot is written as a new tensors file, then session.json, each to a temporary name,
-fsynced and renamed, then the folder is fsynced; older tensors files go last. A crash at any
+A snapshot is written as a new tensors file, then session.json, each to a temporary name of its
+own, fsynced and renamed, then the folder is fsynced; older tensors files go last. A crash at any
 point leaves the previous snapshot or the new one, never a mix. Reading checks the version and
 the checksum; a bad snapshot raises `SnapshotError` and is left on disk for an operator.
+
+Each snapshot has a generation, one more than the one it replaces. A writer names the generation
+its state was read from or last written as; under the folder's lock, a snapshot written since (by
+another server sharing the folder) refuses the write with `StaleSnapshotError`, so no server
+overwrites a document another committed. On NFS, Linux takes flock as a lock held by the server.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import secrets
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +41,7 @@ from safetensors.torch import load_file, save_file
 FORMAT = "longdoc-session-v1"
 MANIFEST = "session.json"
 USED = "used"  # touched when a session is used, by servers that share the data folder
+LOCK = "lock"
 SESSION_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-")
 INLINE_TEXT_CHARS = 256  # longer strings (documents) go to the tensors file, not the manifest
 
@@ -40,10 +50,15 @@ class SnapshotError(Exception):
     """A snapshot that cannot be read back: missing, corrupt, or of another format version."""
 
 
+class StaleSnapshotError(Exception):
+    """A write refused: the session was written or deleted by another server since the writer read it."""
+
+
 @dataclass(frozen=True)
 class Snapshot:
     session: dict[str, Any]  # id, model, memory, options, owner, times, documents
     state: dict[str, Any]  # the memory's state_dict
+    generation: int = 0  # as read; a write sets the next one
 
 
 def pack(value: Any, tensors: dict[str, torch.Tensor], path: str = "s") -> Any:
@@ -101,6 +116,22 @@ def _publish(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
 
 
+def _tmp_name(folder: Path, name: str) -> Path:
+    """A temporary name no other writer uses (servers sharing a folder write beside each other)."""
+    return folder / f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """Hold the folder's lock: FileNotFoundError when the folder is gone."""
+    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 class SnapshotStore:
     """Snapshots under one data folder, one subfolder a session."""
 
@@ -117,17 +148,30 @@ class SnapshotStore:
         """Ids of the sessions with a manifest on disk."""
         return sorted(p.parent.name for p in self.root.glob(f"*/{MANIFEST}") if set(p.parent.name) <= SESSION_ID_CHARS)
 
-    def write(self, snapshot: Snapshot) -> None:
-        """Write a snapshot atomically."""
+    def write(self, snapshot: Snapshot, expected: int | None = None) -> int:
+        """Write a snapshot atomically; returns its generation. With `expected` (the generation
+        the state was read from or last written as, 0 for a new session), a snapshot written or
+        deleted since raises `StaleSnapshotError` and nothing is written."""
         folder = self.folder(snapshot.session["id"])
-        if not folder.is_dir():
-            folder.mkdir(parents=True)
+        if not folder.is_dir() and not expected:
+            folder.mkdir(parents=True, exist_ok=True)
             _fsync(self.root)  # the new folder's entry is durable too
+        try:
+            with _locked(folder):
+                current = self._generation(folder)
+                if expected is not None and current != expected:
+                    raise StaleSnapshotError(f"{folder} is at generation {current}, not {expected}")
+                return self._write_next(folder, snapshot, current + 1)
+        except FileNotFoundError as exc:
+            if expected:
+                raise StaleSnapshotError(f"{folder} was deleted") from exc
+            raise
+
+    def _write_next(self, folder: Path, snapshot: Snapshot, generation: int) -> int:
         tensors: dict[str, torch.Tensor] = {}
         state = pack(snapshot.state, tensors)
-        generation = self._generation(folder) + 1
         tensors_name = f"state-{generation}.safetensors"
-        tmp = folder / f".{tensors_name}.tmp"
+        tmp = _tmp_name(folder, tensors_name)
         save_file(tensors, tmp)
         _publish(tmp, folder / tensors_name)
         manifest = {
@@ -138,13 +182,14 @@ class SnapshotStore:
             "tensors": tensors_name,
             "sha256": _sha256(folder / tensors_name),
         }
-        tmp = folder / f".{MANIFEST}.tmp"
+        tmp = _tmp_name(folder, MANIFEST)
         tmp.write_text(json.dumps(manifest))
         _publish(tmp, folder / MANIFEST)
         _fsync(folder)
         for old in folder.glob("state-*.safetensors"):
             if old.name != tensors_name:
                 old.unlink(missing_ok=True)
+        return generation
 
     def stamp(self, session_id: str) -> tuple[int, int, int] | None:
         """What changes whenever the session's snapshot is written (each write renames a new
@@ -168,9 +213,10 @@ class SnapshotStore:
                 times.append((self.folder(session_id) / name).stat().st_mtime)
         return max(times)
 
-    def read_session(self, session_id: str) -> dict[str, Any]:
-        """The session's metadata alone (no tensors read): for listing sessions at start."""
-        return self._manifest(self.folder(session_id))["session"]
+    def read_session(self, session_id: str) -> tuple[dict[str, Any], int]:
+        """The session's metadata alone (no tensors read), and its generation: for listing sessions."""
+        manifest = self._manifest(self.folder(session_id))
+        return manifest["session"], int(manifest.get("generation", 0))
 
     def read(self, session_id: str) -> Snapshot:
         folder = self.folder(session_id)
@@ -180,12 +226,14 @@ class SnapshotStore:
             raise SnapshotError(f"{path} is missing or does not match its checksum")
         try:
             tensors = load_file(path)
-            return Snapshot(manifest["session"], unpack(manifest["state"], tensors))
+            return Snapshot(manifest["session"], unpack(manifest["state"], tensors), int(manifest.get("generation", 0)))
         except (OSError, KeyError, ValueError) as exc:
             raise SnapshotError(f"{folder}: {exc}") from exc
 
     def delete(self, session_id: str) -> None:
-        shutil.rmtree(self.folder(session_id), ignore_errors=True)
+        folder = self.folder(session_id)
+        with contextlib.suppress(FileNotFoundError), _locked(folder):  # not in the middle of a write
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _manifest(self, folder: Path) -> dict[str, Any]:
         try:

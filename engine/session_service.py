@@ -18,7 +18,7 @@ from engine.errors import ConflictError, NotFoundError, SnapshotUnreadableError,
 from engine.interface import CacheInfo, SessionInfo
 from engine.memories import MEMORIES, Memory, MemoryContext, build_memory, memory_type, saved_kind
 from engine.os_memory import return_free_memory
-from engine.persistence import SESSION_ID_CHARS, Snapshot, SnapshotError, SnapshotStore
+from engine.persistence import SESSION_ID_CHARS, Snapshot, SnapshotError, SnapshotStore, StaleSnapshotError
 from engine.registry import ModelRegistry, ModelRuntime
 from engine.sessions import Pin, Session, SessionStore
 from engine.worker import SerialWorker
@@ -123,15 +123,24 @@ class SessionService:
     def save(self, session: Session) -> None:
         """Write the session's snapshot (after every change, so eviction and crashes lose nothing
         committed). Runs where the memory is used: its worker thread, or the event loop when the
-        session is new. A session whose save failed stays in RAM (dirty) until one succeeds."""
+        session is new. A session whose save failed stays in RAM (dirty) until one succeeds. A
+        session another server wrote or deleted since this one read it is not saved (ConflictError):
+        what RAM holds is read again from disk once nothing here uses it."""
         if self.snapshots is None:
             return
         with session.save_lock:  # a delete waits for a save in progress, and no save follows it
             if session.memory is None or session.deleted:
                 return
+            snapshot = Snapshot(session.metadata(), session.memory.state_dict())
             try:
-                self.snapshots.write(Snapshot(session.metadata(), session.memory.state_dict()))
+                session.snapshot_generation = self.snapshots.write(snapshot, expected=session.snapshot_generation)
                 session.snapshot_stamp = self.snapshots.stamp(session.id)
+            except StaleSnapshotError as exc:
+                log.warning("session %s: not saved, another server changed it first: %s", session.id, exc)
+                raise ConflictError(
+                    f"session {session.id} was changed by another replica while this request ran; "
+                    "this change was not saved: send it again"
+                ) from exc
             except OSError as exc:
                 session.dirty = True
                 log.error("session %s could not be saved: %s", session.id, exc)
@@ -156,7 +165,8 @@ class SessionService:
         assert self.snapshots is not None
         stamp = self.snapshots.stamp(session_id)  # before reading: a write in between is seen next time
         try:
-            session = Session.from_metadata(self.snapshots.read_session(session_id))
+            metadata, generation = self.snapshots.read_session(session_id)
+            session = Session.from_metadata(metadata)
             if session.id != session_id:
                 raise SnapshotError(f"the snapshot in folder {session_id} names session {session.id}")
         except (SnapshotError, KeyError, TypeError, ValueError) as exc:
@@ -173,6 +183,7 @@ class SessionService:
             log.warning("session %s on disk uses memory %r, which no installed code provides; skipped", session_id, session.kind)
             return
         session.snapshot_stamp = stamp
+        session.snapshot_generation = generation
         self.store.add(session)
 
     def _sync(self, session_id: str) -> None:
@@ -240,4 +251,7 @@ class SessionService:
         snapshot = self.snapshots.read(session.id)
         memory = build_memory(session.kind, context, session.options)
         memory.load_state_dict(snapshot.state)
+        if snapshot.generation != session.snapshot_generation:  # written since it was listed
+            session.documents = Session.from_metadata(snapshot.session).documents
+            session.snapshot_generation = snapshot.generation
         return memory

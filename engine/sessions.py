@@ -42,6 +42,7 @@ class Session:
     dirty: bool = False  # RAM holds changes its snapshot lacks (a save failed): never evicted
     save_lock: threading.Lock = field(default_factory=threading.Lock)  # one save or delete of its files at a time
     snapshot_stamp: tuple[int, int, int] | None = None  # its snapshot on disk as last written or read here
+    snapshot_generation: int = 0  # that snapshot's generation (0: none yet); a save expects it on disk
     marked_used_at: float = 0.0  # when this server last recorded a use on disk (shared data folder)
 
     @property

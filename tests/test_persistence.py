@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.persistence import Snapshot, SnapshotError, SnapshotStore, pack, unpack
+from engine.persistence import Snapshot, SnapshotError, SnapshotStore, StaleSnapshotError, pack, unpack
 from tests.helpers import ingest_held, new_session
 
 DOCUMENT = "The lighthouse of Velmora is painted violet. " * 40
@@ -55,6 +55,49 @@ def test_snapshots_replace_each_other_and_bad_ones_are_refused(tmp_path):
         store.read_session("s-1")
     with pytest.raises(ValueError):
         store.folder("../etc")
+
+
+def test_a_write_from_a_stale_generation_is_refused(tmp_path):
+    store = SnapshotStore(tmp_path)
+
+    def snapshot(n: int) -> Snapshot:
+        return Snapshot({"id": "s-1", "n": n}, {"v": torch.full((4,), float(n))})
+
+    assert store.write(snapshot(1), expected=0) == 1
+    assert store.write(snapshot(2), expected=1) == 2
+    with pytest.raises(StaleSnapshotError):
+        store.write(snapshot(3), expected=1)  # read at 1, but 2 was written since
+    with pytest.raises(StaleSnapshotError):
+        store.write(snapshot(3), expected=0)  # a new session whose id is taken
+    assert store.read("s-1").session["n"] == 2 and store.read("s-1").generation == 2
+    store.delete("s-1")
+    with pytest.raises(StaleSnapshotError):
+        store.write(snapshot(3), expected=2)  # deleted since: not brought back
+    assert store.list() == []
+
+
+def test_writers_racing_on_one_session_commit_one_at_a_time(tmp_path):
+    """Eight servers' writes of one session at once (each its own store on the shared folder):
+    the ones that read the same generation, exactly one wins; the snapshot left is whole."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    SnapshotStore(tmp_path).write(Snapshot({"id": "s-1", "n": 0}, {"v": torch.zeros(1 << 16)}), expected=0)
+
+    def write(n: int) -> bool:
+        try:
+            SnapshotStore(tmp_path).write(Snapshot({"id": "s-1", "n": n}, {"v": torch.full((1 << 16,), float(n))}), expected=1)
+        except StaleSnapshotError:
+            return False
+        return True
+
+    with ThreadPoolExecutor(8) as pool:
+        won = list(pool.map(write, range(1, 9)))
+    assert sum(won) == 1
+    snapshot = SnapshotStore(tmp_path).read("s-1")
+    winner = won.index(True) + 1
+    assert snapshot.generation == 2 and snapshot.session["n"] == winner
+    assert snapshot.state["v"].eq(float(winner)).all()
+    assert not list((tmp_path / "s-1").glob(".*.tmp"))
 
 
 @pytest.mark.parametrize("memory", ["text", "truncate", "neurocache", "kvcache"])
@@ -155,7 +198,7 @@ def test_a_full_disk_is_507_and_keeps_the_session_in_ram(make_client, tmp_path, 
     session_id = new_session(client, memory="text")
     store = client.app.state.engine.session_service.snapshots
 
-    def full(snapshot):
+    def full(snapshot, expected=None):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(store, "write", full)

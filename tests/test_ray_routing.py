@@ -3,10 +3,12 @@ a request names, the in-process ASGI relay, replica options, and the Prometheus 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
 import string
+import time
 from pathlib import Path
 
 import pytest
@@ -91,6 +93,40 @@ def test_the_relay_streams_the_apps_response_with_the_replica_header(client):
     assert client.post(f"/v1/sessions/{session_id}/ask", json={"question": "What colour?", "max_tokens": 4}).status_code == 200
 
 
+def test_a_slow_consumer_holds_the_app_back_and_one_that_leaves_stops_it():
+    """The app (one that watches for the disconnect, as Starlette's streams do) gets at most the
+    relay's queue ahead of the consumer; told the consumer left, it ends, and closing waits for that."""
+    from server.ray_serve.asgi import QUEUED_MESSAGES
+
+    sent: list[int] = []
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        left = asyncio.ensure_future(receive())  # the request body
+        await left
+        left = asyncio.ensure_future(receive())  # then: the disconnect
+        for i in range(100_000):
+            if left.done():
+                sent.append(-1)
+                return
+            await send({"type": "http.response.body", "body": b"%d," % i, "more_body": True})
+            sent.append(i)
+
+    async def consume() -> tuple[list, int, float]:
+        stream = run_asgi(app, ForwardedRequest("GET", "/", b"", [], b""), [])
+        items = [await stream.__anext__(), await stream.__anext__()]
+        await asyncio.sleep(0.2)  # the app runs ahead as far as it may
+        ahead = len(sent)
+        began = time.monotonic()
+        await stream.aclose()
+        return items, ahead, time.monotonic() - began
+
+    items, ahead, closing = asyncio.run(consume())
+    assert isinstance(items[0], ResponseStart) and items[1] == b"0,"
+    assert ahead <= QUEUED_MESSAGES + 2
+    assert sent[-1] == -1 and closing < 1.0  # it saw the disconnect and ended
+
+
 def test_the_relay_answers_errors_as_the_app_does(client):
     items = relayed(client, "GET", "/v1/sessions/s-nope")
     assert items[0].status == 404 and json.loads(b"".join(items[1:]))["error"]["type"] == "not_found"
@@ -103,6 +139,14 @@ def test_replica_options():
     for bad in (ScaleOut(replicas=0), ScaleOut(min_replicas=3, max_replicas=2)):
         with pytest.raises(ValueError):
             bad.deployment_options()
+
+
+def test_replicas_need_their_sessions_on_disk():
+    from server.ray_serve.deployments import build
+    from server.settings import Settings
+
+    with pytest.raises(ValueError, match="persist_sessions"):
+        build(Settings(persist_sessions=False), ScaleOut())
 
 
 def test_metrics_targets_are_written_and_dead_replicas_entries_removed(tmp_path):

@@ -99,3 +99,10 @@ def test_sessions_stay_on_their_replica_and_survive_its_death(cluster):
         assert after["answer"] == before[session_id]["answer"]
         assert after["retrieval"]["items"] == before[session_id]["retrieval"]["items"]
     print(f"killed replica {victim}: {len(orphans)} of {SESSIONS} sessions answered from the others as before")
+
+
+def test_the_ingress_refuses_a_body_over_the_limit_as_the_api_does(cluster):
+    url, _ = cluster
+    too_big = b"x" * (32 * 1024**2 + 128 * 1024)  # over max_document_bytes and the multipart slack
+    response = httpx.post(f"{url}/v1/sessions/s-any/documents", content=too_big, timeout=60)
+    assert response.status_code == 413 and response.json()["error"]["type"] == "too_large"

@@ -16,6 +16,7 @@ from tests.helpers import new_session, tiny_settings, wait_ready
 
 DOCUMENT = "The lighthouse of Velmora is painted violet. " * 40
 SECOND = "The harbour master of Velmora is called Odile Brandt. " * 20
+THIRD = "The ferry to Velmora leaves at seven. " * 20
 QUESTION = {"question": "What colour is the lighthouse?", "max_tokens": 8}
 
 
@@ -46,6 +47,26 @@ def test_a_session_moves_between_servers_with_nothing_lost(make_client, tmp_path
     assert b.delete(f"/v1/sessions/{session_id}").status_code == 204
     assert a.get(f"/v1/sessions/{session_id}").status_code == 404
     assert session_id not in [s["id"] for s in a.get("/v1/sessions").json()["data"]]
+
+
+def test_a_change_from_a_stale_copy_is_refused_not_saved_over_another(make_client, tmp_path):
+    """Two replicas both used a session during an owner change: the one whose copy is older than
+    disk is refused (409), and the document the other committed stays."""
+    a, b = two_servers(make_client, tmp_path)
+    session_id = new_session(a, memory="text")
+    first = a.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT}).json()
+    assert b.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).status_code == 200  # b holds it in RAM too
+    held = b.app.state.engine.sessions.peek(session_id)
+    held.requests_in_flight += 1  # a request of b's is under way: b cannot read the session again now
+    second = a.post(f"/v1/sessions/{session_id}/documents", json={"text": SECOND}).json()
+
+    refused = b.post(f"/v1/sessions/{session_id}/documents", json={"text": THIRD})
+    assert refused.status_code == 409 and "another replica" in refused.json()["error"]["message"]
+    held.requests_in_flight -= 1
+    for server in (a, b):  # b reads it again from disk: a's documents, not b's
+        assert server.get(f"/v1/sessions/{session_id}").json()["documents"] == [first, second]
+    third = b.post(f"/v1/sessions/{session_id}/documents", json={"text": THIRD}).json()  # sent again, saved
+    assert a.get(f"/v1/sessions/{session_id}").json()["documents"] == [first, second, third]
 
 
 def test_each_server_lists_every_session_on_disk(make_client, tmp_path):

@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message
 log = logging.getLogger(__name__)
 
 STOP_GRACE_SECONDS = 5.0  # how long an app that was told of the disconnect has to finish
+QUEUED_MESSAGES = 64  # what the app may send ahead of the consumer before its send() waits
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ async def run_asgi(
     app: ASGIApp, request: ForwardedRequest, extra_headers: list[tuple[bytes, bytes]]
 ) -> AsyncGenerator[Any, None]:
     """Yield the response's `ResponseStart` (with `extra_headers` added), then its body chunks."""
-    sent: asyncio.Queue[Message | None] = asyncio.Queue()
+    sent: asyncio.Queue[Message | None] = asyncio.Queue(QUEUED_MESSAGES)
     disconnected = asyncio.Event()
     body_given = False
 
@@ -78,6 +79,7 @@ async def run_asgi(
             await sent.put(None)
 
     task = asyncio.create_task(run())
+    ended = False  # the app's task has put its last message
     started = False
     try:
         while (message := await sent.get()) is not None:
@@ -89,14 +91,33 @@ async def run_asgi(
                     yield message["body"]
                 if not message.get("more_body", False):
                     break
+        else:
+            ended = True
         if not started:  # the app raised before answering: what its server would say
             yield ResponseStart(500, [(b"content-type", b"application/json"), *extra_headers])
             yield b'{"error": {"type": "internal_error", "message": "internal server error"}}'
     finally:
         disconnected.set()
-        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(asyncio.shield(task), STOP_GRACE_SECONDS)
-        if not task.done():
-            task.cancel()
-        elif not task.cancelled() and task.exception() is not None:
-            log.error("request %s %s failed", request.method, request.path, exc_info=task.exception())
+        if not ended:
+            await _drain(sent)
+        await _stop(task, request)
+
+
+async def _drain(sent: asyncio.Queue[Message | None]) -> None:
+    """Take what an app told of the disconnect still sends (a full queue would hold it), until it ends."""
+
+    async def until_end() -> None:
+        while await sent.get() is not None:
+            pass
+
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(until_end(), STOP_GRACE_SECONDS)
+
+
+async def _stop(task: asyncio.Task[None], request: ForwardedRequest) -> None:
+    """Cancel an app that has not ended, wait for it, log one that failed."""
+    if not task.done():
+        task.cancel()
+    await asyncio.wait([task], timeout=STOP_GRACE_SECONDS)
+    if task.done() and not task.cancelled() and task.exception() is not None:
+        log.error("request %s %s failed", request.method, request.path, exc_info=task.exception())

@@ -14,13 +14,15 @@ from typing import Any, cast
 
 import torch
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.types import Receive, Scope, Send
 
-from server.errors import error_body
+from engine.errors import LongdocError
+from server.errors import error_body, status_of
 from server.ray_serve.asgi import ForwardedRequest, ResponseStart, run_asgi
 from server.ray_serve.routing import session_in, session_prefix
 from server.routes.documents import read_body
@@ -109,11 +111,16 @@ class LongdocReplica:
         prefix = session_prefix(self.name)
         self.app = create_app(settings, lambda s: Engine(replace(s.engine_config(), session_id_prefix=prefix)))
         self._lifespan = self.app.router.lifespan_context(self.app)
-        await self._lifespan.__aenter__()
-        await self._wait_ready()
         self._target: Path | None = None
-        if metrics_targets_dir is not None:
-            self._target = self._serve_metrics(settings.host, metrics_targets_dir)
+        self._metrics_server: Any = None
+        await self._lifespan.__aenter__()
+        try:
+            await self._wait_ready()
+            if metrics_targets_dir is not None:
+                self._target = self._serve_metrics(settings.host, metrics_targets_dir)
+        except BaseException:
+            await self._close()
+            raise
         log.info("replica %s ready", self.name)
 
     async def _wait_ready(self) -> None:
@@ -129,6 +136,7 @@ class LongdocReplica:
         from ray.util import get_node_ip_address
 
         server, _ = start_http_server(0, addr=host, registry=self.app.state.metrics.registry)
+        self._metrics_server = server
         # what Prometheus can reach
         advertised = get_node_ip_address() if host in ("0.0.0.0", "::") else host  # type: ignore[no-untyped-call]
         return metrics_target(directory, self.name, advertised, server.server_port)
@@ -144,8 +152,14 @@ class LongdocReplica:
             raise RuntimeError("the engine is not ready")
 
     async def __del__(self) -> None:
+        await self._close()
+
+    async def _close(self) -> None:
         if self._target is not None:
             self._target.unlink(missing_ok=True)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         await self._lifespan.__aexit__(None, None, None)
 
 
@@ -188,6 +202,18 @@ async def relay(stream: Any, start: ResponseStart) -> AsyncIterator[bytes]:
 ingress_app = FastAPI(title="longdoc ingress", docs_url=None, redoc_url=None, openapi_url=None)
 
 
+@ingress_app.exception_handler(LongdocError)
+async def _refused(request: Request, exc: LongdocError) -> Response:
+    """What the ingress refuses itself (a body over the limit) is answered as the replicas would."""
+    return JSONResponse(error_body(exc.kind, exc.message), status_code=status_of(exc))
+
+
+@ingress_app.exception_handler(Exception)
+async def _failed(request: Request, exc: Exception) -> Response:
+    log.exception("ingress error on %s %s", request.method, request.url.path)
+    return JSONResponse(error_body("internal_error", "internal server error"), status_code=500)
+
+
 @serve.ingress(ingress_app)
 class LongdocIngress:
     """Forwards every HTTP request to the replicas, naming the session it is for."""
@@ -225,6 +251,8 @@ class LongdocIngress:
 
 def build(settings: Settings, scale: ScaleOut) -> Any:
     """The Serve application: `serve.run(build(...))`."""
+    if not settings.persist_sessions:
+        raise ValueError("replicas share their sessions through data_dir: persist_sessions must stay true")
     replica = serve.deployment(
         name="LongdocReplica",
         request_router_config=RequestRouterConfig(request_router_class=ROUTER),  # type: ignore[arg-type]  # Ray types **kwargs as dict
