@@ -14,7 +14,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.embedder import Embedder
-from engine.errors import ConflictError, NotFoundError, SnapshotUnreadableError, StorageError
+from engine.errors import ConflictError, NotFoundError, SessionLimitError, SnapshotUnreadableError, StorageError
 from engine.interface import CacheInfo, SessionInfo
 from engine.memories import MEMORIES, Memory, MemoryContext, build_memory, memory_type, saved_kind
 from engine.os_memory import return_free_memory
@@ -62,6 +62,8 @@ class SessionService:
         kind = memory or self.models.default_memory(runtime)
         context = self.memory_context(runtime)
         self.store.check_room()
+        if self.shared:
+            self._check_folder_room()
         with self.store.reserve(None, memory_type(kind).initial_bytes(context, options)):
             memory_obj = build_memory(kind, context, options)
             session = self.store.create(runtime.loaded.name, memory_obj, dict(options), owner)
@@ -71,6 +73,13 @@ class SessionService:
             self.delete(session.id)
             raise
         return session.info()
+
+    def _check_folder_room(self) -> None:
+        """With a shared data folder, `max_sessions` is the limit of every server on it together."""
+        assert self.snapshots is not None
+        limit = self.store.limits.max_sessions
+        if len(self.snapshots.list()) >= limit:
+            raise SessionLimitError(f"the service holds its limit of {limit} sessions", 30.0)
 
     def use(self, session_id: str) -> Session:
         """The session, marked used; with a shared data folder, brought up to date with disk first."""

@@ -69,6 +69,14 @@ def test_a_change_from_a_stale_copy_is_refused_not_saved_over_another(make_clien
     assert a.get(f"/v1/sessions/{session_id}").json()["documents"] == [first, second, third]
 
 
+def test_max_sessions_counts_every_server_on_the_folder(make_client, tmp_path):
+    a, b = two_servers(make_client, tmp_path, max_sessions=2)
+    new_session(a, memory="text")
+    new_session(b, memory="text")
+    refused = a.post("/v1/sessions", json={"memory": "text"})  # a holds one, the folder two
+    assert refused.status_code == 429 and refused.json()["error"]["type"] == "too_many_sessions"
+
+
 def test_each_server_lists_every_session_on_disk(make_client, tmp_path):
     a, b = two_servers(make_client, tmp_path)
     made = {new_session(a, memory="text"), new_session(b, memory="truncate")}
@@ -88,9 +96,17 @@ def test_a_session_used_elsewhere_is_not_dropped_for_age(make_client, tmp_path):
 
     folder = tmp_path / "sessions" / session_id
     old = time.time() - 1000
-    for path in folder.iterdir():
-        os.utime(path, (old, old))
-    b.app.state.engine.sessions.peek(session_id).last_used_at = old
+
+    def age() -> None:
+        for path in folder.iterdir():
+            os.utime(path, (old, old))
+        b.app.state.engine.sessions.peek(session_id).last_used_at = old
+
+    age()
+    assert a.get(f"/v1/sessions/{session_id}/cache").status_code == 200  # a reads it, writes nothing
+    b.app.state.engine.sessions.evict_idle()
+    assert folder.is_dir()  # a's use was recorded on disk: kept
+    age()
     b.app.state.engine.sessions.evict_idle()  # no server has written or used it within the TTL
     assert not folder.exists()
 
