@@ -26,6 +26,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -37,6 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
 
 FORMAT = "longdoc-session-v1"
 MANIFEST = "session.json"
@@ -122,11 +125,11 @@ def _tmp_name(folder: Path, name: str) -> Path:
 
 
 @contextlib.contextmanager
-def _locked(folder: Path) -> Iterator[None]:
-    """Hold the folder's lock: FileNotFoundError when the folder is gone."""
+def _locked(folder: Path, shared: bool = False) -> Iterator[None]:
+    """Hold the folder's lock (shared: for reading): FileNotFoundError when the folder is gone."""
     fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # releases the lock
@@ -185,10 +188,13 @@ class SnapshotStore:
         tmp = _tmp_name(folder, MANIFEST)
         tmp.write_text(json.dumps(manifest))
         _publish(tmp, folder / MANIFEST)
-        _fsync(folder)
-        for old in folder.glob("state-*.safetensors"):
-            if old.name != tensors_name:
-                old.unlink(missing_ok=True)
+        try:  # the snapshot is in place: what follows cannot take it back
+            _fsync(folder)
+            for old in folder.glob("state-*.safetensors"):
+                if old.name != tensors_name:
+                    old.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("%s: generation %d written, cleaning up after it failed: %s", folder, generation, exc)
         return generation
 
     def stamp(self, session_id: str) -> tuple[int, int, int] | None:
@@ -220,6 +226,13 @@ class SnapshotStore:
 
     def read(self, session_id: str) -> Snapshot:
         folder = self.folder(session_id)
+        try:
+            with _locked(folder, shared=True):  # no writer removes the tensors file under the reader
+                return self._read(folder)
+        except FileNotFoundError as exc:
+            raise SnapshotError(f"{folder} is gone") from exc
+
+    def _read(self, folder: Path) -> Snapshot:
         manifest = self._manifest(folder)
         path = folder / manifest["tensors"]
         if not path.is_file() or _sha256(path) != manifest["sha256"]:
@@ -230,10 +243,21 @@ class SnapshotStore:
         except (OSError, KeyError, ValueError) as exc:
             raise SnapshotError(f"{folder}: {exc}") from exc
 
-    def delete(self, session_id: str) -> None:
+    def delete(self, session_id: str, expected: int | None = None) -> bool:
+        """Delete the session's files, not in the middle of a write; with `expected`, only when
+        its snapshot is still that generation (a drop for age must not take a newer write with
+        it). The folder is renamed away under the lock, then removed. Returns whether it was."""
         folder = self.folder(session_id)
-        with contextlib.suppress(FileNotFoundError), _locked(folder):  # not in the middle of a write
-            shutil.rmtree(folder, ignore_errors=True)
+        gone = self.root / f".deleted-{session_id}-{secrets.token_hex(4)}"
+        try:
+            with _locked(folder):
+                if expected is not None and self._generation(folder) != expected:
+                    return False
+                folder.rename(gone)
+        except FileNotFoundError:
+            return False
+        shutil.rmtree(gone, ignore_errors=True)
+        return True
 
     def _manifest(self, folder: Path) -> dict[str, Any]:
         try:

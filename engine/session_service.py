@@ -39,7 +39,7 @@ class SessionService:
         self.snapshots = SnapshotStore(config.data_dir) if config.data_dir is not None else None
         self.shared = config.shared_data_dir
         self.store = SessionStore(config.sessions, keep_on_disk=self.snapshots is not None, id_prefix=config.session_id_prefix)
-        self.store.on_drop = self._delete_files
+        self.store.on_drop = self._drop_files
         if self.shared:
             self.store.used_elsewhere = self._used_elsewhere
         self.snapshot_failures = 0  # snapshots found unreadable (logged, skipped, left on disk)
@@ -146,6 +146,8 @@ class SessionService:
                 session.snapshot_stamp = self.snapshots.stamp(session.id)
             except StaleSnapshotError as exc:
                 log.warning("session %s: not saved, another server changed it first: %s", session.id, exc)
+                session.dirty = False  # what RAM holds is not to be saved: disk has the newer session
+                session.snapshot_stamp = None  # so it is read again once nothing here uses it
                 raise ConflictError(
                     f"session {session.id} was changed by another replica while this request ran; "
                     "this change was not saved: send it again"
@@ -160,6 +162,12 @@ class SessionService:
         if self.snapshots is not None:
             with session.save_lock:
                 self.snapshots.delete(session.id)
+
+    def _drop_files(self, session: Session) -> None:
+        """A session dropped for age: its files go unless another server has written it since."""
+        if self.snapshots is not None:
+            with session.save_lock:
+                self.snapshots.delete(session.id, expected=session.snapshot_generation)
 
     def restore(self) -> None:
         """List the sessions saved on disk; each is loaded on its first use."""

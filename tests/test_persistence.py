@@ -70,10 +70,28 @@ def test_a_write_from_a_stale_generation_is_refused(tmp_path):
     with pytest.raises(StaleSnapshotError):
         store.write(snapshot(3), expected=0)  # a new session whose id is taken
     assert store.read("s-1").session["n"] == 2 and store.read("s-1").generation == 2
-    store.delete("s-1")
+    assert store.delete("s-1", expected=1) is False  # a drop for age, decided on generation 1
+    assert store.read("s-1").generation == 2
+    assert store.delete("s-1") is True
     with pytest.raises(StaleSnapshotError):
         store.write(snapshot(3), expected=2)  # deleted since: not brought back
-    assert store.list() == []
+    assert store.list() == [] and list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def test_a_failure_after_the_manifest_is_in_place_does_not_undo_the_write(tmp_path, monkeypatch):
+    from engine import persistence
+
+    store = SnapshotStore(tmp_path)
+    real = persistence._fsync
+
+    def failing_on_the_folder(path):
+        if path == tmp_path / "s-1":
+            raise OSError("fsync failed")
+        real(path)
+
+    monkeypatch.setattr(persistence, "_fsync", failing_on_the_folder)
+    assert store.write(Snapshot({"id": "s-1"}, {"v": torch.ones(2)}), expected=0) == 1
+    assert store.write(Snapshot({"id": "s-1"}, {"v": torch.ones(2)}), expected=1) == 2  # the generation held
 
 
 def test_writers_racing_on_one_session_commit_one_at_a_time(tmp_path):

@@ -4,6 +4,7 @@ a request names, the in-process ASGI relay, replica options, and the Prometheus 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -125,6 +126,34 @@ def test_a_slow_consumer_holds_the_app_back_and_one_that_leaves_stops_it():
     assert isinstance(items[0], ResponseStart) and items[1] == b"0,"
     assert ahead <= QUEUED_MESSAGES + 2
     assert sent[-1] == -1 and closing < 1.0  # it saw the disconnect and ended
+
+
+def test_an_app_that_ignores_the_disconnect_is_cancelled_even_when_the_closer_is():
+    ended: list[str] = []
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        try:
+            while True:  # never looks at receive()
+                await send({"type": "http.response.body", "body": b"x", "more_body": True})
+                await asyncio.sleep(0.01)
+        finally:
+            ended.append("ended")
+
+    async def consume() -> float:
+        stream = run_asgi(app, ForwardedRequest("GET", "/", b"", [], b""), [])
+        await stream.__anext__()
+        closing = asyncio.ensure_future(stream.aclose())
+        await asyncio.sleep(0.1)  # the relay is draining, waiting for the app's end
+        began = time.monotonic()
+        closing.cancel()  # the request's own task is cancelled mid-drain
+        with contextlib.suppress(asyncio.CancelledError):
+            await closing
+        await asyncio.sleep(0.2)
+        assert ended == ["ended"]  # before the loop ends (which would cancel it anyway)
+        return time.monotonic() - began
+
+    assert asyncio.run(consume()) < 1.0
 
 
 def test_the_relay_answers_errors_as_the_app_does(client):

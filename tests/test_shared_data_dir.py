@@ -58,6 +58,7 @@ def test_a_change_from_a_stale_copy_is_refused_not_saved_over_another(make_clien
     assert b.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).status_code == 200  # b holds it in RAM too
     held = b.app.state.engine.sessions.peek(session_id)
     held.requests_in_flight += 1  # a request of b's is under way: b cannot read the session again now
+    held.dirty = True  # and an earlier save of b's failed
     second = a.post(f"/v1/sessions/{session_id}/documents", json={"text": SECOND}).json()
 
     refused = b.post(f"/v1/sessions/{session_id}/documents", json={"text": THIRD})

@@ -91,16 +91,18 @@ async def run_asgi(
                     yield message["body"]
                 if not message.get("more_body", False):
                     break
-        else:
+        else:  # the app's end (None) came before the end of its body
             ended = True
         if not started:  # the app raised before answering: what its server would say
             yield ResponseStart(500, [(b"content-type", b"application/json"), *extra_headers])
             yield b'{"error": {"type": "internal_error", "message": "internal server error"}}'
     finally:
         disconnected.set()
-        if not ended:
-            await _drain(sent)
-        await _stop(task, request)
+        try:
+            if not ended:
+                await _drain(sent)
+        finally:  # even when the caller is cancelled while draining
+            await _stop(task, request)
 
 
 async def _drain(sent: asyncio.Queue[Message | None]) -> None:
