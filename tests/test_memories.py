@@ -206,8 +206,29 @@ def test_hybrid_retrieval_is_deterministic_and_merges_touching_chunks(context, t
     assert all(text[a:b] == p.text for (a, b), p in zip(spans, runs[0], strict=True))
 
 
+def test_focus_keeps_the_sentences_that_answer_with_their_spans(context, tiny_tokenizer):
+    """focus_tokens: of the chosen chunks, only the sentences closest to the question (and the one
+    after each) reach the prompt, within the budget, in document order, each pointing at its text."""
+    text = filler(80) + " " + FACT + " " + RARE + " " + filler(80)
+    options = {"chunk_tokens": 64, "top_k": 4, "context_tokens": 256}
+    whole = build_memory("text", context, options)
+    focused = build_memory("text", context, {**options, "focus_tokens": 48})
+    for memory in (whole, focused):
+        ingest(memory, tiny_tokenizer, "book", text)
+    question = "What colour is the lighthouse of Velmora?"
+    chunks, runs = whole.retrieve(question, 1000), [focused.retrieve(question, 1000) for _ in range(2)]
+    assert runs[0] == runs[1]  # deterministic
+    pieces = runs[0]
+    assert any(FACT.strip() in p.text for p in pieces), [p.text for p in pieces]
+    assert sum(len(p.text) for p in pieces) <= 48 * 4 < sum(len(p.text) for p in chunks)
+    spans = [(p.item.char_start, p.item.char_end) for p in pieces]
+    assert spans == sorted(spans) and all(text[a:b] == p.text for (a, b), p in zip(spans, pieces, strict=True))
+    inside = [(c.item.char_start, c.item.char_end) for c in chunks]
+    assert all(any(ca <= a and b <= cb for ca, cb in inside) for a, b in spans)  # cut from the chosen chunks
+
+
 def test_bad_retrieval_options_are_user_errors(context):
-    for options in ({"retrieval": "magic"}, {"context_tokens": 8}, {"rrf_k": 0}):
+    for options in ({"retrieval": "magic"}, {"context_tokens": 8}, {"rrf_k": 0}, {"focus_tokens": 10_000}):
         with pytest.raises(InvalidRequestError):
             build_memory("text", context, options)
 

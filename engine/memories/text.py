@@ -5,10 +5,13 @@ Each chunk has a MiniLM vector (a per-session FAISS inner-product index) and BM2
 reciprocal rank fusion (score = sum of 1 / (rrf_k + rank)), the prompt is filled in fused order up
 to `context_tokens`, chunks that touch are merged, and the excerpts are placed in document order.
 Ties break by chunk number, so the same documents and question always give the same excerpts.
+With `focus_tokens`, the chosen chunks are cut down to their sentences closest to the question.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +29,21 @@ _CHUNK_BYTES = 2 * 8 + 4 + 4  # a chunk's span (two int64), token count and docu
 
 
 RETRIEVALS = ("hybrid", "dense", "lexical")
+_SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+|\n\s*\n")
+_CHARS_PER_TOKEN = 4
+_MIN_SENTENCE_CHARS = 40
+
+
+def _sentences(text: str) -> list[tuple[int, int]]:
+    """(start, end) of each sentence of `text` (ends of sentences and blank lines split it)."""
+    spans, start = [], 0
+    for match in _SENTENCE_END.finditer(text):
+        if text[start : match.start()].strip():
+            spans.append((start, match.start()))
+        start = match.end()
+    if text[start:].strip():
+        spans.append((start, len(text)))
+    return spans
 
 
 @dataclass(frozen=True)
@@ -36,6 +54,7 @@ class TextOptions:
     retrieval: str = "hybrid"
     rrf_k: int = 60
     max_chunks: int = 200_000
+    focus_tokens: int = 0  # > 0: of the chosen chunks, keep only their best sentences, this many tokens
 
     def __post_init__(self) -> None:
         if not 16 <= self.chunk_tokens <= 512:
@@ -50,6 +69,8 @@ class TextOptions:
             raise ValueError("rrf_k must be between 1 and 1000")
         if self.max_chunks < 1:
             raise ValueError("max_chunks must be positive")
+        if not 0 <= self.focus_tokens <= self.context_tokens:
+            raise ValueError("focus_tokens must be between 0 and context_tokens")
 
 
 @dataclass
@@ -165,6 +186,50 @@ class TextMemory(Memory):
     def retrieve(self, query: str, max_tokens: int) -> list[ContextPiece]:
         if self._index.ntotal == 0:
             return []
+        pieces = self._retrieve_chunks(query, max_tokens)
+        if self.options.focus_tokens:
+            return self._focus(query, pieces, min(max_tokens, self.options.focus_tokens))
+        return pieces
+
+    def _focus(self, query: str, pieces: list[ContextPiece], budget: int) -> list[ContextPiece]:
+        """The sentences of `pieces` closest to the question (MiniLM), each with the one after it,
+        up to `budget` tokens (estimated from characters); sentences that touch are one excerpt,
+        in document order. Costs one MiniLM pass over the chosen chunks' sentences."""
+        sentences = [(k, a, b) for k, piece in enumerate(pieces) for a, b in _sentences(piece.text)]
+        if not sentences:
+            return pieces
+        vectors = self._embedder.encode([pieces[k].text[a:b] for k, a, b in sentences])
+        similarity = vectors @ self._embedder.encode([query])[0]
+        chosen: set[int] = set()
+        left = budget * _CHARS_PER_TOKEN
+        for best in np.argsort(-similarity, kind="stable").tolist():
+            for j in (best, best + 1):  # the answer often follows the sentence that matches the question
+                if j < len(sentences) and j not in chosen and sentences[j][0] == sentences[best][0]:
+                    if sentences[j][2] - sentences[j][1] <= left:
+                        chosen.add(j)
+                        left -= sentences[j][2] - sentences[j][1]
+            if left < _MIN_SENTENCE_CHARS:
+                break
+        runs: list[list[int]] = []
+        for j in sorted(chosen):
+            if runs and runs[-1][-1] == j - 1 and sentences[j - 1][0] == sentences[j][0]:
+                runs[-1].append(j)
+            else:
+                runs.append([j])
+        return [self._sub_piece(pieces, sentences, run, similarity) for run in runs]
+
+    @staticmethod
+    def _sub_piece(
+        pieces: list[ContextPiece], sentences: list[tuple[int, int, int]], run: list[int], similarity: np.ndarray
+    ) -> ContextPiece:
+        piece = pieces[sentences[run[0]][0]]
+        start, end = sentences[run[0]][1], sentences[run[-1]][2]
+        item = piece.item
+        score = float(max(similarity[j] for j in run))
+        span = dataclasses.replace(item, char_start=item.char_start + start, char_end=item.char_start + end, score=score)
+        return ContextPiece(piece.text[start:end], span)
+
+    def _retrieve_chunks(self, query: str, max_tokens: int) -> list[ContextPiece]:
         scores = self._ranked(query)
         chosen: dict[int, float] = {}
         budget = min(max_tokens, self.options.context_tokens)
