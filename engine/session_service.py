@@ -158,16 +158,14 @@ class SessionService:
                 raise StorageError(f"session {session.id} could not be saved to disk ({exc.strerror or exc})") from exc
             session.dirty = False
 
-    def _delete_files(self, session: Session) -> None:
+    def _delete_files(self, session: Session, expected: int | None = None) -> None:
         if self.snapshots is not None:
             with session.save_lock:
-                self.snapshots.delete(session.id)
+                self.snapshots.delete(session.id, expected)
 
     def _drop_files(self, session: Session) -> None:
         """A session dropped for age: its files go unless another server has written it since."""
-        if self.snapshots is not None:
-            with session.save_lock:
-                self.snapshots.delete(session.id, expected=session.snapshot_generation)
+        self._delete_files(session, expected=session.snapshot_generation)
 
     def restore(self) -> None:
         """List the sessions saved on disk; each is loaded on its first use."""

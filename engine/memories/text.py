@@ -186,12 +186,15 @@ class TextMemory(Memory):
     def retrieve(self, query: str, max_tokens: int) -> list[ContextPiece]:
         if self._index.ntotal == 0:
             return []
-        pieces = self._retrieve_chunks(query, max_tokens)
+        dense = self.options.retrieval != "lexical" or self.options.focus_tokens > 0
+        query_vector = self._embedder.encode([query])[0] if dense else None  # one MiniLM pass a question
+        pieces = self._retrieve_chunks(query, query_vector, max_tokens)
         if self.options.focus_tokens:
-            return self._focus(query, pieces, min(max_tokens, self.options.focus_tokens))
+            assert query_vector is not None
+            return self._focus(query_vector, pieces, min(max_tokens, self.options.focus_tokens))
         return pieces
 
-    def _focus(self, query: str, pieces: list[ContextPiece], budget: int) -> list[ContextPiece]:
+    def _focus(self, query_vector: np.ndarray, pieces: list[ContextPiece], budget: int) -> list[ContextPiece]:
         """The sentences of `pieces` closest to the question (MiniLM), each with the one after it,
         up to `budget` tokens (estimated from characters); sentences that touch are one excerpt,
         in document order. Costs one MiniLM pass over the chosen chunks' sentences."""
@@ -199,7 +202,7 @@ class TextMemory(Memory):
         if not sentences:
             return pieces
         vectors = self._embedder.encode([pieces[k].text[a:b] for k, a, b in sentences])
-        similarity = vectors @ self._embedder.encode([query])[0]
+        similarity = vectors @ query_vector
         chosen: set[int] = set()
         left = budget * _CHARS_PER_TOKEN
         for best in np.argsort(-similarity, kind="stable").tolist():
@@ -229,8 +232,8 @@ class TextMemory(Memory):
         span = dataclasses.replace(item, char_start=item.char_start + start, char_end=item.char_start + end, score=score)
         return ContextPiece(piece.text[start:end], span)
 
-    def _retrieve_chunks(self, query: str, max_tokens: int) -> list[ContextPiece]:
-        scores = self._ranked(query)
+    def _retrieve_chunks(self, query: str, query_vector: np.ndarray | None, max_tokens: int) -> list[ContextPiece]:
+        scores = self._ranked(query, query_vector)
         chosen: dict[int, float] = {}
         budget = min(max_tokens, self.options.context_tokens)
         for row, score in scores:
@@ -241,13 +244,14 @@ class TextMemory(Memory):
                 budget -= int(self._chunks.tokens[row])
         return [self._piece(run, chosen) for run in self._runs(sorted(chosen))]
 
-    def _ranked(self, query: str) -> list[tuple[int, float]]:
+    def _ranked(self, query: str, query_vector: np.ndarray | None) -> list[tuple[int, float]]:
         """(chunk, score) best first: fused ranks, or one ranking alone (options.retrieval)."""
         n, retrieval = self._index.ntotal, self.options.retrieval
         depth = min(n, max(50, 4 * self.options.top_k))
         rankings: list[list[int]] = []
         if retrieval in ("hybrid", "dense"):
-            _, rows = self._index.search(self._embedder.encode([query]), depth)
+            assert query_vector is not None
+            _, rows = self._index.search(query_vector[None], depth)
             rankings.append([r for r in rows[0].tolist() if r >= 0])
         if retrieval in ("hybrid", "lexical"):
             lexical = self._lexical.scores(query)
