@@ -216,7 +216,9 @@ def train_neurocache(
 
 @train_app.command("lm")
 def train_lm_command(
-    arch: Annotated[str, typer.Option(help="transformer, long-short or cacheformer")] = "cacheformer",
+    arch: Annotated[
+        str, typer.Option(help="transformer, long-short, cacheformer, segment-cache, perceiver-ar[-v1|-v2|-v3] or llp")
+    ] = "cacheformer",
     out: Annotated[Path, typer.Option(help="run folder")] = Path("runs/lm"),
     steps: int = 1000,
     batch_size: int = 8,
@@ -234,6 +236,15 @@ def train_lm_command(
     cache_top_k: Annotated[int, typer.Option(help="k (0: no cache attention)")] = 0,
     cache_neighbours: Annotated[int, typer.Option(help="u")] = 1,
     group_size: Annotated[int, typer.Option(help="p")] = 32,
+    latent: Annotated[int, typer.Option(help="Perceiver AR: latent length")] = 128,
+    history_segment: Annotated[int, typer.Option(help="perceiver-ar-v2: history segment")] = 64,
+    history_compressed: Annotated[int, typer.Option(help="perceiver-ar-v3: compressed history length")] = 32,
+    memory_len: Annotated[int, typer.Option(help="segment-cache: short-term memory m")] = 64,
+    cache_segments: Annotated[int, typer.Option(help="segment-cache: cached segments N")] = 8,
+    eval_scored: Annotated[
+        int | None,
+        typer.Option(help="held-out: score the last n positions of windows every n bytes (same bytes for every family)"),
+    ] = None,
     device: str = "auto",
     resume: bool = False,
     init: Annotated[
@@ -257,6 +268,11 @@ def train_lm_command(
         cache_top_k=cache_top_k,
         cache_neighbours=cache_neighbours,
         group_size=group_size,
+        latent=latent,
+        history_segment=history_segment,
+        history_compressed=history_compressed,
+        memory_len=memory_len,
+        cache_segments=cache_segments,
         max_seq_len=seq_len,
     )
     config = LMTrainConfig(
@@ -273,6 +289,7 @@ def train_lm_command(
         resume=resume,
         init=init,
         checkpoint_every=checkpoint_every,
+        eval_scored=eval_scored,
     )
     typer.echo(json.dumps(train_lm(config, command="longdoc train lm " + " ".join(sys.argv[3:])), indent=2))
 

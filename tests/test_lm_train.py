@@ -25,7 +25,15 @@ def corpus_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "arch, flags", [("transformer", {}), ("long-short", {}), ("cacheformer", {"overlap": True, "cache_top_k": 2})]
+    "arch, flags",
+    [
+        ("transformer", {}),
+        ("long-short", {}),
+        ("cacheformer", {"overlap": True, "cache_top_k": 2}),
+        ("segment-cache", {"memory_len": 8, "cache_segments": 2, "cache_top_k": 1}),
+        ("perceiver-ar-v3", {"latent": 12, "history_compressed": 4}),
+        ("llp", {}),
+    ],
 )
 def test_train_save_load_and_resume(arch, flags, corpus_dir, tmp_path):
     config = LMTrainConfig(
@@ -49,6 +57,9 @@ def test_train_save_load_and_resume(arch, flags, corpus_dir, tmp_path):
     assert bits_per_byte(model, held_out, 32, 256) == pytest.approx(summary["heldout_bits_per_byte"], rel=1e-5)
     meta = json.loads((tmp_path / arch / "checkpoint" / "config.json").read_text())
     assert meta["manifest"]["command"] == "test" and meta["manifest"]["eval"]["steps"] == 3
+    curve = [json.loads(line) for line in (tmp_path / arch / "curve.jsonl").read_text().splitlines()]
+    assert [p["step"] for p in curve] == [2, 3] and curve[-1]["heldout_bits_per_byte"] == summary["heldout_bits_per_byte"]
+    assert summary["train_targets"] == 3 * 2 * min(32, model.config.latent if arch.startswith("perceiver") else 32)
     config.steps, config.resume = 5, True
     assert train_lm(config)["steps"] == 5
 

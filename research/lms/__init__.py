@@ -1,21 +1,27 @@
-"""The from-scratch LMs (transformer, Long-Short, CacheFormer), built by name."""
+"""The from-scratch LMs, built by name: transformer, Long-Short, CacheFormer, the segment-selection
+key/value cache, Perceiver AR with its V1/V2/V3 enhancements, and LLP."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from research.lms.lm_common import LanguageModel, LMConfig
+from research.lms.perceiver_ar import VARIANTS as PERCEIVERS
 
-ARCHS = ("transformer", "long-short", "cacheformer")
+ARCHS = ("transformer", "long-short", "cacheformer", "segment-cache", *PERCEIVERS, "llp")
 
 
 def build(arch: str, **config: Any) -> LanguageModel:
-    """A from-scratch language model: `forward(input_ids [B, T]) -> logits [B, T, V]`.
+    """A from-scratch language model: `forward(input_ids [B, T]) -> logits [B, L, V]` for the last L
+    positions (L = T for every family but Perceiver AR, whose L is its latent length).
 
     `long-short` is CacheFormer with overlap and cache attention off; asking it for either is an error.
     """
     from research.lms.cacheformer import build_cacheformer
+    from research.lms.llp import build_llp
     from research.lms.long_short import build_long_short
+    from research.lms.perceiver_ar import build_perceiver_ar
+    from research.lms.segment_cache import build_segment_cache
     from research.lms.transformer import build_transformer
 
     lm_config = LMConfig(**config)
@@ -27,6 +33,12 @@ def build(arch: str, **config: Any) -> LanguageModel:
         return build_long_short(lm_config)
     if arch == "cacheformer":
         return build_cacheformer(lm_config)
+    if arch == "segment-cache":
+        return build_segment_cache(lm_config)
+    if arch in PERCEIVERS:
+        return build_perceiver_ar(lm_config, arch)
+    if arch == "llp":
+        return build_llp(lm_config)
     raise ValueError(f"unknown arch {arch!r}; choose one of {ARCHS}")
 
 

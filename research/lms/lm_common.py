@@ -27,12 +27,18 @@ class LMConfig:
     cache_top_k: int = 0  # k: uncompressed segments fetched per query group (0: no cache attention)
     cache_neighbours: int = 1  # u: each pick and its u-1 following neighbours
     group_size: int = 32  # p: queries that share one selection
+    latent: int = 128  # Perceiver AR: the last `latent` positions are queries (and the only predictions)
+    history_segment: int = 64  # perceiver-ar-v2: history attention within segments of this many positions
+    history_compressed: int = 32  # perceiver-ar-v3: the history compressed to this many positions
+    memory_len: int = 64  # segment-cache: m, the short-term memory before the current segment
+    cache_segments: int = 8  # segment-cache: N, past segments held in the cache
     rope_base: float = 10_000.0
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
             raise ValueError("dim must be divisible by n_heads")
-        for name in ("window", "segment_len", "compressed_per_segment", "group_size", "cache_neighbours"):
+        positive = ("window", "segment_len", "compressed_per_segment", "group_size", "cache_neighbours", "latent")
+        for name in (*positive, "history_segment", "history_compressed", "memory_len", "cache_segments"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.overlap and self.segment_len % 2:
@@ -113,6 +119,11 @@ class LanguageModel(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.norm(x) @ self.embed.weight.T  # B, T, V
+
+    @property
+    def layers(self) -> list[Block]:
+        """The blocks, typed (a ModuleList yields plain Modules)."""
+        return cast(list[Block], list(self.blocks))
 
     def use_kernel(self, kernel: str) -> LanguageModel:
         """Attention kernel of Long-Short and CacheFormer layers: "auto" (fused flex attention on

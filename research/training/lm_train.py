@@ -43,6 +43,7 @@ class LMTrainConfig:
     seed: int = 0
     checkpoint_every: int = 200
     eval_bytes: int = 65_536
+    eval_scored: int | None = None  # bits_per_byte's `scored`: None, or the last n of windows every n bytes
     device: str = "auto"
     resume: bool = False
     init: Path | None = None  # start from this checkpoint's weights (its model config; max_seq_len = seq_len)
@@ -55,19 +56,33 @@ def corpus_bytes(corpus_dir: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 @torch.inference_mode()
-def bits_per_byte(model: LanguageModel, data: np.ndarray, seq_len: int, limit: int) -> float:
-    """Held-out bits per byte over consecutive windows of `seq_len` (+1 target) bytes."""
+def bits_per_byte(model: LanguageModel, data: np.ndarray, seq_len: int, limit: int, scored: int | None = None) -> float:
+    """Held-out bits per byte over windows of `seq_len` (+1 target) bytes.
+
+    scored=None: consecutive windows, each scoring every position the model predicts (all of them,
+    or a Perceiver's latent). scored=n: windows every n bytes, each scoring its last n positions, so
+    every family scores the same bytes, each with at least seq_len - n bytes before it.
+    """
     device = next(model.parameters()).device
     total, count = 0.0, 0
     usable = min(limit, len(data) - 1)
-    for start in range(0, usable - 1, seq_len):
+    starts = range(0, usable - 1, seq_len) if scored is None else range(0, usable - seq_len, scored)
+    for start in starts:
         window = torch.from_numpy(data[start : min(start + seq_len + 1, usable + 1)].astype(np.int64)).to(device)
         if len(window) < 2:
             break
         logits = model(window[None, :-1])[0]
-        total += float(F.cross_entropy(logits.float(), window[1:], reduction="sum"))
-        count += len(window) - 1
+        keep = len(logits) if scored is None else min(scored, len(logits))
+        total += float(F.cross_entropy(logits[-keep:].float(), window[1:][-keep:], reduction="sum"))
+        count += keep
     return total / count / math.log(2)
+
+
+def held_out_score(model: LanguageModel, held_out: np.ndarray, config: LMTrainConfig) -> float:
+    model.eval()
+    score = bits_per_byte(model, held_out, config.seq_len, config.eval_bytes, config.eval_scored)
+    model.train()
+    return score
 
 
 def _device(name: str) -> torch.device:
@@ -112,7 +127,7 @@ def train_lm(config: LMTrainConfig, command: str = "") -> dict[str, Any]:
         "train_config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
     }
     manifest["train_config"]["model"] = model.config.to_dict()  # what was trained (with --init: the checkpoint's)
-    started, tokens, losses = time.time(), 0, []
+    started, tokens, predicted, losses, eval_seconds = time.time(), 0, 0, [], 0.0
     with tqdm(total=config.steps, initial=step, desc=f"train {config.arch}") as bar:
         while step < config.steps:
             model.train()
@@ -121,10 +136,12 @@ def train_lm(config: LMTrainConfig, command: str = "") -> dict[str, Any]:
                 batch = torch.from_numpy(np.stack([train_data[s : s + config.seq_len + 1] for s in starts]).astype(np.int64)).to(
                     device
                 )
-                logits = model(batch[:, :-1])
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+                logits = model(batch[:, :-1])  # B, L, V: predictions for the last L positions
+                targets = batch[:, 1:][:, -logits.shape[1] :]
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
                 (loss / config.accumulation).backward()
                 tokens += batch[:, :-1].numel()
+                predicted += targets.numel()
                 losses.append(float(loss.detach()))
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
             optimizer.step()
@@ -134,6 +151,13 @@ def train_lm(config: LMTrainConfig, command: str = "") -> dict[str, Any]:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
             bar.update(1)
             if step % config.checkpoint_every == 0 or step == config.steps:
+                evaluating = time.time()
+                point = {"step": step, "train_loss": float(np.mean(losses[-config.checkpoint_every :])), "train_tokens": tokens}
+                point["heldout_bits_per_byte"] = held_out_score(model, held_out, config)
+                point["train_seconds"] = evaluating - started - eval_seconds
+                eval_seconds += time.time() - evaluating
+                with (out / "curve.jsonl").open("a") as curve:
+                    curve.write(json.dumps(point) + "\n")
                 save_checkpoint(model, out / "checkpoint", **manifest, steps=step)
                 torch.save(
                     {
@@ -144,7 +168,7 @@ def train_lm(config: LMTrainConfig, command: str = "") -> dict[str, Any]:
                     },
                     out / "trainer.pt",
                 )
-    elapsed = time.time() - started
+    elapsed = time.time() - started - eval_seconds
     model.eval()
     summary = {
         "arch": config.arch,
@@ -152,7 +176,11 @@ def train_lm(config: LMTrainConfig, command: str = "") -> dict[str, Any]:
         "parameters": model.num_parameters(),
         "steps": step,
         "train_loss_last_50": float(np.mean(losses[-50:])) if losses else None,
-        "heldout_bits_per_byte": bits_per_byte(model, held_out, config.seq_len, config.eval_bytes),
+        "heldout_bits_per_byte": held_out_score(model, held_out, config),
+        "eval_scored": config.eval_scored,
+        "train_tokens": tokens,
+        "train_targets": predicted,
+        "train_seconds": elapsed,
         "train_tokens_per_second": tokens / elapsed if elapsed > 0 else None,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
