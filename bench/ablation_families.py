@@ -85,10 +85,19 @@ def command(name: str, dim: int, seed: int, args: argparse.Namespace) -> tuple[l
 
 def run(name: str, dim: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     cmd, out = command(name, dim, seed, args)
+    if args.reuse and (out / "summary.json").is_file() and (out / "command.json").is_file():
+        if json.loads((out / "command.json").read_text()) == cmd[1:]:  # the same run, finished
+            return finished(name, seed, out)
     (out / "curve.jsonl").unlink(missing_ok=True)  # a rerun starts its curve again
+    (out / "summary.json").unlink(missing_ok=True)
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if done.returncode != 0:
         raise RuntimeError(f"{name} seed {seed} failed:\n{done.stderr[-2000:]}")
+    (out / "command.json").write_text(json.dumps(cmd[1:]))
+    return finished(name, seed, out)
+
+
+def finished(name: str, seed: int, out: Path) -> dict[str, Any]:
     summary = json.loads((out / "summary.json").read_text())
     summary["curve"] = [json.loads(line)["heldout_bits_per_byte"] for line in (out / "curve.jsonl").read_text().splitlines()]
     print(f"{name} seed {seed}: {summary['heldout_bits_per_byte']:.4f}", flush=True)
@@ -133,6 +142,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=40)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
+    parser.add_argument("--reuse", action="store_true", help="keep finished runs of the same command")
     parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
     args = parser.parse_args()
     names = ["transformer", *(n for n in args.families if n != "transformer")]

@@ -233,7 +233,7 @@ def train_lm_command(
     segment_len: Annotated[int, typer.Option(help="l")] = 16,
     compressed: Annotated[int, typer.Option(help="r per segment")] = 4,
     overlap: Annotated[bool, typer.Option(help="overlapping segments")] = False,
-    cache_top_k: Annotated[int, typer.Option(help="k (0: no cache attention)")] = 0,
+    cache_top_k: Annotated[int, typer.Option(help="k (cacheformer: 0 is no cache attention; segment-cache needs 1 to N)")] = 0,
     cache_neighbours: Annotated[int, typer.Option(help="u")] = 1,
     group_size: Annotated[int, typer.Option(help="p")] = 32,
     latent: Annotated[int, typer.Option(help="Perceiver AR: latent length")] = 128,

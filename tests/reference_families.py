@@ -96,7 +96,7 @@ def segment_picks(queries, config):
     l, M, N = config.segment_len, config.memory_len // config.segment_len, config.cache_segments
     out = []
     for row in queries:
-        picks = []
+        picks: list[list[tuple[int, torch.Tensor]]] = []
         for t in range(row.shape[0]):
             c = t // l
             cached = [j for j in range(c - M - N, c - M) if j >= 0]
@@ -134,3 +134,32 @@ def segment_cache_attention(module, x, picks):
             heads.append(torch.stack(rows))
         outs.append(module.out(torch.stack(heads).transpose(0, 1).reshape(T, -1)))
     return torch.stack(outs)
+
+
+def perceiver_forward(model, ids):
+    """The whole Perceiver AR forward from the slow attention: split, (v3) compression written out
+    position by position, the two streams layer by layer, logits of the latent."""
+    cfg = model.config
+    T = ids.shape[1]
+    h = max(0, T - cfg.latent)
+    x = model.embed(ids)
+    context, context_at = x[:, :h], torch.arange(h)
+    if model.arch == "perceiver-ar-v3" and h:
+        p, h_max = model.compress.shape
+        rows = [sum(model.compress[i, h_max - h + j] * x[:, j] for j in range(h)) for i in range(p)]
+        context = torch.stack(rows, dim=1)
+        context_at = torch.tensor([(i + 1) * h_max // p - 1 - (h_max - h) for i in range(p)])
+    latent, latent_at = x[:, h:], torch.arange(h, T)
+    for block in model.blocks:
+        n = context.shape[1]
+        normed = block.attn_norm(torch.cat([context, latent], dim=1))
+        update, latent_update = perceiver_attention(block.attn, normed[:, :n], normed[:, n:], context_at, latent_at)
+        latent = latent + latent_update
+        if update is None:
+            context, context_at, n = context[:, :0], context_at[:0], 0
+        else:
+            context = context + update
+        both = torch.cat([context, latent], dim=1)
+        both = both + block.mlp(block.mlp_norm(both))
+        context, latent = both[:, :n], both[:, n:]
+    return model.norm(latent) @ model.embed.weight.T

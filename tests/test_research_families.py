@@ -91,6 +91,14 @@ def test_perceiver_attention_equals_slow_reference(name, n_context):
         torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n.startswith("perceiver")])
+def test_perceiver_model_equals_slow_reference(name):
+    model = model_for(name)
+    ids = torch.randint(0, 50, (2, T))  # a history of 21 positions, a latent of 8
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref.perceiver_forward(model, ids), rtol=1e-4, atol=1e-5)
+
+
 def reference_segment_cache(model, ids):
     """The whole segment-cache forward from the slow pieces: query pass, picks, cached pass."""
 
@@ -161,6 +169,17 @@ def test_gradients_reach_every_parameter(name):
         assert p.grad is not None and p.grad.abs().sum() > 0, f"{pname} gets no gradient"
 
 
+def test_the_selection_weights_carry_gradient():
+    """α scales the picked values, so the loss reaches the queries through the selection too."""
+    model = model_for("segment-cache").train()
+    l = model.config.segment_len
+    x = model.embed(torch.randint(0, 50, (2, T)))
+    queries = model.run(x, None).detach().requires_grad_()
+    picks = select(queries, queries[:, l - 1 : (T // l) * l : l], 0, torch.arange(T), model.config)
+    model.run(x, picks).sum().backward()
+    assert queries.grad is not None and queries.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize(
     ("name", "overrides"),
     [
@@ -181,9 +200,10 @@ def test_reduces_to_the_plain_transformer(name, overrides):
         torch.testing.assert_close(model(ids), plain(ids), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["segment-cache", "segment-cache-m8-k1"])
 @pytest.mark.parametrize("chunks", [[T], [1] * T, [3, 7, 2, 9, 8], [5] * 6])
-def test_segment_cache_stream_equals_one_pass(chunks):
-    model = model_for("segment-cache")
+def test_segment_cache_stream_equals_one_pass(name, chunks):
+    model = model_for(name)
     ids = torch.randint(0, 50, (T,))
     with torch.no_grad():
         full = model(ids[None])[0]

@@ -3,8 +3,9 @@
 The sequence is cut into halves of s/2 positions (s = `segment_len`). In every layer the queries of
 half i attend to the keys of halves i-1 and i: all of half i-1, and half i causally; half 0 has no
 predecessor and attends to itself causally (the paper's ATTN block). Every position is a query and
-a prediction, so the whole sequence trains. One projection per layer serves every pair (the paper's
-per-block matrices would tie the parameter count to the sequence length). A query sees s/2 to s
+a prediction, so the whole sequence trains. One projection per layer serves the ATTN block and every
+pair (the paper's per-block matrices would tie the parameter count to the sequence length), and the
+keys and values get no extra norm beyond the block's pre-norm. A query sees s/2 to s
 positions back in one layer; each layer above reaches another s/2 further, as in the paper's Fig. 4.
 
 Batched as [B, H, halves, s/2, hd] queries against [B, H, halves, s, hd] key pairs: no loop.
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.rope import apply_rope
-from research.lms.lm_common import LanguageModel, LMConfig, merge_heads, positions, qkv_heads, rope_angles
+from research.lms.lm_common import LanguageModel, LMConfig, blocked_attention, merge_heads, positions, qkv_heads, rope_angles
 
 
 def pair_mask(n_halves: int, half: int, device: torch.device) -> torch.Tensor:
@@ -54,7 +55,7 @@ class LLPAttention(nn.Module):
         before = lambda t: F.pad(halves(t), (0, 0, 0, 0, 1, 0))[:, :, :n]  # noqa: E731  # half i-1 (zeros for half 0)
         keys = torch.cat([before(k), halves(k)], dim=3)  # B, H, n, 2*half, hd
         values = torch.cat([before(v), halves(v)], dim=3)
-        out = F.scaled_dot_product_attention(halves(q), keys, values, attn_mask=pair_mask(n, half, x.device))
+        out = blocked_attention(halves(q), keys, values, pair_mask(n, half, x.device))
         return self.out(merge_heads(out.reshape(B, H, n * half, hd)[:, :, :T]))
 
 

@@ -158,3 +158,13 @@ def positions(T: int, device: torch.device) -> torch.Tensor:
 
 def scale_of(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA over blocks: q [B, H, n, L, hd], k and v [B, H, n, S, hd], mask broadcastable to
+    [B, H, n, L, S]; run as one 4-D call (CUDA's fused kernels take only 4-D inputs)."""
+    B, H, n, L, hd = q.shape
+    S = k.shape[-2]
+    flat = lambda t: t.reshape(B, H * n, t.shape[-2], hd)  # noqa: E731
+    full_mask = mask.expand(B, H, n, L, S).reshape(B, H * n, L, S)
+    return F.scaled_dot_product_attention(flat(q), flat(k), flat(v), attn_mask=full_mask).view(B, H, n, L, hd)

@@ -23,7 +23,9 @@ are fewer queries than keys.
 - perceiver-ar-v3: the first layer maps the history to `history_compressed` positions by a learned
   [p, h_max] matrix along the sequence (h_max = max_seq_len - latent; a shorter history uses the last
   h columns, as if zeros stood to its left); that stream is carried like v1's history. Its positions
-  for rotary are spread evenly over the history they summarise, the last at h-1.
+  for rotary are spread evenly over the history they summarise, the last at h-1. The paper's
+  equations 14-21 apply "to all layers including the first", so the first layer's latent attends to
+  the compressed history, not to the raw one; that reading is the one built here.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.rope import apply_rope
-from research.lms.lm_common import LanguageModel, LMConfig, merge_heads, qkv_heads, rope_angles
+from research.lms.lm_common import LanguageModel, LMConfig, blocked_attention, merge_heads, qkv_heads, rope_angles
 
 VARIANTS = ("perceiver-ar", "perceiver-ar-v1", "perceiver-ar-v2", "perceiver-ar-v3")
 
@@ -64,7 +66,7 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment
     shape = (B, H, (n + pad) // segment, segment, hd)
     real = (torch.arange(n + pad, device=q.device) < n).view(-1, segment)  # keys that are not padding
     mask = real[:, None, :]  # n_segments, 1, s: broadcast over the rows of a segment
-    out = F.scaled_dot_product_attention(q.view(shape), k.view(shape), v.view(shape), attn_mask=mask)
+    out = blocked_attention(q.view(shape), k.view(shape), v.view(shape), mask)
     return out.reshape(B, H, n + pad, hd)[:, :, :n]
 
 

@@ -23,9 +23,13 @@ so no selection can reach a token after the query.
 Gradients: the paper stops them at memory and cache because it trains one segment after another; a
 one-pass batch holds the whole graph, so they flow here (forward values are the same).
 
+Also unlike the paper: selection scores are scaled by 1/sqrt(d_model) before the softmax (the paper
+writes a plain q·K, whose softmax saturates at this width), and positions are rotary (the paper
+uses Transformer-XL's learned relative embeddings).
+
 `SegmentCacheStream` feeds a text of any length a chunk at a time against a bounded state (the last
 M + N segments' keys and values per layer, the first pass's last m, and N + M segment keys); its
-logits equal the one-pass forward's (tests/test_segment_cache.py).
+logits equal the one-pass forward's (tests/test_research_families.py).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.rope import apply_rope
-from research.lms.lm_common import LanguageModel, LMConfig, merge_heads, positions, qkv_heads, rope_angles
+from research.lms.lm_common import LanguageModel, LMConfig, blocked_attention, merge_heads, positions, qkv_heads, rope_angles
 
 
 @dataclass
@@ -111,7 +115,7 @@ class SegmentCacheAttention(nn.Module):
         row_at = torch.arange(S * l, device=x.device).view(S, l, 1)
         mask = (key_at <= row_at) & (key_at >= 0)  # S, l, m+l
         if picks is None:
-            out = F.scaled_dot_product_attention(rows, windows(k), windows(v), attn_mask=mask)
+            out = blocked_attention(rows, windows(k), windows(v), mask)
         elif self.cache_path == "window":
             out = self._with_cache_window(rows, k, v, mask, picks)
         else:

@@ -72,9 +72,13 @@ def bits_per_byte(model: LanguageModel, data: np.ndarray, seq_len: int, limit: i
         if len(window) < 2:
             break
         logits = model(window[None, :-1])[0]
-        keep = len(logits) if scored is None else min(scored, len(logits))
+        if scored is not None and len(logits) < scored:
+            raise ValueError(f"{model.arch} predicts {len(logits)} positions a window; it cannot score the last {scored}")
+        keep = len(logits) if scored is None else scored
         total += float(F.cross_entropy(logits[-keep:].float(), window[1:][-keep:], reduction="sum"))
         count += keep
+    if count == 0:
+        raise ValueError(f"{usable + 1} held-out bytes make no window of {seq_len}")
     return total / count / math.log(2)
 
 
