@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -157,7 +158,7 @@ def main() -> None:
     seeds = " ".join(str(seed) for seed in args.seeds)
     section = (
         f"## Every family at {target:,} parameters: {args.steps} steps of {args.batch_size} × {SEQ_LEN} bytes, seeds {seeds}\n\n"
-        f"Command:\n\n```\n.venv/bin/python -m bench.ablation_families {' '.join(sys.argv[1:])}\n```\n\n"
+        f"Command:\n\n```\n.venv/bin/python -m bench.ablation_families {shlex.join(sys.argv[1:])}\n```\n\n"
         f"Held-out bits/byte on the first 64 KiB of the held-out split, windows of {SEQ_LEN} every {LATENT} bytes scoring "
         f"their last {LATENT} (the same bytes for every family). Runs went {args.jobs} at a time, one thread each.\n\n"
         + body
