@@ -31,63 +31,65 @@ def _attend(q, keys, values, weights=None):
     return p @ values
 
 
+def _project(out, n_heads, n, query):
+    """out(the heads' outputs side by side) [n, C], where query(h, i) is head h's output for row i."""
+    heads = torch.stack([torch.stack([query(h, i) for i in range(n)]) for h in range(n_heads)])  # H, n, hd
+    return out(heads.transpose(0, 1).reshape(n, -1))
+
+
 def llp_attention(module, x):
     """x [B, T, C]: query t sees keys from the start of the half before its own up to t."""
+    return torch.stack([_llp_row(module, row) for row in x])
+
+
+def _llp_row(module, row):
     cfg = module.config
     half = cfg.segment_len // 2
-    outs = []
-    for row in x:
-        q, k, v = _heads(module.qkv, row, cfg)
-        T = row.shape[0]
-        heads = []
-        for h in range(cfg.n_heads):
-            rows = []
-            for t in range(T):
-                first = max(0, (t // half - 1) * half)
-                keys = torch.stack([_rope(cfg, k[h, j], j) for j in range(first, t + 1)])
-                rows.append(_attend(_rope(cfg, q[h, t], t), keys, v[h, first : t + 1]))
-            heads.append(torch.stack(rows))
-        outs.append(module.out(torch.stack(heads).transpose(0, 1).reshape(T, -1)))
-    return torch.stack(outs)
+    q, k, v = _heads(module.qkv, row, cfg)
+
+    def query(h, t):
+        first = max(0, (t // half - 1) * half)
+        keys = torch.stack([_rope(cfg, k[h, j], j) for j in range(first, t + 1)])
+        return _attend(_rope(cfg, q[h, t], t), keys, v[h, first : t + 1])
+
+    return _project(module.out, cfg.n_heads, row.shape[0], query)
 
 
 def perceiver_attention(module, context, latent, context_at, latent_at):
     """The latent attention (all context, latent causally) and the history attention (all of it, or
     its own segment), for batch rows of normed streams."""
+    latent_outs = [_perceiver_latent_row(module, c, r, context_at, latent_at) for c, r in zip(context, latent, strict=True)]
+    if module.history == "none" or context.shape[1] == 0:
+        return None, torch.stack(latent_outs)
+    return torch.stack([_perceiver_history_row(module, c, context_at) for c in context]), torch.stack(latent_outs)
+
+
+def _perceiver_latent_row(module, c_row, l_row, context_at, latent_at):
     cfg = module.config
-    n = context.shape[1]
-    latent_outs, history_outs = [], []
-    for c_row, l_row in zip(context, latent, strict=True):
-        both = torch.cat([c_row, l_row])
-        at = [int(a) for a in torch.cat([context_at, latent_at])]
-        _, k, v = _heads(module.qkv, both, cfg)
-        q = _heads(module.qkv, l_row, cfg).__next__()
-        heads = []
-        for h in range(cfg.n_heads):
-            rows = []
-            for i in range(l_row.shape[0]):
-                seen = n + i + 1
-                keys = torch.stack([_rope(cfg, k[h, j], at[j]) for j in range(seen)])
-                rows.append(_attend(_rope(cfg, q[h, i], int(latent_at[i])), keys, v[h, :seen]))
-            heads.append(torch.stack(rows))
-        latent_outs.append(module.out(torch.stack(heads).transpose(0, 1).reshape(l_row.shape[0], -1)))
-        if module.history == "none" or n == 0:
-            continue
-        hq, hk, hv = _heads(module.history_qkv, c_row, cfg)
-        heads = []
-        for h in range(cfg.n_heads):
-            rows = []
-            for i in range(n):
-                if module.history == "segments":
-                    s = cfg.history_segment
-                    span = range((i // s) * s, min(n, (i // s + 1) * s))
-                else:
-                    span = range(n)
-                keys = torch.stack([_rope(cfg, hk[h, j], int(context_at[j])) for j in span])
-                rows.append(_attend(_rope(cfg, hq[h, i], int(context_at[i])), keys, hv[h, list(span)]))
-            heads.append(torch.stack(rows))
-        history_outs.append(module.history_out(torch.stack(heads).transpose(0, 1).reshape(n, -1)))
-    return (torch.stack(history_outs) if history_outs else None), torch.stack(latent_outs)
+    n = c_row.shape[0]
+    at = [int(a) for a in torch.cat([context_at, latent_at])]
+    _, k, v = _heads(module.qkv, torch.cat([c_row, l_row]), cfg)
+    q = _heads(module.qkv, l_row, cfg).__next__()
+
+    def query(h, i):
+        seen = n + i + 1
+        keys = torch.stack([_rope(cfg, k[h, j], at[j]) for j in range(seen)])
+        return _attend(_rope(cfg, q[h, i], int(latent_at[i])), keys, v[h, :seen])
+
+    return _project(module.out, cfg.n_heads, l_row.shape[0], query)
+
+
+def _perceiver_history_row(module, c_row, context_at):
+    cfg = module.config
+    n, s = c_row.shape[0], cfg.history_segment
+    q, k, v = _heads(module.history_qkv, c_row, cfg)
+
+    def query(h, i):
+        span = range((i // s) * s, min(n, (i // s + 1) * s)) if module.history == "segments" else range(n)
+        keys = torch.stack([_rope(cfg, k[h, j], int(context_at[j])) for j in span])
+        return _attend(_rope(cfg, q[h, i], int(context_at[i])), keys, v[h, list(span)])
+
+    return _project(module.history_out, cfg.n_heads, n, query)
 
 
 def segment_picks(queries, config):
@@ -113,27 +115,25 @@ def segment_picks(queries, config):
 
 def segment_cache_attention(module, x, picks):
     """x [B, T, C] normed; picks from `segment_picks` (or None: memory and segment only)."""
+    return torch.stack([_segment_cache_row(module, row, picks[b] if picks is not None else None) for b, row in enumerate(x)])
+
+
+def _segment_cache_row(module, row, picks):
     cfg = module.config
     l, m = cfg.segment_len, cfg.memory_len
-    outs = []
-    for b, row in enumerate(x):
-        q, k, v = _heads(module.qkv, row, cfg)
-        T = row.shape[0]
-        heads = []
-        for h in range(cfg.n_heads):
-            rows = []
-            for t in range(T):
-                span = list(range(max(0, (t // l) * l - m), t + 1))
-                weights = [1.0] * len(span)
-                for segment, weight in picks[b][t] if picks is not None else []:
-                    span += list(range(segment * l, (segment + 1) * l))
-                    weights += [weight] * l
-                keys = torch.stack([_rope(cfg, k[h, j], j) for j in span])
-                weight_t = torch.stack([torch.as_tensor(w, dtype=x.dtype) for w in weights])
-                rows.append(_attend(_rope(cfg, q[h, t], t), keys, v[h, span], weight_t))
-            heads.append(torch.stack(rows))
-        outs.append(module.out(torch.stack(heads).transpose(0, 1).reshape(T, -1)))
-    return torch.stack(outs)
+    q, k, v = _heads(module.qkv, row, cfg)
+
+    def query(h, t):
+        span = list(range(max(0, (t // l) * l - m), t + 1))
+        weights = [1.0] * len(span)
+        for segment, weight in picks[t] if picks is not None else []:
+            span += list(range(segment * l, (segment + 1) * l))
+            weights += [weight] * l
+        keys = torch.stack([_rope(cfg, k[h, j], j) for j in span])
+        weight_t = torch.stack([torch.as_tensor(w, dtype=row.dtype) for w in weights])
+        return _attend(_rope(cfg, q[h, t], t), keys, v[h, span], weight_t)
+
+    return _project(module.out, cfg.n_heads, row.shape[0], query)
 
 
 def perceiver_forward(model, ids):
