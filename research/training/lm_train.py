@@ -132,6 +132,7 @@ def train_lm(config: LMTrainConfig, command: str = "") -> dict[str, Any]:
     }
     manifest["train_config"]["model"] = model.config.to_dict()  # what was trained (with --init: the checkpoint's)
     started, tokens, predicted, losses, eval_seconds = time.time(), 0, 0, [], 0.0
+    final_score: float | None = None  # the held-out score at config.steps, once measured
     with tqdm(total=config.steps, initial=step, desc=f"train {config.arch}") as bar:
         while step < config.steps:
             model.train()
@@ -158,6 +159,7 @@ def train_lm(config: LMTrainConfig, command: str = "") -> dict[str, Any]:
                 evaluating = time.time()
                 point = {"step": step, "train_loss": float(np.mean(losses[-config.checkpoint_every :])), "train_tokens": tokens}
                 point["heldout_bits_per_byte"] = held_out_score(model, held_out, config)
+                final_score = point["heldout_bits_per_byte"] if step == config.steps else None
                 point["train_seconds"] = evaluating - started - eval_seconds
                 eval_seconds += time.time() - evaluating
                 with (out / "curve.jsonl").open("a") as curve:
@@ -180,7 +182,7 @@ def train_lm(config: LMTrainConfig, command: str = "") -> dict[str, Any]:
         "parameters": model.num_parameters(),
         "steps": step,
         "train_loss_last_50": float(np.mean(losses[-50:])) if losses else None,
-        "heldout_bits_per_byte": held_out_score(model, held_out, config),
+        "heldout_bits_per_byte": held_out_score(model, held_out, config) if final_score is None else final_score,
         "eval_scored": config.eval_scored,
         "train_tokens": tokens,
         "train_targets": predicted,
