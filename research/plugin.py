@@ -14,8 +14,8 @@ from engine.memories import register_memory
 from engine.models.loader import LoadedModel
 from engine.plugins import ModelFamily, register_family
 from research.lms.byte_tokenizer import ByteTokenizer
+from research.lms.feeders import feeder_for
 from research.lms.lm_io import is_checkpoint, load_checkpoint
-from research.lms.segment_feed import check_feedable
 from research.lms.state_memory import StateMemory
 
 SHIPPED_CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
@@ -26,9 +26,9 @@ def shipped_checkpoints() -> dict[str, Path]:
 
 
 def load(name: str, source: str, folder: Path, device: torch.device) -> LoadedModel:
-    """A byte-level Long-Short or CacheFormer checkpoint, kept in float32 (it was trained in it)."""
+    """A byte-level from-scratch LM checkpoint, kept in float32 (it was trained in it)."""
     model = load_checkpoint(folder, device)
-    check_feedable(model)
+    feeder_for(model)  # a family the state memory cannot feed is refused here
     # the engine reaches this model and tokenizer only through the state memory and generation's
     # duck-typed calls (forward, decode), never as a Hugging Face model
     return LoadedModel(

@@ -29,7 +29,7 @@ from clients.client import events_of as parse_events
 from engine.config import DEFAULT_CACHE_DIR
 from engine.models.neurocache import CacheAttention, LoRALinear, Neurocache, NeurocacheConfig
 from research.lms.byte_tokenizer import ByteTokenizer
-from research.lms.segment_feed import FeedState, feed
+from research.lms.feeders import feeder_for
 from server.settings import Settings
 
 # --- paths and the test device ---
@@ -249,11 +249,11 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 
 def greedy(model, context: str, question: str, n: int) -> str:
     """The answer computed directly: documents, a blank line, the question as the template renders it."""
-    tokenizer, state = ByteTokenizer(), FeedState(model)
-    feed(model, state, tokenizer(context)["input_ids"])
+    tokenizer, feeder = ByteTokenizer(), feeder_for(model)
+    feeder.feed(tokenizer(context)["input_ids"])
     prompt = tokenizer("\n\n" + tokenizer.apply_chat_template([{"role": "user", "content": question}]))["input_ids"]
-    logits, out = feed(model, state, prompt)[-1], []
+    logits, out = feeder.feed(prompt), []
     for _ in range(n):
         out.append(int(logits.argmax()))
-        logits = feed(model, state, out[-1:])[-1]
+        logits = feeder.feed(out[-1:])
     return tokenizer.decode(out)

@@ -44,9 +44,44 @@ class SegmentCacheStream:
         self.length = 0
 
     @property
+    def stores(self) -> list[Keys]:
+        return [*self.query_layers, *self.layers]
+
+    @property
     def nbytes(self) -> int:
-        stores = [*self.query_layers, *self.layers]
-        return sum(s.k.nbytes + s.v.nbytes for s in stores) + self.segment_keys.nbytes
+        return sum(s.k.nbytes + s.v.nbytes for s in self.stores) + self.segment_keys.nbytes
+
+    def mark(self) -> tuple[Any, ...]:
+        """Where the state stands; `rollback` returns to it (tensors are replaced, never written in place)."""
+        return self.length, self.first_key, self.segment_keys, tuple((s.k, s.v, s.start) for s in self.stores)
+
+    def rollback(self, mark: tuple[Any, ...]) -> None:
+        self.length, self.first_key, self.segment_keys, stores = mark
+        for store, (k, v, start) in zip(self.stores, stores, strict=True):
+            store.k, store.v, store.start = k, v, start
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor under a flat name (safetensors-ready)."""
+        flat = {f"{i}.{name}": t for i, s in enumerate(self.stores) for name, t in (("k", s.k), ("v", s.v))}
+        starts = [s.start for s in self.stores]
+        counters = {
+            "starts": torch.tensor(starts),
+            "first_key": torch.tensor(self.first_key),
+            "length": torch.tensor(self.length),
+        }
+        return {**flat, "segment_keys": self.segment_keys, **counters}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        device = self.segment_keys.device
+        for i, store in enumerate(self.stores):
+            store.k, store.v, store.start = state[f"{i}.k"].to(device), state[f"{i}.v"].to(device), int(state["starts"][i])
+        self.segment_keys = state["segment_keys"].to(device)
+        self.first_key, self.length = int(state["first_key"]), int(state["length"])
+
+    def bound_tokens(self) -> tuple[int, int]:
+        """The most positions a layer keeps: (cached pass, query pass)."""
+        cfg = self.model.config
+        return cfg.memory_len + (cfg.cache_segments + 1) * cfg.segment_len, cfg.memory_len + cfg.segment_len
 
     @torch.inference_mode()
     def feed(self, token_ids: list[int] | torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,157 @@
+"""How a from-scratch LM is fed a session's text, a piece at a time, for the `state` memory.
+
+- long-short, cacheformer: `SegmentFeed`, the model's whole past as its own state (segment_feed.py):
+  compressed segments for every position, the uncompressed ones cache attention fetches.
+- segment-cache: `SegmentCacheFeed`, its bounded state (memory and cache, segment_cache_stream.py);
+  the logits equal one pass over the whole text, however long.
+- transformer, Perceiver AR (all variants), LLP: `WindowFeed`, the last `max_seq_len` tokens, the
+  model run over them for each logit asked for. These models have no state that reaches further:
+  what they were trained on is one window, so a longer text is read through its last window.
+
+Every feeder's `feed` returns the logits after the last token fed, and `mark`/`rollback` undo what
+was fed since the mark (answers are fed, then forgotten). Tensors are replaced, never written in
+place, so a mark's references keep their values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, cast
+
+import torch
+
+from research.lms.lm_common import LanguageModel
+from research.lms.segment_cache import SegmentCacheLM
+from research.lms.segment_cache_stream import SegmentCacheStream
+from research.lms.segment_feed import FeedState, check_feedable, feed
+
+WINDOW_ARCHS = ("transformer", "perceiver-ar", "perceiver-ar-v1", "perceiver-ar-v2", "perceiver-ar-v3", "llp")
+
+
+class Feeder(Protocol):
+    @property
+    def length(self) -> int: ...  # tokens fed in all
+    @property
+    def nbytes(self) -> int: ...
+    def feed(self, token_ids: list[int]) -> torch.Tensor: ...  # the next token's logits [V]
+    def mark(self) -> Any: ...
+    def rollback(self, mark: Any) -> None: ...
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+    def bytes_per_token(self) -> int: ...  # what a token adds while the state grows (cache info)
+    def growth(self, tokens: int) -> int: ...  # the most feeding `tokens` more can add (counted before)
+
+
+def _element_bytes(model: LanguageModel) -> int:
+    return next(model.parameters()).element_size()
+
+
+class SegmentFeed:
+    def __init__(self, model: LanguageModel) -> None:
+        check_feedable(model)
+        self.model, self.state = model, FeedState(model)
+
+    @property
+    def length(self) -> int:
+        return self.state.length
+
+    @property
+    def nbytes(self) -> int:
+        return self.state.nbytes
+
+    def feed(self, token_ids: list[int]) -> torch.Tensor:
+        return feed(self.model, self.state, token_ids)[-1]
+
+    def mark(self) -> Any:
+        return self.state.mark()
+
+    def rollback(self, mark: Any) -> None:
+        self.state.rollback(mark)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.state.load_state_dict(state)
+
+    def bytes_per_token(self) -> int:
+        """Its window key/value, and its share of the compressed segments, in every layer."""
+        cfg = self.model.config
+        per_layer = (
+            2 * cfg.dim * _element_bytes(self.model) * (1 + (1 + cfg.overlap) * cfg.compressed_per_segment / cfg.segment_len)
+        )
+        return int(per_layer * cfg.n_layers + 0.5)
+
+    def growth(self, tokens: int) -> int:
+        """Per layer, a window key/value row a token, the unfinished tail of raw rows (under two
+        segments), and r compressed rows for every segment the feed can end, in each compression."""
+        cfg = self.model.config
+        row = 2 * cfg.dim * _element_bytes(self.model) * cfg.n_layers
+        compressed = (1 + cfg.overlap) * cfg.compressed_per_segment * (tokens // cfg.segment_len + 1)
+        return row * (tokens + min(tokens, 2 * cfg.segment_len) + compressed)
+
+
+class SegmentCacheFeed(SegmentCacheStream):
+    """The stream, its `feed` returning only the last token's logits."""
+
+    def feed(self, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
+        return super().feed(token_ids)[-1]
+
+    def bytes_per_token(self) -> int:
+        """A key and a value in both passes of every layer, and a segment key (a feed of a few
+        tokens can end a segment)."""
+        cfg, size = self.model.config, _element_bytes(self.model)
+        return (2 * 2 * cfg.n_layers + 1) * cfg.dim * size
+
+    def growth(self, tokens: int) -> int:
+        """A token's worth each, up to everything the bounded state can hold."""
+        cfg, size = self.model.config, _element_bytes(self.model)
+        cached, query = self.bound_tokens()
+        keys = cfg.memory_len // cfg.segment_len + cfg.cache_segments + 1
+        bound = 2 * cfg.n_layers * cfg.dim * size * (cached + query) + keys * cfg.dim * size
+        return min(tokens * self.bytes_per_token(), bound)
+
+
+class WindowFeed:
+    def __init__(self, model: LanguageModel) -> None:
+        self.model, self.length = model, 0
+        self.window = torch.zeros(0, dtype=torch.long, device=next(model.parameters()).device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.window.nbytes
+
+    @torch.inference_mode()
+    def feed(self, token_ids: list[int]) -> torch.Tensor:
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.window.device).view(-1)
+        self.window = torch.cat([self.window, ids])[-self.model.config.max_seq_len :]
+        self.length += len(ids)
+        return self.model(self.window[None])[0, -1]
+
+    def mark(self) -> Any:
+        return self.window, self.length
+
+    def rollback(self, mark: Any) -> None:
+        self.window, self.length = mark
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"window": self.window, "length": torch.tensor(self.length)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.window, self.length = state["window"].to(self.window.device), int(state["length"])
+
+    def bytes_per_token(self) -> int:
+        return self.window.element_size()
+
+    def growth(self, tokens: int) -> int:
+        return min(tokens, self.model.config.max_seq_len) * self.window.element_size()
+
+
+def feeder_for(model: LanguageModel) -> Feeder:
+    """The feeder of `model`'s family; a ValueError for a family none feeds."""
+    if model.arch in ("long-short", "cacheformer"):
+        return SegmentFeed(model)
+    if model.arch == "segment-cache":
+        return SegmentCacheFeed(cast(SegmentCacheLM, model))
+    if model.arch in WINDOW_ARCHS:
+        return WindowFeed(model)
+    raise ValueError(f"no feeder for a {model.arch!r} model")
