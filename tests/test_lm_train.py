@@ -90,12 +90,11 @@ def test_strict_loading(corpus_dir, tmp_path):
         load_checkpoint(folder)
 
 
-def test_the_shipped_cacheformer_loads_by_name_and_stays_small():
+def test_the_shipped_cacheformer_was_trained_in_two_stages():  # what every shipped one must be: tests/test_shipped_lms.py
     from engine.models.loader import load_model
     from research.plugin import SHIPPED_CHECKPOINTS
 
     folder = SHIPPED_CHECKPOINTS / "cacheformer-bytes"
-    assert sum(f.stat().st_size for f in folder.iterdir()) <= 10 * 2**20
     loaded = load_model("cacheformer-bytes", cache_dir=Path("/nonexistent"), device="cpu")
     assert loaded.own_memory == "state" and loaded.architecture == "cacheformer" and loaded.context_len == 4096
     meta = json.loads((folder / "config.json").read_text())
@@ -104,7 +103,6 @@ def test_the_shipped_cacheformer_loads_by_name_and_stays_small():
     assert manifest["train_config"]["init"] == "research/checkpoints/cacheformer-bytes"  # stage 2 of MANIFEST.md
     assert manifest["train_config"]["model"] == meta["config"]
     assert manifest["steps"] == 60 and manifest["eval"]["heldout_bits_per_byte"] < 3.2
-    assert (folder / "MANIFEST.md").is_file()
 
 
 def test_init_starts_from_a_checkpoint_at_a_longer_length(corpus_dir, tmp_path):

@@ -1,0 +1,35 @@
+"""Every shipped from-scratch checkpoint (research/checkpoints/): at most 10 MB, served by name on the
+`state` memory, its manifest consistent with its weights, and its held-out score reproduced from
+the weights (the held-out split begins with alice29.txt, a test fixture here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.models.loader import load_model
+from research.lms.feeders import feeder_for
+from research.plugin import shipped_checkpoints
+from research.training.lm_train import bits_per_byte
+from tests.helpers import FIXTURES
+
+HELD_OUT_START = np.frombuffer((FIXTURES / "alice29.txt").read_bytes().replace(b"\r\n", b"\n"), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("name", sorted(shipped_checkpoints()))
+def test_a_shipped_checkpoint_is_small_servable_and_scores_what_its_manifest_says(name):
+    folder = shipped_checkpoints()[name]
+    assert sum(f.stat().st_size for f in folder.iterdir()) <= 10 * 2**20
+    assert (folder / "MANIFEST.md").is_file()
+    loaded = load_model(name, cache_dir=Path("/nonexistent"), device="cpu")
+    assert loaded.own_memory == "state" and loaded.context_len == loaded.model.config.max_seq_len
+    feeder_for(loaded.model)  # the state memory can feed it
+    meta = json.loads((folder / "config.json").read_text())
+    manifest, trained = meta["manifest"], meta["manifest"]["train_config"]
+    assert manifest["command"].startswith("longdoc train lm") and trained["model"] == meta["config"]
+    assert trained["eval_bytes"] <= len(HELD_OUT_START)
+    score = bits_per_byte(loaded.model, HELD_OUT_START, trained["seq_len"], trained["eval_bytes"], trained.get("eval_scored"))
+    assert score == pytest.approx(manifest["eval"]["heldout_bits_per_byte"], abs=1e-4)
