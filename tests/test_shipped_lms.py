@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
 
 from engine.models.loader import load_model
 from research.lms.feeders import feeder_for
+from research.lms.lm_common import LanguageModel
 from research.plugin import shipped_checkpoints
 from research.training.lm_train import bits_per_byte
 from tests.helpers import FIXTURES
@@ -25,11 +27,12 @@ def test_a_shipped_checkpoint_is_small_servable_and_scores_what_its_manifest_say
     assert sum(f.stat().st_size for f in folder.iterdir()) <= 10 * 2**20
     assert (folder / "MANIFEST.md").is_file()
     loaded = load_model(name, cache_dir=Path("/nonexistent"), device="cpu")
-    assert loaded.own_memory == "state" and loaded.context_len == loaded.model.config.max_seq_len
-    feeder_for(loaded.model)  # the state memory can feed it
+    model = cast(LanguageModel, loaded.model)  # a plugin's model, typed as a Hugging Face one in LoadedModel
+    assert loaded.own_memory == "state" and loaded.context_len == model.config.max_seq_len
+    feeder_for(model)  # the state memory can feed it
     meta = json.loads((folder / "config.json").read_text())
     manifest, trained = meta["manifest"], meta["manifest"]["train_config"]
     assert manifest["command"].startswith("longdoc train lm") and trained["model"] == meta["config"]
     assert trained["eval_bytes"] <= len(HELD_OUT_START)
-    score = bits_per_byte(loaded.model, HELD_OUT_START, trained["seq_len"], trained["eval_bytes"], trained.get("eval_scored"))
+    score = bits_per_byte(model, HELD_OUT_START, trained["seq_len"], trained["eval_bytes"], trained.get("eval_scored"))
     assert score == pytest.approx(manifest["eval"]["heldout_bits_per_byte"], abs=1e-4)
