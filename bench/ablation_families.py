@@ -74,14 +74,14 @@ def matched_dim(arch: str, flags: dict[str, Any], target: int) -> int:
 
 def command(name: str, dim: int, seed: int, args: argparse.Namespace) -> tuple[list[str], Path]:
     arch, flags = FAMILIES[name]
-    out = ROOT / "runs" / "families" / f"{re.sub('[^a-z0-9]+', '-', name).strip('-')}-d{dim}-n{args.steps}-s{seed}"
+    out = Path("runs") / "families" / f"{re.sub('[^a-z0-9]+', '-', name).strip('-')}-d{dim}-n{args.steps}-s{seed}"  # the run's cwd is ROOT
     cmd = [sys.executable, "-m", "clients.cli", "train", "lm", "--arch", arch, "--dim", str(dim), "--out", str(out)]
     for field, value in flags.items():
         cmd += [FLAG_NAMES[field]] if value is True else [FLAG_NAMES[field], str(value)]
     cmd += ["--steps", str(args.steps), "--seed", str(seed), "--seq-len", str(SEQ_LEN), "--batch-size", str(args.batch_size)]
     cmd += ["--lr", str(args.lr), "--warmup", str(args.warmup), "--eval-scored", str(LATENT)]
     cmd += ["--checkpoint-every", str(max(1, args.steps // 4))]
-    return cmd, out
+    return cmd, ROOT / out
 
 
 def run(name: str, dim: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
