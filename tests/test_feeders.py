@@ -36,7 +36,27 @@ def fed(feeder, ids: torch.Tensor, chunks: list[int]) -> list[torch.Tensor]:
 
 
 def test_every_family_has_a_feeder():
-    assert {build(arch, **{**SMALL, **flags}).arch for arch, flags in FAMILIES.values()} == set(ARCHS)
+    models = [build(arch, **{**SMALL, **flags}) for arch, flags in FAMILIES.values()]
+    assert {model.arch for model in models} == set(ARCHS)
+    for model in models:
+        feeder_for(model).feed([1, 2, 3])
+    model = models[0]
+    model.arch = "unknown-family"
+    with pytest.raises(ValueError, match="no feeder"):
+        feeder_for(model)
+
+
+@pytest.mark.parametrize("name", ["transformer", "llp", "segment-cache", "long-short", "cf-both-p8"])
+def test_for_a_causal_family_each_feed_equals_one_forward_over_everything(name):
+    """Where each output sees only the tokens before it, one forward over the whole input gives
+    every feed's answer at once: an independent check of what each feed returns."""
+    model = model_of(name)
+    ids = torch.randint(0, 50, (SMALL["max_seq_len"],))
+    chunks = [1, 6, 20, 13, 24]
+    with torch.no_grad():
+        full = model(ids[None])[0]
+    ends = torch.tensor(chunks).cumsum(0) - 1
+    torch.testing.assert_close(torch.stack(fed(feeder_for(model), ids, chunks)), full[ends], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -116,7 +136,7 @@ def test_a_served_checkpoint_answers_from_the_fed_documents_and_after_a_restart(
     fed directly (documents longer than the model's window), and comes back the same after a restart."""
     arch, flags = SERVED[name]
     torch.manual_seed(0)
-    model = build(arch, vocab_size=256, dim=32, n_layers=2, n_heads=2, max_seq_len=128, **flags)
+    model = build(arch, vocab_size=256, dim=32, n_layers=2, n_heads=2, max_seq_len=256, **flags)
     with torch.no_grad():
         model.embed.weight.mul_(5.0)  # logits wide enough that answers follow the context
     save_checkpoint(model, tmp_path / name, note="random weights, for tests")
@@ -126,12 +146,30 @@ def test_a_served_checkpoint_answers_from_the_fed_documents_and_after_a_restart(
     assert session["memory"] == "state"
     doc = client.post(f"/v1/sessions/{session['id']}/documents", json={"text": TEXT}).json()
     assert doc["tokens"] == len(TEXT.encode())
-    body = {"question": "Who was sitting by her sister?", "max_tokens": 12, "no_repeat_ngram_size": 0}  # plain greedy
+    question = "Who was sitting by her sister?"
+    body = {"question": question, "max_tokens": 12, "no_repeat_ngram_size": 0}  # plain greedy
     answer = client.post(f"/v1/sessions/{session['id']}/ask", json=body).json()["answer"]
-    assert answer == greedy(model.eval(), TEXT, body["question"], 12)
+    assert answer == greedy(model.eval(), TEXT, question, 12)
     cache = client.get(f"/v1/sessions/{session['id']}/cache").json()
-    assert cache["entries"] == doc["tokens"] and cache["bytes"] > 0
+    reach = feeder_for(model).reach()
+    assert cache["entries"] == min(doc["tokens"], reach) and cache["capacity"] == reach and cache["bytes"] > 0
+    assert f"pushed out {doc['tokens'] - reach:,} tokens" in doc["warning"]  # the text past the model's reach, said
     client.__exit__(None, None, None)
     restarted = make_client(**settings)
     assert restarted.post(f"/v1/sessions/{session['id']}/ask", json=body).json()["answer"] == answer
     assert restarted.get(f"/v1/sessions/{session['id']}/cache").json() == cache
+
+
+def test_the_budget_refuses_a_feed_before_it_happens(make_client, tmp_path):
+    """A segment-cache session whose budget is below one state copy: the document is refused
+    (counted before anything is fed) and the session keeps what it had."""
+    arch, flags = SERVED["segment-cache"]
+    model = build(arch, vocab_size=256, dim=32, n_layers=2, n_heads=2, max_seq_len=256, **flags)
+    save_checkpoint(model, tmp_path / "sc", note="random weights, for tests")
+    client = make_client(model=[str(tmp_path / "sc")], session_memory_bytes=feeder_for(model).growth(1) - 1)
+    # (a budget of growth(1) - 1 bytes: below what any feed is counted at)
+    session = client.post("/v1/sessions", json={"model": "sc"}).json()["id"]
+    refused = client.post(f"/v1/sessions/{session}/documents", json={"text": "a few words"})
+    need = feeder_for(model).growth(1)  # one new state copy, whatever the document's length
+    assert refused.status_code == 413 and f"needs {need} bytes of session memory" in refused.json()["error"]["message"]
+    assert client.get(f"/v1/sessions/{session}/cache").json()["documents"] == 0

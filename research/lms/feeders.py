@@ -9,8 +9,12 @@
   what they were trained on is one window, so a longer text is read through its last window.
 
 Every feeder's `feed` returns the logits after the last token fed, and `mark`/`rollback` undo what
-was fed since the mark (answers are fed, then forgotten). Tensors are replaced, never written in
-place, so a mark's references keep their values.
+was fed since the mark (answers are fed, then forgotten). Marks are undone newest first: the
+segment feed writes its buffers in place past the marked row counts; the others replace their
+tensors, so a mark's references keep their values. The session's write lock orders them.
+
+LLP's half-segments are counted from the window's first token, so past `max_seq_len` they shift by
+one position at each token; the logits there are the model's on that window, not on the whole text.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ class Feeder(Protocol):
     def state_dict(self) -> dict[str, torch.Tensor]: ...
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
     def bytes_per_token(self) -> int: ...  # what a token adds while the state grows (cache info)
-    def growth(self, tokens: int) -> int: ...  # the most feeding `tokens` more can add (counted before)
+    def growth(self, tokens: int) -> int: ...  # the most feeding `tokens` more can allocate (counted before)
+    def reach(self) -> int | None: ...  # the most past tokens the state holds; None: every one
+    def answer_room(self) -> int | None: ...  # the most prompt + answer tokens one answer may feed
 
 
 def _element_bytes(model: LanguageModel) -> int:
@@ -71,7 +77,8 @@ class SegmentFeed:
         return self.state.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.state.load_state_dict(state)
+        device = next(self.model.parameters()).device  # saved sessions are read onto the CPU
+        self.state.load_state_dict({name: tensor.to(device) for name, tensor in state.items()})
 
     def bytes_per_token(self) -> int:
         """Its window key/value, and its share of the compressed segments, in every layer."""
@@ -89,6 +96,12 @@ class SegmentFeed:
         compressed = (1 + cfg.overlap) * cfg.compressed_per_segment * (tokens // cfg.segment_len + 1)
         return row * (tokens + min(tokens, 2 * cfg.segment_len) + compressed)
 
+    def reach(self) -> int | None:
+        return None
+
+    def answer_room(self) -> int | None:
+        return None
+
 
 class SegmentCacheFeed(SegmentCacheStream):
     """The stream, its `feed` returning only the last token's logits."""
@@ -103,12 +116,19 @@ class SegmentCacheFeed(SegmentCacheStream):
         return (2 * 2 * cfg.n_layers + 1) * cfg.dim * size
 
     def growth(self, tokens: int) -> int:
-        """A token's worth each, up to everything the bounded state can hold."""
+        """A whole new state: a feed copies every store (torch.cat), and a mark keeps the old ones
+        (already counted) until it is dropped."""
         cfg, size = self.model.config, _element_bytes(self.model)
         cached, query = self.bound_tokens()
         keys = cfg.memory_len // cfg.segment_len + cfg.cache_segments + 1
-        bound = 2 * cfg.n_layers * cfg.dim * size * (cached + query) + keys * cfg.dim * size
-        return min(tokens * self.bytes_per_token(), bound)
+        return 2 * cfg.n_layers * cfg.dim * size * (cached + query) + keys * cfg.dim * size if tokens else 0
+
+    def reach(self) -> int | None:
+        cfg = self.model.config
+        return cfg.memory_len + cfg.cache_segments * cfg.segment_len
+
+    def answer_room(self) -> int | None:
+        return None  # the stream takes any length; a long question pushes the document out of reach
 
 
 class WindowFeed:
@@ -123,7 +143,7 @@ class WindowFeed:
     @torch.inference_mode()
     def feed(self, token_ids: list[int]) -> torch.Tensor:
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.window.device).view(-1)
-        self.window = torch.cat([self.window, ids])[-self.model.config.max_seq_len :]
+        self.window = torch.cat([self.window, ids])[-self.model.config.max_seq_len :].clone()  # no long feed kept alive
         self.length += len(ids)
         return self.model(self.window[None])[0, -1]
 
@@ -144,6 +164,12 @@ class WindowFeed:
 
     def growth(self, tokens: int) -> int:
         return min(tokens, self.model.config.max_seq_len) * self.window.element_size()
+
+    def reach(self) -> int | None:
+        return self.model.config.max_seq_len
+
+    def answer_room(self) -> int | None:
+        return self.model.config.max_seq_len  # a longer question and answer would push out the question
 
 
 def feeder_for(model: LanguageModel) -> Feeder:

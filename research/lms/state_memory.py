@@ -45,6 +45,7 @@ class StateMemory(Memory):
         self._documents: list[str] = []
         self._staged: tuple[str, Any, int] | None = None  # (document id, mark, bytes before it)
         self._committed_bytes = self.state.nbytes  # what stats count: not a staged document, not an answer in flight
+        self._committed_length = 0
 
     @classmethod
     def available(cls, context: MemoryContext) -> bool:
@@ -69,7 +70,7 @@ class StateMemory(Memory):
         assert self._staged is not None, "begin_document first"
         self._documents.append(self._staged[0])
         self._staged = None
-        self._committed_bytes = self.state.nbytes
+        self._committed_bytes, self._committed_length = self.state.nbytes, self.state.length
 
     def abort_document(self) -> None:
         if self._staged is not None:
@@ -83,7 +84,11 @@ class StateMemory(Memory):
         return []  # the documents are in the model's state, not in the prompt
 
     def answer_room(self, context_len: int) -> int | None:
-        return None  # the state has no fixed room; the answer grows it, reserved in answer_bytes
+        return self.state.answer_room()  # None: the answer grows the state, reserved in answer_bytes
+
+    def dropped_tokens(self) -> int:
+        reach = self.state.reach()
+        return 0 if reach is None else max(0, self._committed_length - reach)
 
     def answer_bytes(self, overhead: int, max_tokens: int, context_len: int, kv_bytes_per_token: int) -> tuple[int, int]:
         return self.state.growth(overhead + max_tokens + len(self._separator)), 0
@@ -100,11 +105,12 @@ class StateMemory(Memory):
             self.state.rollback(mark)
 
     def stats(self) -> CacheInfo:
+        reach = self.state.reach()
         return CacheInfo(
             memory=self.kind,
-            entries=self.state.length,
+            entries=self._committed_length if reach is None else min(self._committed_length, reach),
             bytes=self._committed_bytes,
-            capacity=0,  # unbounded: the session's byte budget is the limit
+            capacity=reach or 0,  # 0: every token; the session's byte budget is the limit
             documents=len(self._documents),
             bytes_per_token=self.bytes_per_token(),
         )
@@ -112,7 +118,7 @@ class StateMemory(Memory):
     def reset(self) -> None:
         self.state = feeder_for(self.model)
         self._documents, self._staged = [], None
-        self._committed_bytes = self.state.nbytes
+        self._committed_bytes, self._committed_length = self.state.nbytes, 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"documents": list(self._documents), "state": self.state.state_dict()}
@@ -121,4 +127,4 @@ class StateMemory(Memory):
         self.reset()
         self.state.load_state_dict(state["state"])
         self._documents = list(state["documents"])
-        self._committed_bytes = self.state.nbytes
+        self._committed_bytes, self._committed_length = self.state.nbytes, self.state.length
