@@ -74,7 +74,8 @@ def matched_dim(arch: str, flags: dict[str, Any], target: int) -> int:
 
 def command(name: str, dim: int, seed: int, args: argparse.Namespace) -> tuple[list[str], Path]:
     arch, flags = FAMILIES[name]
-    out = Path("runs") / "families" / f"{re.sub('[^a-z0-9]+', '-', name).strip('-')}-d{dim}-n{args.steps}-s{seed}"  # the run's cwd is ROOT
+    # relative: the run's cwd is ROOT, and its recorded command names no local folder
+    out = Path("runs") / "families" / f"{re.sub('[^a-z0-9]+', '-', name).strip('-')}-d{dim}-n{args.steps}-s{seed}"
     cmd = [sys.executable, "-m", "clients.cli", "train", "lm", "--arch", arch, "--dim", str(dim), "--out", str(out)]
     for field, value in flags.items():
         cmd += [FLAG_NAMES[field]] if value is True else [FLAG_NAMES[field], str(value)]

@@ -21,7 +21,8 @@ from tests.helpers import FIXTURES
 HELD_OUT_START = np.frombuffer((FIXTURES / "alice29.txt").read_bytes().replace(b"\r\n", b"\n"), dtype=np.uint8)
 
 
-SHIPPED = ("cacheformer-bytes",)  # README and docs/research-families.md name each
+# README and docs/research-families.md name each
+SHIPPED = ("cacheformer-bytes", "llp-bytes", "perceiver-ar-bytes", "segment-cache-bytes")
 
 
 def test_the_shipped_checkpoints_are_the_documented_ones():
