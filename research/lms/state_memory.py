@@ -61,7 +61,7 @@ class StateMemory(Memory):
         self.state.feed(segment.token_ids)
 
     def staged_bytes(self) -> int:
-        return 0 if self._staged is None else self.state.nbytes - self._staged[2]
+        return 0 if self._staged is None else max(0, self.state.nbytes - self._staged[2])  # a bounded state may shrink
 
     def bytes_per_token(self) -> int:
         return self.state.bytes_per_token()
