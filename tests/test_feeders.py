@@ -153,6 +153,7 @@ def test_a_served_checkpoint_answers_from_the_fed_documents_and_after_a_restart(
     cache = client.get(f"/v1/sessions/{session['id']}/cache").json()
     reach = feeder_for(model).reach()
     assert cache["entries"] == min(doc["tokens"], reach) and cache["capacity"] == reach and cache["bytes"] > 0
+    assert cache["dropped_tokens"] == doc["tokens"] - reach
     assert f"pushed out {doc['tokens'] - reach:,} tokens" in doc["warning"]  # the text past the model's reach, said
     client.__exit__(None, None, None)
     restarted = make_client(**settings)

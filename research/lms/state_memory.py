@@ -113,6 +113,7 @@ class StateMemory(Memory):
             capacity=reach or 0,  # 0: every token; the session's byte budget is the limit
             documents=len(self._documents),
             bytes_per_token=self.bytes_per_token(),
+            dropped_tokens=self.dropped_tokens(),
         )
 
     def reset(self) -> None:
