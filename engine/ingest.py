@@ -149,7 +149,7 @@ def _dropped_warning(memory: Memory, dropped: int, tokens: int) -> str | None:
     return (
         f"the {memory.kind} memory holds at most {stats.capacity:,} tokens and this document has {tokens:,}: adding it "
         f"pushed out {dropped:,} tokens of this session's documents, the oldest first, and answers cannot use them. "
-        "Make the session with a larger capacity, or with memory 'text', which keeps every document whole."
+        + memory.dropped_advice
     )
 
 

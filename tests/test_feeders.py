@@ -155,6 +155,7 @@ def test_a_served_checkpoint_answers_from_the_fed_documents_and_after_a_restart(
     assert cache["entries"] == min(doc["tokens"], reach) and cache["capacity"] == reach and cache["bytes"] > 0
     assert cache["dropped_tokens"] == doc["tokens"] - reach
     assert f"pushed out {doc['tokens'] - reach:,} tokens" in doc["warning"]  # the text past the model's reach, said
+    assert "reaches no further back" in doc["warning"] and "memory 'text'" not in doc["warning"]
     client.__exit__(None, None, None)
     restarted = make_client(**settings)
     assert restarted.post(f"/v1/sessions/{session['id']}/ask", json=body).json()["answer"] == answer

@@ -114,6 +114,10 @@ class Memory(ABC):
     kind: ClassVar[str]
     runs_on_model: ClassVar[bool] = False  # ingestion needs the language model's worker
     answer_holds_write_lock: ClassVar[bool] = False  # answering reads state ingestion writes: hold the session's write lock
+    # what the ingestion warning advises when a document pushed older text out of the memory
+    dropped_advice: ClassVar[str] = (
+        "Make the session with a larger capacity, or with memory 'text', which keeps every document whole."
+    )
 
     @abstractmethod
     def begin_document(self, document_id: str, text: str, tokens: int) -> None:

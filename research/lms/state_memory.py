@@ -32,6 +32,7 @@ class StateMemory(Memory):
     kind = "state"
     runs_on_model = True
     answer_holds_write_lock = True  # answering feeds the state (and rolls it back)
+    dropped_advice = "This model's own state reaches no further back; a longer text is read through its most recent part."
 
     def __init__(self, context: MemoryContext, options: dict[str, Any]) -> None:
         self.options: StateOptions = parse_options(StateOptions, options)
