@@ -24,11 +24,12 @@ from typing import Any, Protocol, cast
 import torch
 
 from research.lms.lm_common import LanguageModel
+from research.lms.perceiver_ar import VARIANTS as PERCEIVERS
 from research.lms.segment_cache import SegmentCacheLM
 from research.lms.segment_cache_stream import SegmentCacheStream
 from research.lms.segment_feed import FeedState, check_feedable, feed
 
-WINDOW_ARCHS = ("transformer", "perceiver-ar", "perceiver-ar-v1", "perceiver-ar-v2", "perceiver-ar-v3", "llp")
+WINDOW_ARCHS = ("transformer", *PERCEIVERS, "llp")
 
 
 class Feeder(Protocol):
