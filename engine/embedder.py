@@ -35,10 +35,19 @@ class Embedder:
     def dim(self) -> int:
         return int(self.model.config.hidden_size)
 
-    @torch.inference_mode()
     def encode(self, texts: list[str]) -> np.ndarray:
         """Embed texts; returns float32 [len(texts), dim], each row of unit length."""
+        return self.encode_parts(texts, [[] for _ in texts])[0]
+
+    @torch.inference_mode()
+    def encode_parts(self, texts: list[str], parts: list[list[tuple[int, int]]]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Embed texts and, from the same pass, parts of them: parts[i] are character spans of
+        texts[i], each pooled from the hidden states of its text's tokens that lie inside it (read
+        in the context of the whole text). Returns the texts' vectors [len(texts), dim] and, per
+        text, its parts' vectors [len(parts[i]), dim]; all float32 of unit length (a part that
+        holds no token is a zero row)."""
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        part_vectors = [np.zeros((len(p), self.dim), dtype=np.float32) for p in parts]
         for start in range(0, len(texts), self.batch_size):
             batch = self.tokenizer(
                 texts[start : start + self.batch_size],
@@ -46,10 +55,25 @@ class Embedder:
                 truncation=True,
                 max_length=self.max_length,
                 return_tensors="pt",
-            ).to(self.device)
-            hidden = self.model(**batch).last_hidden_state  # B, T, C
-            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # B, T, 1
+                return_offsets_mapping=True,
+            )
+            offsets = batch.pop("offset_mapping")  # B, T, 2: (0, 0) for special and padding tokens
+            batch = batch.to(self.device)
+            hidden = self.model(**batch).last_hidden_state.float().cpu()  # B, T, C
+            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype).cpu()  # B, T, 1
             pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)  # B, C
-            pooled = torch.nn.functional.normalize(pooled, dim=-1)
-            out[start : start + len(pooled)] = pooled.float().cpu().numpy()
-        return out
+            out[start : start + len(pooled)] = torch.nn.functional.normalize(pooled, dim=-1).numpy()
+            for b in range(len(pooled)):
+                if parts[start + b]:
+                    part_vectors[start + b] = _pool_parts(hidden[b], offsets[b], parts[start + b])
+        return out, part_vectors
+
+
+def _pool_parts(hidden: torch.Tensor, offsets: torch.Tensor, parts: list[tuple[int, int]]) -> np.ndarray:
+    """[len(parts), C]: the mean of the token states [T, C] whose characters lie in each part."""
+    spans = torch.tensor(parts, dtype=offsets.dtype)  # P, 2
+    real = offsets[:, 1] > offsets[:, 0]  # T: tokens with characters
+    inside = real & (offsets[None, :, 0] >= spans[:, :1]) & (offsets[None, :, 1] <= spans[:, 1:])  # P, T
+    inside = inside.to(hidden.dtype)
+    pooled = inside @ hidden / inside.sum(1, keepdim=True).clamp(min=1.0)
+    return torch.nn.functional.normalize(pooled, dim=-1).numpy()

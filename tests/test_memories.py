@@ -12,6 +12,7 @@ from engine.errors import BudgetExceededError, InvalidRequestError, TooLargeErro
 from engine.ingest import ingest_steps, piece_bounds, tokenize_document
 from engine.interface import DocumentInfo, IngestDone
 from engine.memories import MemoryContext, build_memory
+from engine.memories.text import chunk_sentences
 from tests.helpers import filler
 
 FACT = "The secret harbour of Velmora is guarded by a lighthouse painted violet."
@@ -70,8 +71,9 @@ def test_truncate_spans_documents_in_order(context, tiny_tokenizer):
     assert [p.item.document_id for p in memory.retrieve("q", 400)] == ["a", "b"]
 
 
-def test_text_memory_finds_the_fact_and_points_at_it(context, tiny_tokenizer):
-    memory = build_memory("text", context, {"chunk_tokens": 32, "top_k": 2})
+@pytest.mark.parametrize("focus_tokens", [0, 128])
+def test_text_memory_finds_the_fact_and_points_at_it(context, tiny_tokenizer, focus_tokens):
+    memory = build_memory("text", context, {"chunk_tokens": 32, "top_k": 2, "focus_tokens": focus_tokens})
     text = filler(60) + " " + FACT + " " + filler(60)
     ingest(memory, tiny_tokenizer, "book", text)
     pieces = memory.retrieve("What colour is the lighthouse of Velmora?", max_tokens=1000)
@@ -84,7 +86,7 @@ def test_text_memory_finds_the_fact_and_points_at_it(context, tiny_tokenizer):
 
 
 def test_text_retrieval_respects_the_token_budget(context, tiny_tokenizer):
-    memory = build_memory("text", context, {"chunk_tokens": 32, "top_k": 4})
+    memory = build_memory("text", context, {"chunk_tokens": 32, "top_k": 4, "focus_tokens": 0})
     ingest(memory, tiny_tokenizer, "book", filler(100))
     pieces = memory.retrieve("river", max_tokens=70)
     tokens = sum(len(tiny_tokenizer(p.text, add_special_tokens=False)["input_ids"]) for p in pieces)
@@ -122,18 +124,35 @@ def test_text_memory_chunk_limit(context, tiny_tokenizer):
     assert memory.stats().entries == 0
 
 
-@pytest.mark.parametrize("kind", ["truncate", "text"])
-def test_state_dict_round_trip(context, tiny_tokenizer, kind):
-    memory = build_memory(kind, context, {})
+@pytest.mark.parametrize(("kind", "options"), [("truncate", {}), ("text", {}), ("text", {"focus_tokens": 48})])
+def test_state_dict_round_trip(context, tiny_tokenizer, kind, options):
+    memory = build_memory(kind, context, options)
     ingest(memory, tiny_tokenizer, "a", filler(50) + " " + FACT)
     ingest(memory, tiny_tokenizer, "b", filler(30))
-    restored = build_memory(kind, context, {})
+    restored = build_memory(kind, context, options)
     restored.load_state_dict(memory.state_dict())
     assert restored.stats() == memory.stats()
     query = "Velmora lighthouse colour"
     assert restored.retrieve(query, 3000) == memory.retrieve(query, 3000)
     if kind == "text":
-        np.testing.assert_array_equal(restored.state_dict()["vectors"], memory.state_dict()["vectors"])
+        for key in ("vectors", "sentence_starts", "sentence_spans", "sentence_vectors"):
+            np.testing.assert_array_equal(restored.state_dict()[key], memory.state_dict()[key])
+
+
+def test_focus_sessions_saved_without_sentences_embed_them_again(context, tiny_tokenizer):
+    """A focus session saved before sentences were kept loads with the sentences it would have had."""
+    options = {"focus_tokens": 48}
+    memory = build_memory("text", context, options)
+    ingest(memory, tiny_tokenizer, "a", filler(50) + " " + FACT)
+    ingest(memory, tiny_tokenizer, "b", filler(30))
+    state = {k: v for k, v in memory.state_dict().items() if not k.startswith("sentence_")}
+    restored = build_memory("text", context, options)
+    restored.load_state_dict(state)
+    assert restored.stats() == memory.stats()
+    for key in ("sentence_starts", "sentence_spans"):
+        np.testing.assert_array_equal(restored.state_dict()[key], memory.state_dict()[key])
+    loaded, saved = (m.state_dict()["sentence_vectors"].astype(np.float32) for m in (restored, memory))
+    np.testing.assert_allclose(loaded, saved, atol=1e-3)  # batched differently: float rounding only
 
 
 @pytest.mark.parametrize("kind", ["truncate", "text"])
@@ -195,7 +214,7 @@ def test_hybrid_retrieval_is_deterministic_and_merges_touching_chunks(context, t
     text = filler(80) + " " + FACT + " " + RARE + " " + filler(80)
     runs = []
     for _ in range(2):
-        memory = build_memory("text", context, {"chunk_tokens": 16, "top_k": 6, "context_tokens": 96})
+        memory = build_memory("text", context, {"chunk_tokens": 16, "top_k": 6, "context_tokens": 96, "focus_tokens": 0})
         ingest(memory, tiny_tokenizer, "book", text)
         runs.append(memory.retrieve("Velmora lighthouse colour and the Z80 bootloader's Quennell", max_tokens=1000))
     assert runs[0] == runs[1]
@@ -210,7 +229,7 @@ def test_focus_keeps_the_sentences_that_answer_with_their_spans(context, tiny_to
     """focus_tokens: of the chosen chunks, only the sentences closest to the question (and the one
     after each) reach the prompt, within the budget, in document order, each pointing at its text."""
     text = filler(80) + " " + FACT + " " + RARE + " " + filler(80)
-    options = {"chunk_tokens": 64, "top_k": 4, "context_tokens": 256}
+    options = {"chunk_tokens": 64, "top_k": 4, "context_tokens": 256, "focus_tokens": 0}
     whole = build_memory("text", context, options)
     focused = build_memory("text", context, {**options, "focus_tokens": 48})
     for memory in (whole, focused):
@@ -227,8 +246,46 @@ def test_focus_keeps_the_sentences_that_answer_with_their_spans(context, tiny_to
     assert all(any(ca <= a and b <= cb for ca, cb in inside) for a, b in spans)  # cut from the chosen chunks
 
 
+def test_focus_costs_one_minilm_pass_a_question(context, tiny_tokenizer, monkeypatch):
+    """The sentences' vectors come from the chunks' pass at ingestion: a question embeds itself only."""
+    memory = build_memory("text", context, {"chunk_tokens": 64, "top_k": 4, "context_tokens": 256, "focus_tokens": 48})
+    ingest(memory, tiny_tokenizer, "book", filler(80) + " " + FACT + " " + filler(80))
+    embedded: list[str] = []
+    encode = context.embedder.encode_parts
+
+    def counted(texts, parts):
+        embedded.extend(texts)
+        return encode(texts, parts)
+
+    monkeypatch.setattr(context.embedder, "encode_parts", counted)
+    pieces = memory.retrieve("What colour is the lighthouse of Velmora?", 1000)
+    assert embedded == ["What colour is the lighthouse of Velmora?"]
+    assert any(FACT in p.text for p in pieces)
+
+
+def test_sentence_vectors_pool_the_chunks_own_pass(embedder):
+    """A part's vector is the mean of the chunk pass's states over the part's tokens: the whole
+    text as its one part gives the text's own vector without [CLS] and [SEP], and nearly the same
+    direction; a sentence's pooled vector is closer to that sentence alone than to another."""
+    first, second = "The lighthouse of Velmora is painted violet.", "Bread was baked at dawn by the miller."
+    text = first + " " + second
+    (whole,), (parts,) = embedder.encode_parts([text], [[(0, len(text)), (0, len(first)), (len(first) + 1, len(text))]])
+    assert float(parts[0] @ whole) > 0.98
+    alone = embedder.encode([first, second])
+    assert float(parts[1] @ alone[0]) > float(parts[1] @ alone[1])
+    assert float(parts[2] @ alone[1]) > float(parts[2] @ alone[0])
+
+
+def test_a_chunks_sentences_are_bounded_and_cover_it():
+    text = " ".join(f"Line {i} ends here." for i in range(40))
+    spans = chunk_sentences(text, limit=16)
+    assert len(spans) == 16 and spans[0][0] == 0 and spans[-1][1] == len(text)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in pairwise(spans))
+    assert chunk_sentences("One. Two. Three.") == [(0, 4), (5, 9), (10, 16)]
+
+
 def test_bad_retrieval_options_are_user_errors(context):
-    for options in ({"retrieval": "magic"}, {"context_tokens": 8}, {"rrf_k": 0}, {"focus_tokens": 10_000}):
+    for options in ({"retrieval": "magic"}, {"context_tokens": 8}, {"rrf_k": 0}, {"focus_tokens": 40_000}):
         with pytest.raises(InvalidRequestError):
             build_memory("text", context, options)
 

@@ -43,6 +43,23 @@ class LexicalIndex:
             return np.zeros(self.size, np.float32)
         return np.asarray(self._bm25.get_scores(terms), np.float32)
 
+    def term_scores(self, query: str, texts: list[str]) -> np.ndarray:
+        """float32 [len(texts)]: for each text, the summed IDF (over this index's chunks) of the
+        query's terms it holds; a lexical score for pieces of chunks, such as sentences."""
+        if self._bm25 is None or not texts:
+            return np.zeros(len(texts), np.float32)
+        frequency = np.diff(self._bm25.scores["indptr"])  # chunks holding each term id
+        idf: dict[str, float] = {}
+        for term in set(self._tokens([query], ids=False)[0]):
+            term_id = self._bm25.vocab_dict.get(term)
+            if term_id is not None and term_id < len(frequency):
+                df = float(frequency[term_id])
+                idf[term] = float(np.log1p((self.size - df + 0.5) / (df + 0.5)))
+        if not idf:
+            return np.zeros(len(texts), np.float32)
+        held = self._tokens(texts, ids=False)
+        return np.asarray([sum(idf.get(term, 0.0) for term in set(terms)) for terms in held], np.float32)
+
     @property
     def nbytes(self) -> int:
         if self._bm25 is None:

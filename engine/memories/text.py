@@ -5,15 +5,17 @@ Each chunk has a MiniLM vector (a per-session FAISS inner-product index) and BM2
 reciprocal rank fusion (score = sum of 1 / (rrf_k + rank)), the prompt is filled in fused order up
 to `context_tokens`, chunks that touch are merged, and the excerpts are placed in document order.
 Ties break by chunk number, so the same documents and question always give the same excerpts.
-With `focus_tokens`, the chosen chunks are cut down to their sentences closest to the question.
+With `focus_tokens`, the chosen chunks are cut down to their sentences closest to the question:
+each chunk's sentences get MiniLM vectors at ingestion, pooled from the chunk's own pass, so a
+question costs no more MiniLM work than its own vector.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import sys
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import faiss
@@ -32,6 +34,7 @@ RETRIEVALS = ("hybrid", "dense", "lexical")
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+|\n\s*\n")
 _CHARS_PER_TOKEN = 4
 _MIN_SENTENCE_CHARS = 40
+MAX_SENTENCES = 16  # a chunk's sentences beyond this many are grouped, so its bytes have a bound
 
 
 def _sentences(text: str) -> list[tuple[int, int]]:
@@ -46,6 +49,15 @@ def _sentences(text: str) -> list[tuple[int, int]]:
     return spans
 
 
+def chunk_sentences(text: str, limit: int = MAX_SENTENCES) -> list[tuple[int, int]]:
+    """(start, end) of a chunk's sentences; past `limit` sentences, runs of neighbours are grouped."""
+    spans = _sentences(text)
+    if len(spans) <= limit:
+        return spans
+    bounds = np.linspace(0, len(spans), limit + 1).round().astype(int).tolist()
+    return [(spans[a][0], spans[b - 1][1]) for a, b in pairwise(bounds)]
+
+
 @dataclass(frozen=True)
 class TextOptions:
     chunk_tokens: int = 128
@@ -54,7 +66,7 @@ class TextOptions:
     retrieval: str = "hybrid"
     rrf_k: int = 60
     max_chunks: int = 200_000
-    focus_tokens: int = 0  # > 0: of the chosen chunks, keep only their best sentences, this many tokens
+    focus_tokens: int = 128  # > 0: of the chosen chunks, only their best sentences, this many tokens; 0: whole chunks
 
     def __post_init__(self) -> None:
         if not 16 <= self.chunk_tokens <= 512:
@@ -69,8 +81,8 @@ class TextOptions:
             raise ValueError("rrf_k must be between 1 and 1000")
         if self.max_chunks < 1:
             raise ValueError("max_chunks must be positive")
-        if not 0 <= self.focus_tokens <= self.context_tokens:
-            raise ValueError("focus_tokens must be between 0 and context_tokens")
+        if not 0 <= self.focus_tokens <= 32_768:
+            raise ValueError("focus_tokens must be between 0 and 32768 (0: whole chunks)")
 
 
 @dataclass
@@ -102,12 +114,43 @@ class _Chunks:
 
 
 @dataclass
+class _Sentences:
+    """The chunks' sentences (focus_tokens > 0 only): chunk i's are rows starts[i]:starts[i + 1],
+    each a character span of the chunk's document and a float16 vector."""
+
+    starts: np.ndarray  # int64 [chunks + 1]
+    spans: np.ndarray  # int64 [m, 2]
+    vectors: np.ndarray  # float16 [m, dim]
+
+    @classmethod
+    def of(cls, counts: list[int], spans: list[tuple[int, int]], vectors: list[np.ndarray], dim: int) -> _Sentences:
+        starts = np.concatenate([[0], np.cumsum(np.asarray(counts, np.int64))]).astype(np.int64)
+        matrix = np.concatenate(vectors).astype(np.float16) if vectors else np.zeros((0, dim), np.float16)
+        return cls(starts, np.asarray(spans, np.int64).reshape(-1, 2), matrix.reshape(-1, dim))
+
+    def extend(self, other: _Sentences) -> _Sentences:
+        starts = np.concatenate([self.starts, other.starts[1:] + self.starts[-1]])
+        return _Sentences(starts, np.concatenate([self.spans, other.spans]), np.concatenate([self.vectors, other.vectors]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.starts.nbytes + self.spans.nbytes + self.vectors.nbytes
+
+    @staticmethod
+    def bytes_per_chunk(dim: int) -> int:
+        return 8 + MAX_SENTENCES * (16 + 2 * dim)
+
+
+@dataclass
 class _Staged:
     document_id: str
     text: str
     spans: list[tuple[int, int]] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     vectors: list[np.ndarray] = field(default_factory=list)
+    sentence_counts: list[int] = field(default_factory=list)
+    sentence_spans: list[tuple[int, int]] = field(default_factory=list)
+    sentence_vectors: list[np.ndarray] = field(default_factory=list)
 
 
 class TextMemory(Memory):
@@ -121,6 +164,7 @@ class TextMemory(Memory):
         self._index = faiss.IndexFlatIP(self._embedder.dim)  # the chunks' vectors live here only
         self._lexical = LexicalIndex()
         self._chunks = _Chunks.empty()
+        self._sentences = self._no_sentences()
         self._documents: list[tuple[str, str]] = []  # (id, text) of each committed document
         self._text_bytes = 0  # their texts' size in RAM: kept, as stats run on every budget check and scrape
         self._staged: _Staged | None = None
@@ -135,13 +179,28 @@ class TextMemory(Memory):
         if len(self._chunks) + len(staged.spans) + len(pieces) > self.options.max_chunks:
             raise BudgetExceededError(f"text memory holds at most {self.options.max_chunks} chunks")
         spans = [(piece[0][0], piece[-1][1]) for piece in pieces]
-        staged.vectors.append(self._embedder.encode([staged.text[a:b] for a, b in spans]))
+        self._embed(staged, spans)
         staged.spans += spans
         staged.tokens += [len(piece) for piece in pieces]
 
+    def _embed(self, staged: _Staged, spans: list[tuple[int, int]]) -> None:
+        """The chunks' vectors into `staged`, and with focus their sentences' from the same pass."""
+        texts = [staged.text[a:b] for a, b in spans]
+        parts = [chunk_sentences(text) if self.options.focus_tokens else [] for text in texts]
+        vectors, part_vectors = self._embedder.encode_parts(texts, parts)
+        staged.vectors.append(vectors)
+        if self.options.focus_tokens:
+            staged.sentence_counts += [len(p) for p in parts]
+            staged.sentence_spans += [(a + s, a + e) for (a, _), p in zip(spans, parts, strict=True) for s, e in p]
+            staged.sentence_vectors += part_vectors
+
+    def _no_sentences(self) -> _Sentences:
+        return _Sentences.of([], [], [], self._embedder.dim)
+
     def _chunk_bytes(self) -> int:
-        """Upper estimate per chunk: its vector, span and count, and its BM25 terms."""
-        return 4 * self._embedder.dim + _CHUNK_BYTES + LexicalIndex.bytes_per_chunk(self.options.chunk_tokens)
+        """Upper estimate per chunk: its vector, span and count, its BM25 terms, and with focus its sentences."""
+        sentences = _Sentences.bytes_per_chunk(self._embedder.dim) if self.options.focus_tokens else 0
+        return 4 * self._embedder.dim + _CHUNK_BYTES + LexicalIndex.bytes_per_chunk(self.options.chunk_tokens) + sentences
 
     def _rebuild_bytes(self, new_chunks: int, new_text_bytes: int) -> int:
         """What rebuilding BM25 at the commit holds for a moment beside the old index: a copy of
@@ -167,6 +226,9 @@ class TextMemory(Memory):
             self._index.add(np.concatenate(staged.vectors))
             number = len(self._documents)
             self._chunks = self._chunks.extend(_Chunks.of([number] * len(staged.spans), staged.spans, staged.tokens))
+            if self.options.focus_tokens:
+                added = _Sentences.of(staged.sentence_counts, staged.sentence_spans, staged.sentence_vectors, self._embedder.dim)
+                self._sentences = self._sentences.extend(added)
         self._documents.append((staged.document_id, staged.text))
         self._text_bytes += sys.getsizeof(staged.text)
         self._staged, self._lexical = None, lexical
@@ -188,61 +250,81 @@ class TextMemory(Memory):
             return []
         dense = self.options.retrieval != "lexical" or self.options.focus_tokens > 0
         query_vector = self._embedder.encode([query])[0] if dense else None  # one MiniLM pass a question
-        pieces = self._retrieve_chunks(query, query_vector, max_tokens)
+        chosen = self._chosen_chunks(query, query_vector, max_tokens)
         if self.options.focus_tokens:
             assert query_vector is not None
-            return self._focus(query_vector, pieces, min(max_tokens, self.options.focus_tokens))
-        return pieces
+            return self._focus(query, query_vector, chosen, min(max_tokens, self.options.focus_tokens))
+        return [self._piece(run, chosen) for run in self._runs(sorted(chosen))]
 
-    def _focus(self, query_vector: np.ndarray, pieces: list[ContextPiece], budget: int) -> list[ContextPiece]:
-        """The sentences of `pieces` closest to the question (MiniLM), each with the one after it,
-        up to `budget` tokens (estimated from characters); sentences that touch are one excerpt,
-        in document order. Costs one MiniLM pass over the chosen chunks' sentences."""
-        sentences = [(k, a, b) for k, piece in enumerate(pieces) for a, b in _sentences(piece.text)]
-        if not sentences:
-            return pieces
-        vectors = self._embedder.encode([pieces[k].text[a:b] for k, a, b in sentences])
-        similarity = vectors @ query_vector
-        chosen: set[int] = set()
+    def _focus(self, query: str, query_vector: np.ndarray, chosen: dict[int, float], budget: int) -> list[ContextPiece]:
+        """The sentences of the chosen chunks closest to the question (their vectors from
+        ingestion), each with the one after it, up to `budget` tokens (estimated from characters);
+        sentences that touch are one excerpt, in document order."""
+        starts = self._sentences.starts
+        rows = [r for r in sorted(chosen) if starts[r + 1] > starts[r]]
+        if not rows:
+            return [self._piece(run, chosen) for run in self._runs(sorted(chosen))]
+        ids = np.concatenate([np.arange(starts[r], starts[r + 1]) for r in rows])  # document order
+        owner = np.concatenate([np.full(starts[r + 1] - starts[r], r) for r in rows])
+        similarity = self._sentences.vectors[ids].astype(np.float32) @ query_vector
+        lengths = (self._sentences.spans[ids, 1] - self._sentences.spans[ids, 0]).tolist()
+        picked: set[int] = set()
         left = budget * _CHARS_PER_TOKEN
-        for best in np.argsort(-similarity, kind="stable").tolist():
+        for best in self._sentence_order(query, owner, ids, similarity):
             for j in (best, best + 1):  # the answer often follows the sentence that matches the question
-                if j < len(sentences) and j not in chosen and sentences[j][0] == sentences[best][0]:
-                    if sentences[j][2] - sentences[j][1] <= left:
-                        chosen.add(j)
-                        left -= sentences[j][2] - sentences[j][1]
+                if j < len(ids) and j not in picked and self._touch(owner, ids, best, j) and lengths[j] <= left:
+                    picked.add(j)
+                    left -= lengths[j]
             if left < _MIN_SENTENCE_CHARS:
                 break
         runs: list[list[int]] = []
-        for j in sorted(chosen):
-            if runs and runs[-1][-1] == j - 1 and sentences[j - 1][0] == sentences[j][0]:
+        for j in sorted(picked):
+            if runs and runs[-1][-1] == j - 1 and self._touch(owner, ids, j - 1, j):
                 runs[-1].append(j)
             else:
                 runs.append([j])
-        return [self._sub_piece(pieces, sentences, run, similarity) for run in runs]
+        return [self._sentence_piece(owner, ids, run, similarity) for run in runs]
 
-    @staticmethod
-    def _sub_piece(
-        pieces: list[ContextPiece], sentences: list[tuple[int, int, int]], run: list[int], similarity: np.ndarray
-    ) -> ContextPiece:
-        piece = pieces[sentences[run[0]][0]]
-        start, end = sentences[run[0]][1], sentences[run[-1]][2]
-        item = piece.item
+    def _sentence_order(self, query: str, owner: np.ndarray, ids: np.ndarray, similarity: np.ndarray) -> list[int]:
+        """Candidate sentences best first: MiniLM similarity alone, or in hybrid retrieval fused
+        (reciprocal rank) with the IDF of the question's words each sentence holds."""
+        dense = np.argsort(-similarity, kind="stable").tolist()
+        if self.options.retrieval != "hybrid":
+            return dense
+        documents = [self._documents[d][1] for d in self._chunks.documents[owner].tolist()]
+        texts = [text[a:b] for text, (a, b) in zip(documents, self._sentences.spans[ids].tolist(), strict=True)]
+        lexical = self._lexical.term_scores(query, texts)
+        words = [j for j in np.argsort(-lexical, kind="stable").tolist() if lexical[j] > 0]
+        fused = np.zeros(len(ids))
+        for ranking in (dense, words):
+            for rank, j in enumerate(ranking):
+                fused[j] += 1.0 / (self.options.rrf_k + rank + 1)
+        return np.argsort(-fused, kind="stable").tolist()
+
+    def _touch(self, owner: np.ndarray, ids: np.ndarray, i: int, j: int) -> bool:
+        """Whether sentence j of the candidates is sentence i itself or the one right after it in its document."""
+        if ids[j] - ids[i] not in (0, 1):
+            return False
+        return bool(self._chunks.documents[owner[i]] == self._chunks.documents[owner[j]])
+
+    def _sentence_piece(self, owner: np.ndarray, ids: np.ndarray, run: list[int], similarity: np.ndarray) -> ContextPiece:
+        document_id, text = self._documents[self._chunks.documents[owner[run[0]]]]
+        start, end = int(self._sentences.spans[ids[run[0]], 0]), int(self._sentences.spans[ids[run[-1]], 1])
         score = float(max(similarity[j] for j in run))
-        span = dataclasses.replace(item, char_start=item.char_start + start, char_end=item.char_start + end, score=score)
-        return ContextPiece(piece.text[start:end], span)
+        item = RetrievedItem(chunk_id=int(owner[run[0]]), document_id=document_id, char_start=start, char_end=end, score=score)
+        return ContextPiece(text[start:end], item)
 
-    def _retrieve_chunks(self, query: str, query_vector: np.ndarray | None, max_tokens: int) -> list[ContextPiece]:
-        scores = self._ranked(query, query_vector)
+    def _chosen_chunks(self, query: str, query_vector: np.ndarray | None, max_tokens: int) -> dict[int, float]:
+        """Chunk -> fused score, best first, within `top_k` and the token budget."""
         chosen: dict[int, float] = {}
         budget = min(max_tokens, self.options.context_tokens)
-        for row, score in scores:
+        for row, score in self._ranked(query, query_vector):
             if len(chosen) == self.options.top_k or budget < 1:
                 break
             if self._chunks.tokens[row] <= budget:
                 chosen[row] = score
                 budget -= int(self._chunks.tokens[row])
-        return [self._piece(run, chosen) for run in self._runs(sorted(chosen))]
+        return chosen
 
     def _ranked(self, query: str, query_vector: np.ndarray | None) -> list[tuple[int, float]]:
         """(chunk, score) best first: fused ranks, or one ranking alone (options.retrieval)."""
@@ -284,7 +366,10 @@ class TextMemory(Memory):
         return CacheInfo(
             memory=self.kind,
             entries=int(self._index.ntotal),
-            bytes=len(self._chunks) * (4 * self._embedder.dim + _CHUNK_BYTES) + self._lexical.nbytes + self._text_bytes,
+            bytes=len(self._chunks) * (4 * self._embedder.dim + _CHUNK_BYTES)
+            + self._lexical.nbytes
+            + self._text_bytes
+            + self._sentences.nbytes,
             capacity=self.options.max_chunks,
             documents=len(self._documents),
         )
@@ -293,6 +378,7 @@ class TextMemory(Memory):
         self._index.reset()
         self._lexical = LexicalIndex()
         self._chunks = _Chunks.empty()
+        self._sentences = self._no_sentences()
         self._documents, self._staged, self._text_bytes = [], None, 0
 
     def state_dict(self) -> dict[str, Any]:
@@ -303,6 +389,9 @@ class TextMemory(Memory):
             "chunk_documents": self._chunks.documents.copy(),
             "chunk_spans": self._chunks.spans.copy(),
             "chunk_tokens": self._chunks.tokens.copy(),
+            "sentence_starts": self._sentences.starts.copy(),
+            "sentence_spans": self._sentences.spans.copy(),
+            "sentence_vectors": self._sentences.vectors.copy(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -312,3 +401,26 @@ class TextMemory(Memory):
         self._chunks = _Chunks.of(state["chunk_documents"], state["chunk_spans"], state["chunk_tokens"])
         self._index.add(np.ascontiguousarray(state["vectors"], np.float32).reshape(-1, self._embedder.dim))
         self._lexical = self._lexical.build(self._chunk_texts())
+        if self.options.focus_tokens:
+            self._sentences = self._loaded_sentences(state)
+
+    def _loaded_sentences(self, state: dict[str, Any]) -> _Sentences:
+        """The saved sentences, or, from a session saved without them, the chunks embedded again."""
+        if len(state.get("sentence_starts", ())) == len(self._chunks) + 1:
+            vectors = np.asarray(state["sentence_vectors"], np.float16).reshape(-1, self._embedder.dim)
+            return _Sentences(
+                np.asarray(state["sentence_starts"], np.int64), np.asarray(state["sentence_spans"], np.int64), vectors
+            )
+        sentences = self._no_sentences()
+        for number, (document_id, text) in enumerate(self._documents):
+            staged = _Staged(document_id, text)
+            spans = [
+                tuple(span)
+                for span, d in zip(self._chunks.spans.tolist(), self._chunks.documents.tolist(), strict=True)
+                if d == number
+            ]
+            self._embed(staged, spans)
+            sentences = sentences.extend(
+                _Sentences.of(staged.sentence_counts, staged.sentence_spans, staged.sentence_vectors, self._embedder.dim)
+            )
+        return sentences
