@@ -66,7 +66,7 @@ class TextOptions:
     retrieval: str = "hybrid"
     rrf_k: int = 60
     max_chunks: int = 200_000
-    focus_tokens: int = 128  # > 0: of the chosen chunks, only their best sentences, this many tokens; 0: whole chunks
+    focus_tokens: int = 0  # > 0: of the chosen chunks, only their best sentences, this many tokens; 0: whole chunks
 
     def __post_init__(self) -> None:
         if not 16 <= self.chunk_tokens <= 512:
