@@ -295,11 +295,7 @@ class TextMemory(Memory):
         texts = [text[a:b] for text, (a, b) in zip(documents, self._sentences.spans[ids].tolist(), strict=True)]
         lexical = self._lexical.term_scores(query, texts)
         words = [j for j in np.argsort(-lexical, kind="stable").tolist() if lexical[j] > 0]
-        fused = np.zeros(len(ids))
-        for ranking in (dense, words):
-            for rank, j in enumerate(ranking):
-                fused[j] += 1.0 / (self.options.rrf_k + rank + 1)
-        return np.argsort(-fused, kind="stable").tolist()
+        return [j for j, _ in self._fused([dense, words])]
 
     def _touch(self, owner: np.ndarray, ids: np.ndarray, i: int, j: int) -> bool:
         """Whether sentence j of the candidates is sentence i itself or the one right after it in its document."""
@@ -339,11 +335,15 @@ class TextMemory(Memory):
             lexical = self._lexical.scores(query)
             order = np.argsort(-lexical, kind="stable")[:depth]
             rankings.append([r for r in order.tolist() if lexical[r] > 0])
+        return self._fused(rankings)
+
+    def _fused(self, rankings: list[list[int]]) -> list[tuple[int, float]]:
+        """Reciprocal rank fusion: (item, sum of 1 / (rrf_k + rank)) best first, ties by item number."""
         fused: dict[int, float] = {}
         for ranking in rankings:
-            for rank, row in enumerate(ranking):
-                fused[row] = fused.get(row, 0.0) + 1.0 / (self.options.rrf_k + rank + 1)
-        return sorted(fused.items(), key=lambda item: (-item[1], item[0]))
+            for rank, item in enumerate(ranking):
+                fused[item] = fused.get(item, 0.0) + 1.0 / (self.options.rrf_k + rank + 1)
+        return sorted(fused.items(), key=lambda pair: (-pair[1], pair[0]))
 
     def _runs(self, rows: list[int]) -> list[list[int]]:
         """Chosen chunks in document order, consecutive chunks of one document as one run."""
