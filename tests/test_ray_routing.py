@@ -16,7 +16,7 @@ import pytest
 
 from server.ray_serve.asgi import ForwardedRequest, ResponseStart, run_asgi
 from server.ray_serve.deployments import ScaleOut, metrics_target
-from server.ray_serve.routing import named_replica, owner_of, session_in, session_prefix
+from server.ray_serve.routing import in_turn, makes_session, named_replica, owner_of, session_in, session_prefix
 from tests.helpers import new_session
 
 
@@ -41,6 +41,16 @@ def test_rendezvous_owners_agree_and_move_only_the_lost_replicas_sessions():
     after = {s: owner_of(s, ["r1", "r2", "r4"]) for s in ids}
     moved = {s for s in ids if after[s] != before[s]}
     assert moved == {s for s in ids if before[s] == "r3"}
+
+
+def test_new_sessions_go_to_the_replicas_in_turn():
+    replicas = ["r2", "r0", "r1"]
+    firsts = [in_turn(turn, replicas)[0] for turn in range(7)]
+    assert firsts == ["r0", "r1", "r2", "r0", "r1", "r2", "r0"]
+    assert in_turn(4, replicas) == ["r1", "r2", "r0"]  # the rest follow, for when the first is full
+    assert in_turn(5, ["only"]) == ["only"]
+    assert makes_session("POST", "/v1/sessions") and makes_session("POST", "/v1/sessions/")
+    assert not makes_session("GET", "/v1/sessions") and not makes_session("POST", "/v1/sessions/s-1/ask")
 
 
 def test_the_session_a_request_names():

@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 from engine.errors import LongdocError
 from server.errors import error_body, status_of
 from server.ray_serve.asgi import ForwardedRequest, ResponseStart, run_asgi
-from server.ray_serve.routing import session_in, session_prefix
+from server.ray_serve.routing import makes_session, session_in, session_prefix
 from server.routes.documents import read_body
 from server.settings import Settings
 
@@ -141,9 +141,11 @@ class LongdocReplica:
         advertised = get_node_ip_address() if host in ("0.0.0.0", "::") else host  # type: ignore[no-untyped-call]
         return metrics_target(directory, self.name, advertised, server.server_port)
 
-    async def forward(self, request: ForwardedRequest, session_id: str | None = None) -> AsyncIterator[Any]:
+    async def forward(
+        self, request: ForwardedRequest, session_id: str | None = None, new_session: bool = False
+    ) -> AsyncIterator[Any]:
         """The response to a forwarded request: a `ResponseStart`, then its body chunks."""
-        del session_id  # read by the router
+        del session_id, new_session  # read by the router
         async for item in run_asgi(self.app, request, [(REPLICA_HEADER, self.name.encode())]):
             yield item
 
@@ -235,8 +237,10 @@ class LongdocIngress:
             client=(client.host, client.port) if client else None,
         )
         session_id = session_in(request.method, forwarded.path, body)
+        new_session = makes_session(request.method, forwarded.path)
         for attempt in range(ATTEMPTS):
-            stream = cast(DeploymentResponseGenerator[Any], self.replicas.forward.remote(forwarded, session_id=session_id))
+            call = self.replicas.forward.remote(forwarded, session_id=session_id, new_session=new_session)
+            stream = cast(DeploymentResponseGenerator[Any], call)
             try:
                 start = await stream.__anext__()
             except GONE_ERRORS as exc:

@@ -35,6 +35,19 @@ def owner_of(session_id: str, replicas: list[str]) -> str:
     return max(replicas, key=lambda replica: hashlib.sha256(f"{session_id}/{replica}".encode()).digest())
 
 
+def makes_session(method: str, path: str) -> bool:
+    """Whether a request makes a new session (`POST /v1/sessions`)."""
+    return method == "POST" and path.rstrip("/") == "/v1/sessions"
+
+
+def in_turn(turn: int, replicas: list[str]) -> list[str]:
+    """The live `replicas` (not empty) in the order the `turn`-th new session tries them: round
+    robin from a sorted list, so sessions made together spread evenly whatever each one's timing."""
+    ordered = sorted(replicas)
+    start = turn % len(ordered)
+    return ordered[start:] + ordered[:start]
+
+
 def session_in(method: str, path: str, body: bytes) -> str | None:
     """The session a request names: in its path, or a chat completion's `session_id` field."""
     match = SESSION_PATH.match(path)
