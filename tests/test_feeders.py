@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from research.lms import ARCHS, build
-from research.lms.feeders import WindowFeed, feeder_for
+from research.lms.feeders import SegmentFeed, WindowFeed, feeder_for
 from research.lms.lm_io import save_checkpoint
 from tests.helpers import FIXTURES, SMALL, VARIANTS, greedy
 from tests.test_research_families import FAMILIES as NEW_FAMILIES
@@ -99,11 +99,12 @@ def test_rollback_and_restore_give_the_same_next_logits(name):
     ids = torch.randint(0, 50, (150,))
     feeder = feeder_for(model)
     feeder.feed(ids[:90].tolist())
-    mark, saved, size = feeder.mark(), feeder.state_dict(), feeder.nbytes
+    mark, saved = feeder.mark(), feeder.state_dict()
     first = feeder.feed(ids[90:].tolist())
     feeder.feed([1, 2, 3])
     feeder.rollback(mark)
-    assert (feeder.length, feeder.nbytes) == (90, size)
+    after = feeder.state_dict()
+    assert feeder.length == 90 and after.keys() == saved.keys() and all(torch.equal(after[k], saved[k]) for k in saved)
     torch.testing.assert_close(feeder.feed(ids[90:].tolist()), first, rtol=0, atol=0)
     restored = feeder_for(model)
     restored.load_state_dict({k: v.clone() for k, v in saved.items()})
@@ -117,10 +118,36 @@ def test_the_state_grows_no_more_than_counted(name):
     model = model_of(name)
     feeder = feeder_for(model)
     for n in [1, 3, 8, 30, 64, 100, 1, 1]:
-        before = feeder.nbytes
+        before, reserved = feeder.nbytes, feeder.growth(n)
         feeder.feed(torch.randint(0, 50, (n,)).tolist())
-        assert feeder.nbytes - before <= feeder.growth(n)  # a bounded state may shrink
-        assert feeder.nbytes <= feeder_for(model).growth(feeder.length)
+        assert feeder.nbytes - before <= reserved  # a bounded state may shrink
+        if feeder.reach() is not None:
+            assert feeder.nbytes <= feeder_for(model).growth(feeder.length)
+
+
+@pytest.mark.parametrize("name", ["long-short", "cf-both-p8"])
+def test_a_reserved_segment_feed_copies_nothing_while_fed_in_pieces(name):
+    """The state memory reserves a document (or an answer) before feeding it in pieces: the stores
+    are copied once, into buffers whose bytes `growth` counted, and the pieces then write in place;
+    the bytes reported are the buffers' (room included), and a rollback keeps them."""
+    feeder = SegmentFeed(model_of(name))
+    feeder.feed(torch.randint(0, 50, (40,)).tolist())
+    before, reserved = feeder.nbytes, feeder.growth(150)
+    mark = feeder.mark()
+    feeder.reserve(150)
+    stores = [g for layer in feeder.state.layers for g in layer.growables()]
+    buffers = [g.data.data_ptr() for g in stores]
+    room = sum(g.nbytes for g in stores)
+    assert 0 < feeder.nbytes - before <= reserved
+    for n in (1, 17, 64, 68):  # 150 tokens in all
+        feeder.feed(torch.randint(0, 50, (n,)).tolist())
+        assert [g.data.data_ptr() for g in stores] == buffers  # written in place
+    assert sum(g.nbytes for g in stores) == room
+    assert all(g.n == g.data.shape[1] for layer in feeder.state.layers for g in layer.growables()[:2])  # windows: exact
+    feeder.rollback(mark)
+    assert [g.data.data_ptr() for g in stores] == buffers and sum(g.nbytes for g in stores) == room  # the room is kept
+    feeder.trim()
+    assert feeder.nbytes == before  # and given back
 
 
 SERVED = {

@@ -38,6 +38,8 @@ class Feeder(Protocol):
     @property
     def nbytes(self) -> int: ...
     def feed(self, token_ids: list[int]) -> torch.Tensor: ...  # the next token's logits [V]
+    def reserve(self, tokens: int) -> None: ...  # room for feeding `tokens` more in pieces, made at once
+    def trim(self) -> None: ...  # give back the room past what the state holds
     def mark(self) -> Any: ...
     def rollback(self, mark: Any) -> None: ...
     def state_dict(self) -> dict[str, torch.Tensor]: ...
@@ -89,13 +91,18 @@ class SegmentFeed:
         )
         return int(per_layer * cfg.n_layers + 0.5)
 
+    def reserve(self, tokens: int) -> None:
+        self.state.reserve(tokens)
+
+    def trim(self) -> None:
+        self.state.trim()
+
     def growth(self, tokens: int) -> int:
-        """Per layer, a window key/value row a token, the unfinished tail of raw rows (under two
-        segments), and r compressed rows for every segment the feed can end, in each compression."""
+        """The stores' new room when they must grow (each copied once into a buffer of its new
+        size, the old one freed after), and the unfinished tail of raw keys/values (under two segments)."""
         cfg = self.model.config
         row = 2 * cfg.dim * _element_bytes(self.model) * cfg.n_layers
-        compressed = (1 + cfg.overlap) * cfg.compressed_per_segment * (tokens // cfg.segment_len + 1)
-        return row * (tokens + min(tokens, 2 * cfg.segment_len) + compressed)
+        return self.state.reserve_bytes(tokens) + row * min(tokens, 2 * cfg.segment_len)
 
     def reach(self) -> int | None:
         return None
@@ -109,6 +116,12 @@ class SegmentCacheFeed(SegmentCacheStream):
 
     def feed(self, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
         return super().feed(token_ids)[-1]
+
+    def reserve(self, tokens: int) -> None:
+        pass  # its stores are bounded; each feed copies them (counted in growth)
+
+    def trim(self) -> None:
+        pass  # it holds no room
 
     def bytes_per_token(self) -> int:
         """A key and a value in both passes of every layer, and a segment key (a feed of a few
@@ -147,6 +160,12 @@ class WindowFeed:
         self.window = torch.cat([self.window, ids])[-self.model.config.max_seq_len :].clone()  # no long feed kept alive
         self.length += len(ids)
         return self.model(self.window[None])[0, -1]
+
+    def reserve(self, tokens: int) -> None:
+        pass  # the window is bounded; each feed copies it (counted in growth)
+
+    def trim(self) -> None:
+        pass  # it holds no room
 
     def mark(self) -> Any:
         return self.window, self.length

@@ -31,30 +31,48 @@ CHUNK = 128  # query rows per pass: bounds the [heads, rows, past segments] scor
 
 
 class Growable:
-    """An append-only [H, N, hd] buffer with spare room; a rollback truncates it."""
+    """An append-only [H, N, hd] buffer: `reserve` makes room for what a feed will add (one copy,
+    counted before it happens); a rollback truncates it and keeps its room."""
 
     def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.data = torch.empty(heads, 0, head_dim, dtype=dtype, device=device)
         self.n = 0
 
-    def append(self, x: torch.Tensor) -> None:
-        m = x.shape[1]
-        if self.n + m > self.data.shape[1]:
-            grown = self.data.new_empty(self.data.shape[0], max(256, 2 * (self.n + m)), self.data.shape[2])
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` rows in all, allocated exactly (the old buffer is freed after the copy)."""
+        if rows > self.data.shape[1]:
+            grown = self.data.new_empty(self.data.shape[0], rows, self.data.shape[2])
             grown[:, : self.n] = self.data[:, : self.n]
             self.data = grown
-        self.data[:, self.n : self.n + m] = x
-        self.n += m
+
+    def reserve_bytes(self, rows: int) -> int:
+        """What `reserve(rows)` allocates."""
+        return rows * self.row_bytes if rows > self.data.shape[1] else 0
+
+    def append(self, x: torch.Tensor) -> None:
+        self.reserve(self.n + x.shape[1])  # a no-op after the feed's reserve
+        self.data[:, self.n : self.n + x.shape[1]] = x
+        self.n += x.shape[1]
 
     def replace(self, x: torch.Tensor) -> None:
         self.data, self.n = x.clone(), x.shape[1]
+
+    def trim(self) -> None:
+        """Give back the room past the rows held (one copy)."""
+        if self.data.shape[1] > self.n:
+            self.replace(self.view())
 
     def view(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         return self.data[:, start : self.n if stop is None else stop]
 
     @property
+    def row_bytes(self) -> int:
+        return self.data.shape[0] * self.data.shape[2] * self.data.element_size()
+
+    @property
     def nbytes(self) -> int:
-        return self.n * self.data.shape[0] * self.data.shape[2] * self.data.element_size()
+        """What it holds in memory: its room, used or not."""
+        return self.data.shape[1] * self.row_bytes
 
 
 @dataclass
@@ -118,6 +136,7 @@ class FeedState:
             sums = param.new_zeros(H, 0)
             return LayerState(grow(), grow(), grow(), grow(), grow(), grow(), empty, empty, 0, sums, sums)
 
+        self.config = cfg
         self.length = 0
         self.layers = [layer() for _ in range(cfg.n_layers)]
 
@@ -125,6 +144,32 @@ class FeedState:
     def nbytes(self) -> int:
         per_layer = (sum(g.nbytes for g in s.growables()) + s.raw_k.nbytes * 2 for s in self.layers)
         return sum(per_layer)
+
+    def _rows_after(self, tokens: int) -> tuple[int, ...]:
+        """Rows each growable of a layer holds once `tokens` more are fed: a window row a token,
+        r compressed rows a completed segment (the overlap segments start l/2 later)."""
+        cfg = self.config
+        end, l, r = self.length + tokens, cfg.segment_len, cfg.compressed_per_segment
+        window, long, overlap = end, r * (end // l), r * max(0, (end - l // 2) // l) if cfg.overlap else 0
+        return window, window, long, long, overlap, overlap
+
+    def reserve(self, tokens: int) -> None:
+        """Room for feeding `tokens` more, made at once, so that the feed itself copies nothing."""
+        rows = self._rows_after(tokens)
+        for layer in self.layers:
+            for g, n in zip(layer.growables(), rows, strict=True):
+                g.reserve(n)
+
+    def trim(self) -> None:
+        """Give back every store's room past the rows it holds."""
+        for layer in self.layers:
+            for g in layer.growables():
+                g.trim()
+
+    def reserve_bytes(self, tokens: int) -> int:
+        """What `reserve(tokens)` allocates."""
+        rows = self._rows_after(tokens)
+        return sum(g.reserve_bytes(n) for layer in self.layers for g, n in zip(layer.growables(), rows, strict=True))
 
     def mark(self) -> Mark:
         layers = tuple(
@@ -163,6 +208,7 @@ def feed(model: LanguageModel, state: FeedState, token_ids: list[int] | torch.Te
     """Run `token_ids` after everything the state holds; returns their logits [n, V] and keeps them."""
     check_feedable(model)
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=next(model.parameters()).device).view(-1)
+    state.reserve(len(ids))
     outputs = []
     for start in range(0, len(ids), CHUNK):
         x = model.embed(ids[start : start + CHUNK])[None]  # 1, n, C

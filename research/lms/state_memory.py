@@ -54,8 +54,10 @@ class StateMemory(Memory):
 
     def begin_document(self, document_id: str, text: str, tokens: int) -> None:
         self._staged = (document_id, self.state.mark(), self.state.nbytes)
-        if self._documents:
-            self.state.feed(self._separator)
+        separator = self._separator if self._documents else []
+        self.state.reserve(len(separator) + tokens)  # counted in estimate_bytes; its segments then copy nothing
+        if separator:
+            self.state.feed(separator)
 
     def add_segment(self, segment: Segment) -> None:
         assert self._staged is not None, "begin_document first"
@@ -76,7 +78,9 @@ class StateMemory(Memory):
     def abort_document(self) -> None:
         if self._staged is not None:
             self.state.rollback(self._staged[1])
+            self.state.trim()  # the room made for the document is given back
         self._staged = None
+        self._committed_bytes = self.state.nbytes
 
     def estimate_bytes(self, chars: int, tokens: int) -> int:
         return self.state.growth(tokens + len(self._separator))
@@ -99,11 +103,12 @@ class StateMemory(Memory):
         yield Retrieval(self.kind, (), 0.0)
         mark = self.state.mark()
         prompt = (self._separator if self._documents else []) + render(request.tokenizer, request.messages)
-
+        self.state.reserve(len(prompt) + request.params.max_tokens)  # counted in answer_bytes
         try:
             yield from decode_steps(self.state.feed, request.tokenizer, prompt, request.params, request.stop_tokens)
         finally:
             self.state.rollback(mark)
+            self._committed_bytes = self.state.nbytes  # the room made for it is still held
 
     def stats(self) -> CacheInfo:
         reach = self.state.reach()
