@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 from engine.config import GenerationLimits
 from engine.errors import InvalidRequestError, TooLargeError
@@ -89,19 +89,31 @@ class Answering:
                 _check_context(room, overhead, params)
             budget = (context_len if room is None else room) - params.max_tokens - overhead
             kept, transient = memory.answer_bytes(overhead, params.max_tokens, context_len, kv_bytes)
-            if kept:
-                held.append(store.reserve(session, kept))
-            events = self._session_events(runtime, session, messages, params, budget)
+            reservation = store.reserve(session, kept)
+            held.append(reservation)
+
+            def recount() -> None:  # under the session's lock: what it holds may have changed since
+                reservation.grow_to(memory.answer_bytes(overhead, params.max_tokens, context_len, kv_bytes)[0])
+
+            events = self._session_events(runtime, session, messages, params, budget, recount)
         # what the answer allocates at its largest is reserved before it exists
         held.append(store.reserve(None, transient, transient=True))
         held.append(runtime.worker.admit())
         return events
 
     async def _session_events(
-        self, runtime: ModelRuntime, session: Session, messages: Messages, params: GenerationParams, budget: int
+        self,
+        runtime: ModelRuntime,
+        session: Session,
+        messages: Messages,
+        params: GenerationParams,
+        budget: int,
+        recount: Callable[[], None],
     ) -> AsyncGenerator[GenerationEvent, None]:
         """Retrieve up to `budget` tokens of context for the last user turn, then let the memory
-        answer on the model's worker (the request's pin keeps the session busy)."""
+        answer on the model's worker (the request's pin keeps the session busy). A memory whose
+        answer writes to it counts what the answer keeps again once it holds the session's lock
+        (`recount`): a document committed or dropped since admission changes what that is."""
         memory = session.memory
         assert memory is not None
         worker = self.session_service.memory_worker(session)
@@ -121,6 +133,8 @@ class Answering:
                 return
             lock = session.write_lock if memory.answer_holds_write_lock else contextlib.nullcontext()
             async with lock:
+                if memory.answer_holds_write_lock:
+                    recount()
                 async for step in runtime.worker.iterate(memory.answer_steps(request)):
                     if isinstance(step, MemoryWrite):
                         await self._write_answer(session, step, holding_lock=memory.answer_holds_write_lock)

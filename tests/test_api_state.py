@@ -126,3 +126,23 @@ def test_a_session_saved_under_the_old_name_stream_comes_back_and_an_unknown_mem
     assert info["memory"] == info["cache"]["memory"] == "state" and info["resident"] is False
     assert restarted.post(f"/v1/sessions/{old}/ask", json=body).json()["answer"] == before
     assert restarted.get("/metrics").status_code == 200
+
+
+def test_an_answer_counts_what_it_keeps_again_once_it_holds_the_session(make_client, checkpoint, tiny_dir):
+    """What an answer keeps is counted at admission and again under the session's lock, where a
+    document committed meanwhile has changed it: a recount over the budget stops the answer before
+    it feeds anything."""
+    budget = 4 * 1024**2
+    client = make_client(model=[str(checkpoint), str(tiny_dir)], segment_len=512, session_memory_bytes=budget)
+    session = client.post("/v1/sessions", json={"model": checkpoint.name}).json()["id"]
+    client.post(f"/v1/sessions/{session}/documents", json={"text": TEXT[:700]})
+    memory = client.app.state.engine.sessions.use(session).memory
+    counts = iter([(1024, 0), (budget + 1, 0)])  # admitted small; grown past the budget under the lock
+    memory.answer_bytes = lambda *args: next(counts)
+    saved = memory.state.state_dict()
+    body = {"question": "Who was sitting by her sister?", "max_tokens": 4, "stream": True}
+    response = client.post(f"/v1/sessions/{session}/ask", json=body)
+    assert "event: error" in response.text and "event: delta" not in response.text
+    after = memory.state.state_dict()
+    assert all(torch.equal(after[k], saved[k]) for k in saved)
+    assert next(counts, None) is None  # counted twice

@@ -121,8 +121,7 @@ def test_the_state_grows_no_more_than_counted(name):
         before, reserved = feeder.nbytes, feeder.growth(n)
         feeder.feed(torch.randint(0, 50, (n,)).tolist())
         assert feeder.nbytes - before <= reserved  # a bounded state may shrink
-        if feeder.reach() is not None:
-            assert feeder.nbytes <= feeder_for(model).growth(feeder.length)
+        assert feeder.nbytes <= feeder_for(model).growth(feeder.length)  # bounded states stay in their bound
 
 
 @pytest.mark.parametrize("name", ["long-short", "cf-both-p8"])
@@ -143,7 +142,7 @@ def test_a_reserved_segment_feed_copies_nothing_while_fed_in_pieces(name):
         feeder.feed(torch.randint(0, 50, (n,)).tolist())
         assert [g.data.data_ptr() for g in stores] == buffers  # written in place
     assert sum(g.nbytes for g in stores) == room
-    assert all(g.n == g.data.shape[1] for layer in feeder.state.layers for g in layer.growables()[:2])  # windows: exact
+    assert all(g.n == g.data.shape[1] for g in stores)  # the room was exactly what the 150 tokens needed
     feeder.rollback(mark)
     assert [g.data.data_ptr() for g in stores] == buffers and sum(g.nbytes for g in stores) == room  # the room is kept
     feeder.trim()

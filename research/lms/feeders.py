@@ -27,7 +27,7 @@ from research.lms.lm_common import LanguageModel
 from research.lms.perceiver_ar import VARIANTS as PERCEIVERS
 from research.lms.segment_cache import SegmentCacheLM
 from research.lms.segment_cache_stream import SegmentCacheStream
-from research.lms.segment_feed import FeedState, check_feedable, feed
+from research.lms.segment_feed import CHUNK, FeedState, check_feedable, feed
 
 WINDOW_ARCHS = ("transformer", *PERCEIVERS, "llp")
 
@@ -99,10 +99,13 @@ class SegmentFeed:
 
     def growth(self, tokens: int) -> int:
         """The stores' new room when they must grow (each copied once into a buffer of its new
-        size, the old one freed after), and the unfinished tail of raw keys/values (under two segments)."""
+        size, the old one freed after), and the raw keys/values of the unfinished segments: a
+        chunk of rows appended to a tail of under two segments, copied beside the old tail."""
+        if not tokens:
+            return 0
         cfg = self.model.config
         row = 2 * cfg.dim * _element_bytes(self.model) * cfg.n_layers
-        return self.state.reserve_bytes(tokens) + row * min(tokens, 2 * cfg.segment_len)
+        return self.state.reserve_bytes(tokens) + row * (2 * cfg.segment_len + min(tokens, CHUNK))
 
     def reach(self) -> int | None:
         return None

@@ -282,7 +282,12 @@ def _compress_completed(attn: LongShortAttention, layer: LayerState, k: torch.Te
             values.append(attn.long_norm_v(v_bar[0]).flatten(1, 2))
         keep_from = min(keep_from, offset + (done + complete) * l)
     drop = max(0, keep_from - layer.raw_start)
-    layer.raw_k, layer.raw_v, layer.raw_start = layer.raw_k[:, drop:], layer.raw_v[:, drop:], layer.raw_start + drop
+    if drop:  # a copy of the tail, so that the longer buffer it was cut from is freed
+        layer.raw_k, layer.raw_v, layer.raw_start = (
+            layer.raw_k[:, drop:].clone(),
+            layer.raw_v[:, drop:].clone(),
+            layer.raw_start + drop,
+        )
 
 
 def _group_sums(layer: LayerState, row_scores: torch.Tensor, rows: torch.Tensor, p: int) -> torch.Tensor:

@@ -41,6 +41,7 @@ def fed_losses(model: LanguageModel, data: np.ndarray, chunk: int = 1024) -> tup
     ids = torch.from_numpy(data.astype(np.int64)).to(device)
     state, losses, seconds = FeedState(model), [], []
     started = time.perf_counter()
+    state.reserve(len(ids) - 1)  # as the state memory does for a document: the chunks then copy nothing
     for start in range(0, len(ids) - 1, chunk):
         piece = ids[start : start + chunk + 1]
         logits = feed(model, state, piece[:-1])

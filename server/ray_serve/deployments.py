@@ -4,6 +4,7 @@ with the session it names, to `SessionRouter`."""
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -142,10 +143,10 @@ class LongdocReplica:
         return metrics_target(directory, self.name, advertised, server.server_port)
 
     async def forward(
-        self, request: ForwardedRequest, session_id: str | None = None, new_session: bool = False
+        self, request: ForwardedRequest, session_id: str | None = None, turn: int | None = None
     ) -> AsyncIterator[Any]:
         """The response to a forwarded request: a `ResponseStart`, then its body chunks."""
-        del session_id, new_session  # read by the router
+        del session_id, turn  # read by the router
         async for item in run_asgi(self.app, request, [(REPLICA_HEADER, self.name.encode())]):
             yield item
 
@@ -222,6 +223,7 @@ class LongdocIngress:
 
     def __init__(self, replicas: DeploymentHandle[Any], settings: Settings) -> None:
         self.replicas = replicas.options(stream=True)
+        self.new_session_turns = itertools.count()  # the router sends the n-th new session to the replicas in turn
         self.body_limit = max(settings.max_request_bytes, settings.max_document_bytes) + UPLOAD_SLACK_BYTES
 
     @ingress_app.api_route("/{path:path}", methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
@@ -237,9 +239,9 @@ class LongdocIngress:
             client=(client.host, client.port) if client else None,
         )
         session_id = session_in(request.method, forwarded.path, body)
-        new_session = makes_session(request.method, forwarded.path)
+        turn = next(self.new_session_turns) if makes_session(request.method, forwarded.path) else None
         for attempt in range(ATTEMPTS):
-            call = self.replicas.forward.remote(forwarded, session_id=session_id, new_session=new_session)
+            call = self.replicas.forward.remote(forwarded, session_id=session_id, turn=turn)
             stream = cast(DeploymentResponseGenerator[Any], call)
             try:
                 start = await stream.__anext__()

@@ -1,20 +1,16 @@
 """Ray Serve's request router for the replicas: a request that names a session goes to the
 replica that owns it (routing.owner_of); a request that makes a session goes to the replicas in
-turn (routing.in_turn), so sessions, each holding its memory for as long as it lives, spread
+turn (routing.in_turn, its turn counted by the ingress, once a request), so sessions, each holding its memory for as long as it lives, spread
 evenly rather than by the queue of the moment; any other request goes by Serve's own power of two
 choices, to the less loaded of two replicas. The owner alone is offered: when it is busy the
 request waits for it, as Serve's router waits, rather than reach a replica without the session."""
 
 from __future__ import annotations
 
-import itertools
-
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
 from server.ray_serve.routing import in_turn, owner_of
-
-NEW_SESSION_TURNS = itertools.count()  # one count for the process's router
 
 
 class SessionRouter(PowerOfTwoChoicesRequestRouter):
@@ -22,13 +18,14 @@ class SessionRouter(PowerOfTwoChoicesRequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         kwargs = pending_request.kwargs if pending_request is not None else {}
-        session_id, new_session = kwargs.get("session_id"), kwargs.get("new_session", False)
-        if not (session_id or new_session) or not candidate_replicas:
+        session_id, turn = kwargs.get("session_id"), kwargs.get("turn")
+        if not (session_id or turn is not None) or not candidate_replicas:
             return await super().choose_replicas(candidate_replicas, pending_request)
         assert pending_request is not None
         pending_request.routing_context.should_backoff = True  # a busy replica is probed again after a backoff
         by_name = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
         if session_id:
             return [[by_name[owner_of(session_id, sorted(by_name))]]]
-        first, *rest = in_turn(next(NEW_SESSION_TURNS), list(by_name))
-        return [[by_name[first]], [by_name[name] for name in rest]]  # when its turn's replica is full, another
+        assert turn is not None
+        first, *rest = in_turn(turn, list(by_name))
+        return [[by_name[first]], [by_name[name] for name in rest]]  # when its turn's replica is full, the less loaded other
