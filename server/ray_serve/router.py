@@ -1,9 +1,10 @@
 """Ray Serve's request router for the replicas: a request that names a session goes to the
 replica that owns it (routing.owner_of); a request that makes a session goes to the replicas in
-turn (routing.in_turn, its turn counted by the ingress, once a request), so sessions, each holding its memory for as long as it lives, spread
-evenly rather than by the queue of the moment; any other request goes by Serve's own power of two
-choices, to the less loaded of two replicas. The owner alone is offered: when it is busy the
-request waits for it, as Serve's router waits, rather than reach a replica without the session."""
+turn (routing.in_turn; the ingress numbers it once), so that sessions, each holding its memory for
+as long as it lives, spread evenly rather than by the queue of the moment; any other request goes
+by Serve's own power of two choices, to the less loaded of two replicas. The owner alone is
+offered: when it is busy the request waits for it, as Serve's router waits, rather than reach a
+replica without the session."""
 
 from __future__ import annotations
 
