@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
@@ -56,6 +57,17 @@ def chunk_sentences(text: str, limit: int = MAX_SENTENCES) -> list[tuple[int, in
         return spans
     bounds = np.linspace(0, len(spans), limit + 1).round().astype(int).tolist()
     return [(spans[a][0], spans[b - 1][1]) for a, b in pairwise(bounds)]
+
+
+def _runs(items: list[int], joins: Callable[[int, int], bool]) -> list[list[int]]:
+    """Sorted `items` cut into runs: each item joins the run before it when `joins(last, item)`."""
+    runs: list[list[int]] = []
+    for item in items:
+        if runs and joins(runs[-1][-1], item):
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    return runs
 
 
 @dataclass(frozen=True)
@@ -254,7 +266,7 @@ class TextMemory(Memory):
         if self.options.focus_tokens:
             assert query_vector is not None
             return self._focus(query, query_vector, chosen, min(max_tokens, self.options.focus_tokens))
-        return [self._piece(run, chosen) for run in self._runs(sorted(chosen))]
+        return self._whole_chunks(chosen)
 
     def _focus(self, query: str, query_vector: np.ndarray, chosen: dict[int, float], budget: int) -> list[ContextPiece]:
         """The sentences of the chosen chunks closest to the question (their vectors from
@@ -263,7 +275,7 @@ class TextMemory(Memory):
         starts = self._sentences.starts
         rows = [r for r in sorted(chosen) if starts[r + 1] > starts[r]]
         if not rows:
-            return [self._piece(run, chosen) for run in self._runs(sorted(chosen))]
+            return self._whole_chunks(chosen)
         ids = np.concatenate([np.arange(starts[r], starts[r + 1]) for r in rows])  # document order
         owner = np.concatenate([np.full(starts[r + 1] - starts[r], r) for r in rows])
         similarity = self._sentences.vectors[ids].astype(np.float32) @ query_vector
@@ -277,12 +289,7 @@ class TextMemory(Memory):
                     left -= lengths[j]
             if left < _MIN_SENTENCE_CHARS:
                 break
-        runs: list[list[int]] = []
-        for j in sorted(picked):
-            if runs and runs[-1][-1] == j - 1 and self._touch(owner, ids, j - 1, j):
-                runs[-1].append(j)
-            else:
-                runs.append([j])
+        runs = _runs(sorted(picked), lambda i, j: j == i + 1 and self._touch(owner, ids, i, j))
         return [self._sentence_piece(owner, ids, run, similarity) for run in runs]
 
     def _sentence_order(self, query: str, owner: np.ndarray, ids: np.ndarray, similarity: np.ndarray) -> list[int]:
@@ -345,15 +352,11 @@ class TextMemory(Memory):
                 fused[item] = fused.get(item, 0.0) + 1.0 / (self.options.rrf_k + rank + 1)
         return sorted(fused.items(), key=lambda pair: (-pair[1], pair[0]))
 
-    def _runs(self, rows: list[int]) -> list[list[int]]:
-        """Chosen chunks in document order, consecutive chunks of one document as one run."""
-        runs: list[list[int]] = []
-        for row in rows:
-            if runs and row == runs[-1][-1] + 1 and self._chunks.documents[row] == self._chunks.documents[runs[-1][-1]]:
-                runs[-1].append(row)
-            else:
-                runs.append([row])
-        return runs
+    def _whole_chunks(self, chosen: dict[int, float]) -> list[ContextPiece]:
+        """The chosen chunks in document order, consecutive chunks of one document as one excerpt."""
+        documents = self._chunks.documents
+        runs = _runs(sorted(chosen), lambda a, b: b == a + 1 and documents[a] == documents[b])
+        return [self._piece(run, chosen) for run in runs]
 
     def _piece(self, run: list[int], scores: dict[int, float]) -> ContextPiece:
         document_id, text = self._documents[self._chunks.documents[run[0]]]
@@ -414,11 +417,7 @@ class TextMemory(Memory):
         sentences = self._no_sentences()
         for number, (document_id, text) in enumerate(self._documents):
             staged = _Staged(document_id, text)
-            spans = [
-                tuple(span)
-                for span, d in zip(self._chunks.spans.tolist(), self._chunks.documents.tolist(), strict=True)
-                if d == number
-            ]
+            spans = [(a, b) for a, b in self._chunks.spans[self._chunks.documents == number].tolist()]
             self._embed(staged, spans)
             sentences = sentences.extend(
                 _Sentences.of(staged.sentence_counts, staged.sentence_spans, staged.sentence_vectors, self._embedder.dim)
