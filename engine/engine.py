@@ -31,6 +31,7 @@ from engine.plugins import load_plugins
 from engine.prompts import Messages
 from engine.registry import ModelRegistry
 from engine.session_service import SessionService
+from engine.worker import on_compute_thread, single_threaded_torch
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,10 @@ class Engine:
         self.session_service.restore()
 
     async def start(self) -> None:
-        """Load models and list saved sessions off the event loop, then start evicting idle sessions."""
-        await asyncio.to_thread(self._load)
+        """Load models and list saved sessions on the compute thread, then start evicting idle sessions.
+        The event loop's own torch calls run single-threaded (engine/worker.py)."""
+        single_threaded_torch()
+        await on_compute_thread(self._load)
         self._ready = True
         self._reaper = asyncio.create_task(self._reap_idle_sessions())
 

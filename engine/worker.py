@@ -1,22 +1,71 @@
-"""A serial worker: one thread owns a model, so forward passes never race.
+"""Serial workers on one compute thread: forward passes never race, and one thread does the
+server's torch work.
 
 Requests are admitted up to `max_active` (running or waiting) and refused beyond it. Streaming work
-is a plain generator driven one step at a time on the worker thread, so concurrent requests
+is a plain generator driven one step at a time on the compute thread, so concurrent requests
 interleave step by step and a closed stream stops after the step in flight.
+
+Every worker (each model's, the embedder's) and model loading run on the same thread. On CPU,
+torch's OpenMP kernels are fast only while one thread's team owns the cores: once a second
+thread starts a team, libgomp sees more threads than cores and stops spinning between parallel
+regions, and each of a decode step's ~210 matmuls pays a wake-up (docs/benchmarks.md, "One
+compute thread"). Other threads that may touch torch (the event loop) are made single-threaded
+with `single_threaded_torch`, so they never start a team of their own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
+import logging
 from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
+
+import torch
 
 from engine.errors import QueueFullError
 
 T = TypeVar("T")
 _DONE = object()
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def compute_executor() -> ThreadPoolExecutor:
+    """The one thread every worker runs on (made on first use, kept for the process's life)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="longdoc-compute")
+
+
+async def on_compute_thread(fn: Callable[..., T], *args: Any) -> T:
+    """Run one blocking call on the compute thread."""
+    return await asyncio.get_running_loop().run_in_executor(compute_executor(), fn, *args)
+
+
+@functools.cache
+def _libgomp() -> ctypes.CDLL | None:
+    """torch's own OpenMP runtime, where its parallel backend is OpenMP and it ships one."""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    path = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
+    return ctypes.CDLL(str(path)) if path.exists() else None
+
+
+def single_threaded_torch() -> None:
+    """Make torch run single-threaded on the calling thread only, so it starts no OpenMP team.
+
+    `torch.set_num_threads` is process-wide; OpenMP's thread count is per thread, and torch reads it
+    (after its own per-thread setup, which `torch.get_num_threads` triggers) before each parallel
+    region, as MKL does before its own."""
+    torch.get_num_threads()
+    gomp = _libgomp()
+    if gomp is None:
+        log.debug("torch's parallel backend is not libgomp; threads are left as they are")
+        return
+    gomp.omp_set_num_threads(1)
 
 
 class Slot:
@@ -40,7 +89,9 @@ class SerialWorker:
         self.name = name
         self.max_active = max_active
         self._active = 0
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"longdoc-{name}")
+        self._executor = compute_executor()  # shared: see the module's docstring
+        self._pending: set[asyncio.Future[Any]] = set()
+        self._stopped = False
 
     @property
     def depth(self) -> int:
@@ -54,8 +105,13 @@ class SerialWorker:
         return Slot(self)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run one blocking call on the worker thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """Run one blocking call on the compute thread, after the calls queued before it."""
+        if self._stopped:
+            raise RuntimeError(f"worker {self.name!r} has stopped")
+        future = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+        return await future
 
     async def iterate(self, steps: Iterator[T]) -> AsyncGenerator[T, None]:
         """Drive a blocking generator step by step on the worker thread; closing stops it."""
@@ -71,7 +127,11 @@ class SerialWorker:
                 await asyncio.shield(self.run(close))
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Refuse new calls and cancel this worker's queued ones (the compute thread goes on for
+        other workers); on the event loop's thread, where the calls were made."""
+        self._stopped = True
+        for future in list(self._pending):
+            future.cancel()
 
 
 class Releasable(Protocol):

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import os
 import threading
 
 import pytest
+import torch
 
 from engine.config import SessionLimits
 from engine.errors import BudgetExceededError, NotFoundError, QueueFullError, SessionLimitError, TooLargeError
 from engine.memories import MemoryContext, build_memory
 from engine.sessions import SessionStore
-from engine.worker import EventStream, SerialWorker
+from engine.worker import EventStream, SerialWorker, on_compute_thread, single_threaded_torch
 
 
 async def test_admission_is_bounded_and_slots_come_back():
@@ -50,16 +53,51 @@ async def test_closing_a_stream_stops_the_generator_and_frees_the_slot():
     assert worker.depth == 0
 
 
-async def test_steps_run_on_one_thread_off_the_event_loop():
-    worker = SerialWorker("w", max_active=4)
+async def test_steps_of_every_worker_run_on_one_thread_off_the_event_loop():
+    model, embedder = SerialWorker("model", max_active=4), SerialWorker("embedder", max_active=4)
     loop_thread = threading.get_ident()
 
     def steps():
         for _ in range(3):
             yield threading.get_ident()
 
-    threads = {t async for t in worker.iterate(steps())}
+    threads = {t async for t in model.iterate(steps())} | {t async for t in embedder.iterate(steps())}
     assert len(threads) == 1 and loop_thread not in threads
+    assert await on_compute_thread(threading.get_ident) in threads
+
+
+async def test_a_stopped_worker_refuses_calls_and_drops_its_queued_ones_only():
+    stopping, going_on = SerialWorker("stopping", max_active=4), SerialWorker("going on", max_active=4)
+    release = threading.Event()
+    blocker = asyncio.ensure_future(going_on.run(release.wait, 10))
+    queued = asyncio.ensure_future(stopping.run(lambda: "ran"))
+    await asyncio.sleep(0.05)  # both handed to the compute thread, the first one running
+    stopping.shutdown()
+    release.set()
+    assert await blocker is True
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    with pytest.raises(RuntimeError, match="stopped"):
+        await stopping.run(lambda: "late")
+    assert await going_on.run(lambda: "still serving") == "still serving"
+
+
+def test_a_single_threaded_thread_starts_no_openmp_team_and_computes_the_same():
+    a = torch.randn(512, 512)
+    expected = a @ a
+    threads_before, got = [], []
+
+    def guarded():
+        single_threaded_torch()
+        threads_before.append(len(os.listdir("/proc/self/task")))
+        got.append(a @ a + torch.zeros(4_000_000).sum())  # MKL and an ATen parallel_for, each big enough to go parallel
+        got.append(len(os.listdir("/proc/self/task")))
+
+    thread = threading.Thread(target=guarded)
+    thread.start()
+    thread.join()
+    assert torch.allclose(got[0], expected, atol=1e-3)
+    assert got[1] == threads_before[0], "a guarded thread started OpenMP threads"
 
 
 async def test_error_in_a_step_reaches_the_caller_and_frees_the_slot():
