@@ -85,19 +85,20 @@ async def test_a_stopped_worker_refuses_calls_and_drops_its_queued_ones_only():
 def test_a_single_threaded_thread_starts_no_openmp_team_and_computes_the_same():
     a = torch.randn(512, 512)
     expected = a @ a
-    threads_before, got = [], []
+    threads: list[int] = []
+    got: list[torch.Tensor] = []
 
     def guarded():
         single_threaded_torch()
-        threads_before.append(len(os.listdir("/proc/self/task")))
+        threads.append(len(os.listdir("/proc/self/task")))
         got.append(a @ a + torch.zeros(4_000_000).sum())  # MKL and an ATen parallel_for, each big enough to go parallel
-        got.append(len(os.listdir("/proc/self/task")))
+        threads.append(len(os.listdir("/proc/self/task")))
 
     thread = threading.Thread(target=guarded)
     thread.start()
     thread.join()
     assert torch.allclose(got[0], expected, atol=1e-3)
-    assert got[1] == threads_before[0], "a guarded thread started OpenMP threads"
+    assert threads[1] == threads[0], "a guarded thread started OpenMP threads"
 
 
 async def test_error_in_a_step_reaches_the_caller_and_frees_the_slot():
