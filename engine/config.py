@@ -23,12 +23,22 @@ class ModelSpec:
     sources: tuple[str, ...] = (DEFAULT_MODEL,)
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
+    quantize: str = "none"  # "none" | "bf16" | "int8": weight-only, for float32 models on CPU (engine/models/quantize.py)
     cache_dir: Path = DEFAULT_CACHE_DIR
     adapter_dirs: tuple[Path, ...] = (SHIPPED_ADAPTERS,)  # searched for <model name>/adapter.json
 
     def __post_init__(self) -> None:
         _require(len(self.sources) > 0, "at least one model is needed")
         _require(self.dtype in ("auto", "bfloat16", "float16", "float32"), f"unknown dtype {self.dtype!r}")
+        _require(self.quantize in ("none", "bf16", "int8"), f"unknown quantize {self.quantize!r}; choose none, bf16 or int8")
+        if self.quantize != "none":
+            _require(self.dtype in ("auto", "float32"), "quantize keeps activations in float32: use --dtype float32 (or auto)")
+            _require(self.device in ("auto", "cpu"), "quantize is for CPU: use --device cpu (or auto on a machine without a GPU)")
+
+    @property
+    def load_dtype(self) -> str:
+        """The dtype models are loaded in: float32 under weight-only quantization."""
+        return "float32" if self.quantize != "none" else self.dtype
 
 
 def machine_memory_bytes() -> int:

@@ -19,6 +19,7 @@ from engine.models.loader import LoadedModel, load_model
 from engine.models.manifest import FALLBACK_MEMORY, default_memory_of
 from engine.models.neurocache import Neurocache
 from engine.models.neurocache_io import load_adapter
+from engine.models.quantize import quantize_linears
 from engine.worker import SerialWorker
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class ModelRuntime:
             context_len=self.loaded.context_len,
             device=str(self.loaded.device),
             dtype=str(self.loaded.dtype).removeprefix("torch."),
+            quantize=self.loaded.quantize,
             memories=self.memories,
         )
 
@@ -77,14 +79,23 @@ class ModelRegistry:
     def load_all(self) -> None:
         spec = self.config.models
         for source in spec.sources:
-            loaded = load_model(source, cache_dir=spec.cache_dir, device=spec.device, dtype=spec.dtype)
+            loaded = load_model(source, cache_dir=spec.cache_dir, device=spec.device, dtype=spec.load_dtype)
             if loaded.name in self._runtimes:
                 raise ValueError(f"two models are named {loaded.name!r}; serve each folder once")
             worker = SerialWorker(f"model:{loaded.name}", self.config.generation.max_queue)
             neurocache = None if loaded.own_memory is not None else self._find_adapter(loaded)
+            if loaded.own_memory is None:  # after the adapter: the layers it wraps stay float32
+                loaded.quantize = spec.quantize if quantize_linears(loaded.model, spec.quantize) else "none"
             stop = StopTokens.of(loaded.model, loaded.tokenizer)
             self._runtimes[loaded.name] = ModelRuntime(loaded, worker, stop, neurocache, self._batcher(loaded, worker, stop))
-            log.info("loaded model %s (%s, %s on %s)", loaded.name, loaded.architecture, loaded.dtype, loaded.device)
+            log.info(
+                "loaded model %s (%s, %s, quantize %s, on %s)",
+                loaded.name,
+                loaded.architecture,
+                loaded.dtype,
+                loaded.quantize,
+                loaded.device,
+            )
 
     def _batcher(self, loaded: LoadedModel, worker: SerialWorker, stop: StopTokens) -> Batcher | None:
         if self.config.generation.max_batch == 1 or loaded.own_memory is not None or not BatchDecoder.supports(loaded.model):

@@ -215,6 +215,8 @@ class ModelCard(BaseModel):
     context_length: int
     architecture: str
     memories: list[str]
+    dtype: str
+    quantize: str = Field(description="weights stored as: none (dtype), bf16 or int8 (longdoc serve --quantize)")
 
 
 class ModelList(BaseModel):

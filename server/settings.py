@@ -38,6 +38,11 @@ class Settings(BaseSettings):
     )
     device: str = ModelSpec.device
     dtype: str = Field(ModelSpec.dtype, description="auto, bfloat16, float16 or float32")
+    quantize: str = Field(
+        ModelSpec.quantize,
+        description="none, bf16 or int8: weights stored in fewer bytes for faster decoding on CPU (float32 activations); "
+        "its cost in answers is in docs/benchmarks.md",
+    )
     cache_dir: Path = DEFAULT_CACHE_DIR
     data_dir: Path | None = Field(None, description="where sessions are saved as they change; default <cache_dir>/sessions")
     persist_sessions: bool = Field(True, description="save sessions to data_dir (false: sessions live in RAM only)")
@@ -137,6 +142,7 @@ class Settings(BaseSettings):
                 sources=tuple(self.model),
                 device=self.device,
                 dtype=self.dtype,
+                quantize=self.quantize,
                 cache_dir=self.cache_dir.expanduser(),
                 adapter_dirs=(*self.adapter_dir, SHIPPED_ADAPTERS),
             ),

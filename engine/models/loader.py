@@ -38,6 +38,7 @@ class LoadedModel:
     architecture: str
     context_len: int
     own_memory: str | None = None  # a plugin's model whose state is the session's memory: the one memory it takes
+    quantize: str = "none"  # weight-only quantization applied after loading (engine/models/quantize.py)
 
     @property
     def kv_bytes_per_token(self) -> int:

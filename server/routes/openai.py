@@ -28,7 +28,13 @@ async def list_models(engine: EngineDep, settings: SettingsDep) -> ModelList:
     created = int(time.time())
     cards = [
         ModelCard(
-            id=m.name, created=created, context_length=m.context_len, architecture=m.architecture, memories=list(m.memories)
+            id=m.name,
+            created=created,
+            context_length=m.context_len,
+            architecture=m.architecture,
+            memories=list(m.memories),
+            dtype=m.dtype,
+            quantize=m.quantize,
         )
         for m in engine.list_models()
     ]

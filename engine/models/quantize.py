@@ -1,0 +1,91 @@
+"""Weight-only quantization for decoding on CPU (`longdoc serve --quantize bf16|int8`).
+
+A decode step reads every weight once for one row of activations, so on CPU its time is the time
+to stream the weights from memory: fewer bytes a weight, faster steps. Only the weights change:
+activations, norms, the key/value cache and attention stay in the model's float32, which CPUs
+without native bfloat16 run several times faster than bfloat16 attention.
+
+- `bf16`: weights kept in bfloat16 (half the bytes); a decode step runs the bfloat16 matmul.
+- `int8`: weights kept in int8 with one float scale per output row (a quarter of the bytes);
+  a decode step runs torch's int8 weight-only matmul on bfloat16 activations.
+
+A pass over many rows (a prompt's prefill) is compute-bound, not memory-bound: it widens the
+weights back to float32 for that pass and runs the float32 matmul. The decoder layers' projections
+and the output head are converted; the embedding stays float32 (a lookup reads a row). What each
+mode costs in answers is measured on the QA benchmark (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QUANTIZE_MODES = ("none", "bf16", "int8")
+DECODE_ROWS = 16  # passes of at most this many rows use the low-precision kernel
+LINEAR_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"})
+
+
+class WeightOnlyLinear(nn.Module):
+    """An nn.Linear whose weight is stored in bfloat16 or int8 (per output row scales)."""
+
+    weight_low: torch.Tensor  # [out, in], bfloat16 or int8
+    scales: torch.Tensor  # [out] float32 (int8), empty (bf16)
+
+    def __init__(self, linear: nn.Linear, mode: str) -> None:
+        super().__init__()
+        if mode not in QUANTIZE_MODES[1:]:
+            raise ValueError(f"unknown quantize mode {mode!r}; choose one of {QUANTIZE_MODES[1:]}")
+        self.mode, self.in_features, self.out_features = mode, linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()
+        if mode == "bf16":
+            self.register_buffer("weight_low", weight.to(torch.bfloat16).contiguous())
+            self.register_buffer("scales", torch.ones(0))
+        else:
+            scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
+            self.register_buffer("weight_low", torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
+            self.register_buffer("scales", scales)
+        self.bias = linear.bias
+
+    def dequantized(self) -> torch.Tensor:
+        """The stored weight as float32 [out, in]."""
+        weight = self.weight_low.float()
+        return weight * self.scales[:, None] if self.mode == "int8" else weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] > DECODE_ROWS:
+            out = F.linear(rows, self.dequantized().to(x.dtype))
+        elif self.mode == "bf16":
+            out = F.linear(rows.to(torch.bfloat16), self.weight_low).to(x.dtype)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16), self.weight_low, self.scales.to(torch.bfloat16)).to(
+                x.dtype
+            )
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
+
+
+def quantize_linears(model: nn.Module, mode: str) -> int:
+    """Replace the decoder projections and the output head (plain nn.Linear children named as in
+    Llama-family models) with `WeightOnlyLinear`; returns how many were replaced. Layers an
+    adapter wraps (Neurocache's LoRA, its cache attention) are other module types and stay as
+    they are."""
+    if mode not in QUANTIZE_MODES:
+        raise ValueError(f"unknown quantize mode {mode!r}; choose one of {QUANTIZE_MODES}")
+    if mode == "none":
+        return 0
+    replaced = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if name in LINEAR_NAMES and type(child) is nn.Linear:
+                replaced.append((parent, name, child))
+    for parent, name, child in replaced:
+        if child.weight.dtype != torch.float32 or child.weight.device.type != "cpu":
+            raise ValueError("weight-only quantization is for float32 models on CPU (use --dtype float32 --device cpu)")
+        setattr(parent, name, WeightOnlyLinear(child, mode))
+    return len(replaced)

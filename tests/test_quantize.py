@@ -1,0 +1,129 @@
+"""Weight-only quantization (`--quantize bf16|int8`, engine/models/quantize.py): each layer against
+the float32 layer it replaces, a whole model's logits, which layers are converted, and the server
+flag with its refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pydantic import ValidationError
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from engine.config import ModelSpec
+from engine.models.quantize import DECODE_ROWS, WeightOnlyLinear, quantize_linears
+from tests.helpers import TEST_DEVICE, tiny_settings
+
+pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="weight-only quantization is for CPU")
+MODES = ("bf16", "int8")
+
+
+def linear(seed: int = 0, bias: bool = False) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(96, 160, bias=bias)
+
+
+def weight_tolerance(weight: torch.Tensor, mode: str) -> torch.Tensor:
+    """How far a stored weight may be from the float32 one: half an int8 step of its row's scale, or
+    bfloat16's rounding (8 bits of mantissa)."""
+    if mode == "int8":
+        return (weight.abs().amax(dim=1, keepdim=True) / 254 * 1.001).expand_as(weight)
+    return weight.abs() * 2**-8
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rows", [1, 3, DECODE_ROWS, DECODE_ROWS + 1, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_layer_stays_within_its_rounding_of_float32(mode, rows, bias):
+    plain = linear(bias=bias)
+    quantized = WeightOnlyLinear(plain, mode)
+    x = torch.randn(rows, 96)
+    with torch.no_grad():
+        want, got = plain(x), quantized(x)
+        tolerance = weight_tolerance(plain.weight, mode)
+        assert ((quantized.dequantized() - plain.weight).abs() <= tolerance).all()
+        if rows <= DECODE_ROWS:  # the decode kernels also round the inputs to bfloat16
+            tolerance = tolerance + plain.weight.abs() * 2**-8
+        bound = x.abs() @ tolerance.T + 1e-4
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert ((got - want).abs() <= bound).all()
+    if rows > DECODE_ROWS:  # a prefill runs float32 on the widened weight: exactly that matmul
+        torch.testing.assert_close(got, F.linear(x, quantized.dequantized(), plain.bias), rtol=0, atol=0)
+    else:  # a decode row: the stored weight (int8: its scales in bfloat16) times the bfloat16 input, summed in
+        # float32, the result rounded to bfloat16
+        weight = quantized.dequantized()
+        if mode == "int8":
+            weight = quantized.weight_low.float() * quantized.scales.to(torch.bfloat16).float()[:, None]
+        exact = F.linear(x.to(torch.bfloat16).float(), weight)
+        torch.testing.assert_close(got - (0 if plain.bias is None else plain.bias), exact, rtol=2**-8, atol=1e-5)
+
+
+def test_int8_keeps_one_scale_a_row_and_a_quarter_of_the_bytes():
+    plain = linear()
+    quantized = WeightOnlyLinear(plain, "int8")
+    assert quantized.weight_low.dtype == torch.int8 and quantized.scales.shape == (160,)
+    assert quantized.weight_low.nbytes * 4 == plain.weight.nbytes
+    assert int(quantized.weight_low.abs().amax(dim=1).min()) == 127  # each row's largest weight uses the full range
+    with pytest.raises(ValueError, match="unknown quantize mode"):
+        WeightOnlyLinear(plain, "int4")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_model_quantized_keeps_its_predictions(mode, tiny_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    ids = torch.randint(0, 1000, (1, 40))
+    with torch.no_grad():
+        want = model(ids).logits
+        embedding = model.model.embed_tokens.weight.clone()
+        assert quantize_linears(model, mode) == 7 * 2 + 1  # 7 projections in each of 2 layers, and the head
+        got = model(ids).logits  # 40 rows: the prefill path
+        step = model(ids[:, :1]).logits  # 1 row: the decode kernel
+    assert all(type(m) is not nn.Linear for name, m in model.named_modules() if name.endswith(("_proj", "lm_head")))
+    torch.testing.assert_close(model.model.embed_tokens.weight, embedding, rtol=0, atol=0)  # the lookup stays float32
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert (step[0, 0] - want[0, 0]).abs().max() < 0.05 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+    assert quantize_linears(model, "none") == 0
+
+
+def test_a_bfloat16_model_is_refused(tiny_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="float32 models on CPU"):
+        quantize_linears(model, "int8")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"quantize": "int4"}, "unknown quantize"),
+        ({"quantize": "int8", "dtype": "bfloat16"}, "activations in float32"),
+        ({"quantize": "bf16", "device": "cuda"}, "quantize is for CPU"),
+    ],
+)
+def test_the_spec_refuses_what_it_cannot_run(flags, message):
+    with pytest.raises(ValueError, match=message):
+        ModelSpec(**flags)
+    assert ModelSpec(quantize="int8").load_dtype == "float32" and ModelSpec().load_dtype == "auto"
+
+
+def test_the_server_flag_is_validated(tiny_dir):
+    with pytest.raises(ValidationError, match="unknown quantize"):
+        tiny_settings(tiny_dir, quantize="fp8")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_quantized_server_answers_and_says_so(mode, make_client, adapter_dir):
+    """Served quantized, with a Neurocache adapter: the card names the mode, the layers the adapter
+    wraps stay float32, and every memory answers."""
+    client = make_client(quantize=mode, adapter_dir=[str(adapter_dir)])
+    card = client.get("/v1/models").json()["data"][0]
+    assert card["quantize"] == mode and card["dtype"] == "float32"
+    model = client.app.state.engine.models.named(card["id"]).loaded.model
+    kinds = {type(m).__name__ for name, m in model.named_modules() if name.endswith(("_proj", "lm_head"))}
+    assert "WeightOnlyLinear" in kinds and "LoRALinear" in kinds  # the adapter's layers were left alone
+    for memory in ("text", "neurocache"):
+        session = client.post("/v1/sessions", json={"memory": memory}).json()["id"]
+        client.post(f"/v1/sessions/{session}/documents", json={"text": "The key is 4417. " * 30})
+        answer = client.post(f"/v1/sessions/{session}/ask", json={"question": "What is the key?", "max_tokens": 8})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] > 0
