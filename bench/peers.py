@@ -2,7 +2,9 @@
 (on the GGUF file longdoc's default model is converted from) and plain transformers `generate`.
 
     make peers   # builds llama-cpp-python[server] in .venv-peers, then runs this:
-    .venv/bin/python -m bench.peers --peers-python .venv-peers/bin/python
+    .venv/bin/python -m bench.peers --peers-python .venv-peers/bin/python --quantize none bf16
+
+longdoc is measured once per `--quantize` mode given (a server each, one after the other).
 
 Per system: prefill tok/s for prompts of about 512, 2K and 8K tokens (prompt tokens / time to the
 first token), decode tok/s of one stream after a 512- and a 2K-token prompt, and, through each
@@ -172,19 +174,25 @@ def measure(kind: str, key: int) -> Callable[[Measures], float | None]:
     return pick
 
 
+def longdoc_name(quantize: str) -> str:
+    return "longdoc" if quantize == "none" else f"longdoc --quantize {quantize}"
+
+
 def table(results: dict[str, Measures]) -> str:
     names = list(results)
+    ours = [name for name in names if name.startswith("longdoc")]
     lines = [
-        "| measure | " + " | ".join(names) + " | longdoc / llama.cpp |",
-        "|---|" + "---|" * (len(names) + 1),
+        "| measure | " + " | ".join(names) + " | " + " | ".join(f"{name} / llama.cpp" for name in ours) + " |",
+        "|---|" + "---|" * (len(names) + len(ours)),
     ]
 
     def row(label: str, pick: Callable[[Measures], float | None]) -> None:
         values = [pick(results[name]) for name in names]
         cells = [f"{v:,.1f}" if v is not None else "—" for v in values]
-        ours, theirs = pick(results["longdoc"]), pick(results["llama.cpp"])
-        ratio = f"{ours / theirs:.2f}x" if ours and theirs else "—"
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {ratio} |")
+        theirs = pick(results["llama.cpp"])
+        ratios = [pick(results[name]) for name in ours]
+        cells += [f"{r / theirs:.2f}x" if r and theirs else "—" for r in ratios]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
     for tokens in PROMPTS:
         row(f"prefill tok/s, {tokens:,}-token prompt", measure("prefill", tokens))
@@ -198,6 +206,7 @@ def table(results: dict[str, Measures]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers-python", default=".venv-peers/bin/python", help="a Python with llama-cpp-python[server]")
+    parser.add_argument("--quantize", nargs="+", default=["none"], help="longdoc serve --quantize modes to measure")
     args = parser.parse_args()
     loaded = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu")
     tokenizer = loaded.tokenizer
@@ -208,12 +217,13 @@ def main() -> None:
 
     print(f"torch threads {torch.get_num_threads()}, {DEFAULT_MODEL} as {loaded.dtype}", flush=True)
     results: dict[str, Measures] = {}
-    server = Server(["--model", DEFAULT_MODEL]).start()
-    try:
-        results["longdoc"] = http_measures(server.url, DEFAULT_MODEL, Prompts(tokenizer, book_ids), count_tokens)
-    finally:
-        server.stop()
-    print("longdoc:", results["longdoc"], flush=True)
+    for quantize in args.quantize:
+        server = Server(["--model", DEFAULT_MODEL, "--quantize", quantize]).start()
+        try:
+            results[longdoc_name(quantize)] = http_measures(server.url, DEFAULT_MODEL, Prompts(tokenizer, book_ids), count_tokens)
+        finally:
+            server.stop()
+        print(f"{longdoc_name(quantize)}:", results[longdoc_name(quantize)], flush=True)
     process, url = llama_server(args.peers_python, wheel_dir(DEFAULT_WHEEL) / DEFAULT_GGUF)
     try:
         results["llama.cpp"] = http_measures(url, DEFAULT_MODEL, Prompts(tokenizer, book_ids), count_tokens)

@@ -299,10 +299,13 @@ app.add_typer(eval_app, name="eval")
 AdapterOption = Annotated[Path | None, typer.Option(help="adapter folder (default: the shipped one)")]
 
 
-def _setup(model: str, adapter: Path | None, device: str):
+QuantizeOption = Annotated[str, typer.Option(help="none, bf16 or int8: weight-only, as longdoc serve --quantize")]
+
+
+def _setup(model: str, adapter: Path | None, device: str, quantize: str = "none"):
     from research.training.evaluate import EvalSetup
 
-    return EvalSetup(model=model, adapter=adapter, device=device)
+    return EvalSetup(model=model, adapter=adapter, device=device, quantize=quantize)
 
 
 @eval_app.command("ppl")
@@ -374,13 +377,14 @@ def eval_qa(
     ] = ["oracle", "text", "truncate"],
     limit: Annotated[int | None, typer.Option(help="ask only the first N questions of each text")] = None,
     device: str = "auto",
+    quantize: QuantizeOption = "none",
     write: Annotated[Path | None, typer.Option(help="also write the table into this Markdown file (docs/benchmarks.md)")] = None,
 ) -> None:
     """The QA benchmark: 110 questions about five held-out texts, per memory, with the oracle row."""
     from research.evals.qa import bench, section
 
     runs = _memory_runs(memory)
-    rows = bench(_setup(model, adapter, device), runs, limit=limit)
+    rows = bench(_setup(model, adapter, device, quantize), runs, limit=limit)
     _echo_rows(rows)
     if write:
         from research.evals.docs import write_section
@@ -396,12 +400,13 @@ def eval_needles(
     length: Annotated[list[int], typer.Option(help="document lengths in tokens")] = [8192, 32768, 131072],
     seeds: Annotated[int, typer.Option(help="documents per length, each with six needles")] = 3,
     device: str = "auto",
+    quantize: QuantizeOption = "none",
 ) -> None:
     """Invented facts of six kinds placed in held-out filler, asked about per memory and length."""
     from research.evals.needles import bench
 
     runs = _memory_runs(memory)
-    rows = bench(_setup(model, adapter, device), runs, list(length), seeds)
+    rows = bench(_setup(model, adapter, device, quantize), runs, list(length), seeds)
     _echo_rows(rows)
 
 

@@ -1,9 +1,11 @@
 """Weight-only quantization for decoding on CPU (`longdoc serve --quantize bf16|int8`).
 
 A decode step reads every weight once for one row of activations, so on CPU its time is the time
-to stream the weights from memory: fewer bytes a weight, faster steps. Only the weights change:
-activations, norms, the key/value cache and attention stay in the model's float32, which CPUs
-without native bfloat16 run several times faster than bfloat16 attention.
+to stream the weights from memory: fewer bytes a weight, faster steps. The converted layers' inputs
+are rounded to bfloat16 for a decode step's matmul (its result comes back as float32); norms, the
+key/value cache and attention stay in the model's float32, which CPUs without native bfloat16 run
+several times faster than bfloat16 attention. The speed-up needs one OpenMP team on the cores
+(engine/worker.py).
 
 - `bf16`: weights kept in bfloat16 (half the bytes); a decode step runs the bfloat16 matmul.
 - `int8`: weights kept in int8 with one float scale per output row (a quarter of the bytes);

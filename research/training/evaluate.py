@@ -12,6 +12,7 @@ import asyncio
 import math
 import random
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ class EvalSetup:
     corpus_dir: Path = DEFAULT_DIR
     cache_dir: Path = DEFAULT_CACHE_DIR
     device: str = "auto"
+    quantize: str = "none"  # weight-only: "bf16" or "int8" (engine/models/quantize.py)
 
 
 def _adapter_dirs(setup: EvalSetup) -> tuple[Path, ...]:
@@ -136,7 +138,13 @@ def _gist(answer: str) -> str:
 
 
 def _engine(setup: EvalSetup, max_tokens: int) -> Engine:
-    spec = ModelSpec(sources=(setup.model,), device=setup.device, cache_dir=setup.cache_dir, adapter_dirs=_adapter_dirs(setup))
+    spec = ModelSpec(
+        sources=(setup.model,),
+        device=setup.device,
+        quantize=setup.quantize,
+        cache_dir=setup.cache_dir,
+        adapter_dirs=_adapter_dirs(setup),
+    )
     config = EngineConfig(models=spec)
     # one session may use the server's whole budget: a kvcache session of a book is gigabytes
     sessions = replace(config.sessions, memory_budget_bytes=config.sessions.server_memory_bytes)
@@ -145,6 +153,9 @@ def _engine(setup: EvalSetup, max_tokens: int) -> Engine:
 
 
 def run_with_engine(setup: EvalSetup, max_tokens: int, body: Callable[[Engine], Any]) -> Any:
+    """Run `body` on a started engine, on an event loop of its own thread: the engine makes its
+    loop's thread run torch single-threaded, which should not outlast the run."""
+
     async def main() -> Any:
         engine = _engine(setup, max_tokens)
         await engine.start()
@@ -153,7 +164,8 @@ def run_with_engine(setup: EvalSetup, max_tokens: int, body: Callable[[Engine], 
         finally:
             await engine.stop()
 
-    return asyncio.run(main())
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="longdoc-eval-loop") as loop_thread:
+        return loop_thread.submit(asyncio.run, main()).result()
 
 
 def passkey(
