@@ -218,7 +218,7 @@ def main() -> None:
     print(f"torch threads {torch.get_num_threads()}, {DEFAULT_MODEL} as {loaded.dtype}", flush=True)
     results: dict[str, Measures] = {}
     for quantize in args.quantize:
-        server = Server(["--model", DEFAULT_MODEL, "--quantize", quantize]).start()
+        server = Server(["--model", DEFAULT_MODEL, "--device", "cpu", "--quantize", quantize]).start()
         try:
             results[longdoc_name(quantize)] = http_measures(server.url, DEFAULT_MODEL, Prompts(tokenizer, book_ids), count_tokens)
         finally:

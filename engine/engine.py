@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.answering import Answering
@@ -68,8 +69,12 @@ class Engine:
 
     async def start(self) -> None:
         """Load models and list saved sessions on the compute thread, then start evicting idle sessions.
-        The event loop's own torch calls run single-threaded (engine/worker.py)."""
+        The event loop's own torch calls run single-threaded, and so do those of its default
+        executor's threads (`asyncio.to_thread`), so only the compute thread has an OpenMP team
+        (engine/worker.py)."""
         single_threaded_torch()
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="longdoc-io", initializer=single_threaded_torch))
         await on_compute_thread(self._load)
         self._ready = True
         self._reaper = asyncio.create_task(self._reap_idle_sessions())

@@ -21,7 +21,7 @@ import ctypes
 import functools
 import logging
 from collections.abc import AsyncGenerator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -45,13 +45,34 @@ async def on_compute_thread(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(compute_executor(), fn, *args)
 
 
+def _loaded_libraries(name: str) -> list[Path]:
+    """Shared libraries of this process whose file name starts with `name`."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    paths = {line.split()[-1] for line in maps.splitlines() if "/" in line}
+    return sorted(Path(p) for p in paths if Path(p).name.startswith(name))
+
+
 @functools.cache
-def _libgomp() -> ctypes.CDLL | None:
-    """torch's own OpenMP runtime, where its parallel backend is OpenMP and it ships one."""
-    if "OpenMP" not in torch.__config__.parallel_info():
-        return None
-    path = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
-    return ctypes.CDLL(str(path)) if path.exists() else None
+def _per_thread_setters() -> tuple[Callable[[int], object], ...]:
+    """Per-thread thread-count setters of torch's own OpenMP runtime and of the MKL inside it."""
+    torch_dir = str(Path(torch.__file__).parent)  # its libraries are in torch/lib or torch.libs
+    setters = []
+    if "OpenMP" in torch.__config__.parallel_info():
+        ours = [p for p in _loaded_libraries("libgomp") if str(p).startswith(torch_dir)]
+        if ours:
+            setters.append(ctypes.CDLL(str(ours[0])).omp_set_num_threads)
+        else:
+            log.warning("torch's OpenMP runtime was not found; other threads' torch calls may slow the compute thread")
+    for library in _loaded_libraries("libtorch_cpu"):
+        mkl_local = getattr(
+            ctypes.CDLL(str(library)), "MKL_Set_Num_Threads_Local", None
+        )  # the C entry (the lower-case one is Fortran's, by reference)
+        if mkl_local is not None:
+            setters.append(mkl_local)
+    return tuple(setters)
 
 
 def single_threaded_torch() -> None:
@@ -59,13 +80,10 @@ def single_threaded_torch() -> None:
 
     `torch.set_num_threads` is process-wide; OpenMP's thread count is per thread, and torch reads it
     (after its own per-thread setup, which `torch.get_num_threads` triggers) before each parallel
-    region, as MKL does before its own."""
+    region; MKL has its own per-thread count, which torch may have set too."""
     torch.get_num_threads()
-    gomp = _libgomp()
-    if gomp is None:
-        log.debug("torch's parallel backend is not libgomp; threads are left as they are")
-        return
-    gomp.omp_set_num_threads(1)
+    for setter in _per_thread_setters():
+        setter(1)
 
 
 class Slot:
@@ -90,7 +108,7 @@ class SerialWorker:
         self.max_active = max_active
         self._active = 0
         self._executor = compute_executor()  # shared: see the module's docstring
-        self._pending: set[asyncio.Future[Any]] = set()
+        self._pending: set[Future[Any]] = set()
         self._stopped = False
 
     @property
@@ -108,10 +126,13 @@ class SerialWorker:
         """Run one blocking call on the compute thread, after the calls queued before it."""
         if self._stopped:
             raise RuntimeError(f"worker {self.name!r} has stopped")
-        future = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        self._pending.add(future)
-        future.add_done_callback(self._pending.discard)
-        return await future
+        return await self._submit(fn, *args)
+
+    async def _submit(self, fn: Callable[..., T], *args: Any) -> T:
+        job = self._executor.submit(fn, *args)
+        self._pending.add(job)
+        job.add_done_callback(self._pending.discard)
+        return await asyncio.wrap_future(job)
 
     async def iterate(self, steps: Iterator[T]) -> AsyncGenerator[T, None]:
         """Drive a blocking generator step by step on the worker thread; closing stops it."""
@@ -123,15 +144,15 @@ class SerialWorker:
                 yield item
         finally:
             close = getattr(steps, "close", None)
-            if close is not None:  # after the step in flight, on the same thread
-                await asyncio.shield(self.run(close))
+            if close is not None:  # after the step in flight, on the same thread, also once stopped
+                await asyncio.shield(self._submit(close))
 
     def shutdown(self) -> None:
-        """Refuse new calls and cancel this worker's queued ones (the compute thread goes on for
-        other workers); on the event loop's thread, where the calls were made."""
+        """Refuse new calls and cancel this worker's queued ones; a call already running finishes
+        (the compute thread goes on for other workers)."""
         self._stopped = True
-        for future in list(self._pending):
-            future.cancel()
+        for job in list(self._pending):
+            job.cancel()
 
 
 class Releasable(Protocol):

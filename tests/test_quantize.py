@@ -72,7 +72,7 @@ def test_int8_keeps_one_scale_a_row_and_a_quarter_of_the_bytes():
 @pytest.mark.parametrize("mode", MODES)
 def test_a_model_quantized_keeps_its_predictions(mode, tiny_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    ids = torch.randint(0, 1000, (1, 40))
+    ids = torch.randint(0, 1000, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = model(ids).logits
         embedding = model.model.embed_tokens.weight.clone()
@@ -124,6 +124,7 @@ def test_a_quantized_server_answers_and_says_so(mode, make_client, adapter_dir):
     assert "WeightOnlyLinear" in kinds and "LoRALinear" in kinds  # the adapter's layers were left alone
     for memory in ("text", "neurocache"):
         session = client.post("/v1/sessions", json={"memory": memory}).json()["id"]
-        client.post(f"/v1/sessions/{session}/documents", json={"text": "The key is 4417. " * 30})
+        added = client.post(f"/v1/sessions/{session}/documents", json={"text": "The key is 4417. " * 30})
+        assert added.status_code == 201 and len(client.get(f"/v1/sessions/{session}/documents").json()["data"]) == 1
         answer = client.post(f"/v1/sessions/{session}/ask", json={"question": "What is the key?", "max_tokens": 8})
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] > 0

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
+import subprocess
+import sys
 import threading
 
 import pytest
-import torch
 
 from engine.config import SessionLimits
 from engine.errors import BudgetExceededError, NotFoundError, QueueFullError, SessionLimitError, TooLargeError
 from engine.memories import MemoryContext, build_memory
 from engine.sessions import SessionStore
-from engine.worker import EventStream, SerialWorker, on_compute_thread, single_threaded_torch
+from engine.worker import EventStream, SerialWorker, on_compute_thread
 
 
 async def test_admission_is_bounded_and_slots_come_back():
@@ -68,37 +68,60 @@ async def test_steps_of_every_worker_run_on_one_thread_off_the_event_loop():
 
 async def test_a_stopped_worker_refuses_calls_and_drops_its_queued_ones_only():
     stopping, going_on = SerialWorker("stopping", max_active=4), SerialWorker("going on", max_active=4)
-    release = threading.Event()
-    blocker = asyncio.ensure_future(going_on.run(release.wait, 10))
+    release, started = threading.Event(), threading.Event()
+
+    def running() -> str:
+        started.set()
+        release.wait(10)
+        return "finished"
+
+    in_flight = asyncio.ensure_future(stopping.run(running))
+    await asyncio.sleep(0)
+    assert await asyncio.to_thread(started.wait, 10)
     queued = asyncio.ensure_future(stopping.run(lambda: "ran"))
-    await asyncio.sleep(0.05)  # both handed to the compute thread, the first one running
+    queued_elsewhere = asyncio.ensure_future(going_on.run(lambda: "other worker"))
+    await asyncio.sleep(0.05)  # both queued behind the running call
     stopping.shutdown()
     release.set()
-    assert await blocker is True
+    assert await in_flight == "finished"  # a call already running is not cut short
     with pytest.raises(asyncio.CancelledError):
         await queued
+    assert await queued_elsewhere == "other worker"
     with pytest.raises(RuntimeError, match="stopped"):
         await stopping.run(lambda: "late")
     assert await going_on.run(lambda: "still serving") == "still serving"
 
 
-def test_a_single_threaded_thread_starts_no_openmp_team_and_computes_the_same():
-    a = torch.randn(512, 512)
-    expected = a @ a
-    threads: list[int] = []
-    got: list[torch.Tensor] = []
-
-    def guarded():
+TEAM_CHECK = """
+import os, threading, torch
+from engine.worker import single_threaded_torch
+torch.set_num_threads(2)  # as a Ray replica does on its event loop's thread
+a = torch.randn(1024, 1024)
+expected = a @ a
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+def work(guarded, out):
+    if guarded:
         single_threaded_torch()
-        threads.append(len(os.listdir("/proc/self/task")))
-        got.append(a @ a + torch.zeros(4_000_000).sum())  # MKL and an ATen parallel_for, each big enough to go parallel
-        threads.append(len(os.listdir("/proc/self/task")))
-
-    thread = threading.Thread(target=guarded)
+    before = tasks()
+    got = a @ a + torch.zeros(4_000_000).sum()  # MKL, and an ATen parallel_for, each big enough to go parallel
+    out.extend([tasks() - before, torch.get_num_threads(), bool(torch.allclose(got, expected, atol=1e-2))])
+for guarded in (False, True):
+    out = []
+    thread = threading.Thread(target=work, args=(guarded, out))
     thread.start()
     thread.join()
-    assert torch.allclose(got[0], expected, atol=1e-3)
-    assert threads[1] == threads[0], "a guarded thread started OpenMP threads"
+    print(guarded, *out)
+"""
+
+
+def test_a_single_threaded_thread_starts_no_openmp_team_and_computes_the_same():
+    """In a fresh process (no other threads coming or going): a thread's torch work starts OpenMP
+    threads, unless the thread was made single-threaded first."""
+    lines = subprocess.run([sys.executable, "-c", TEAM_CHECK], capture_output=True, text=True, check=True).stdout.split("\n")
+    unguarded, guarded = (line.split() for line in lines[:2])
+    assert unguarded[0] == "False" and int(unguarded[1]) > 0 and unguarded[2] == "2" and unguarded[3] == "True"
+    assert guarded == ["True", "0", "1", "True"]
 
 
 async def test_error_in_a_step_reaches_the_caller_and_frees_the_slot():

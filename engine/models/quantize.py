@@ -33,6 +33,7 @@ class WeightOnlyLinear(nn.Module):
 
     weight_low: torch.Tensor  # [out, in], bfloat16 or int8
     scales: torch.Tensor  # [out] float32 (int8), empty (bf16)
+    scales_low: torch.Tensor  # the scales in bfloat16
 
     def __init__(self, linear: nn.Linear, mode: str) -> None:
         super().__init__()
@@ -47,6 +48,7 @@ class WeightOnlyLinear(nn.Module):
             scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
             self.register_buffer("weight_low", torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
             self.register_buffer("scales", scales)
+        self.register_buffer("scales_low", self.scales.to(torch.bfloat16))  # what the int8 kernel takes, made once
         self.bias = linear.bias
 
     def dequantized(self) -> torch.Tensor:
@@ -61,7 +63,7 @@ class WeightOnlyLinear(nn.Module):
         elif self.mode == "bf16":
             out = F.linear(rows.to(torch.bfloat16), self.weight_low).to(x.dtype)
         else:
-            out = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16), self.weight_low, self.scales.to(torch.bfloat16)).to(
+            out = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16).contiguous(), self.weight_low, self.scales_low).to(
                 x.dtype
             )
         if self.bias is not None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -164,8 +164,20 @@ def run_with_engine(setup: EvalSetup, max_tokens: int, body: Callable[[Engine], 
         finally:
             await engine.stop()
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="longdoc-eval-loop") as loop_thread:
-        return loop_thread.submit(asyncio.run, main()).result()
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(asyncio.run(main()))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name="longdoc-eval-loop", daemon=True)  # Ctrl-C does not wait for it
+    thread.start()
+    thread.join()
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
 
 
 def passkey(
