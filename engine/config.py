@@ -32,7 +32,7 @@ class ModelSpec:
         _require(self.dtype in ("auto", "bfloat16", "float16", "float32"), f"unknown dtype {self.dtype!r}")
         _require(self.quantize in ("none", "bf16", "int8"), f"unknown quantize {self.quantize!r}; choose none, bf16 or int8")
         if self.quantize != "none":
-            _require(self.dtype in ("auto", "float32"), "quantize keeps activations in float32: use --dtype float32 (or auto)")
+            _require(self.dtype in ("auto", "float32"), "quantize converts a float32 model: use --dtype float32 (or auto)")
             _require(self.device in ("auto", "cpu"), "quantize is for CPU: use --device cpu (or auto on a machine without a GPU)")
 
     @property

@@ -97,7 +97,7 @@ def test_a_bfloat16_model_is_refused(tiny_dir):
     ("flags", "message"),
     [
         ({"quantize": "int4"}, "unknown quantize"),
-        ({"quantize": "int8", "dtype": "bfloat16"}, "activations in float32"),
+        ({"quantize": "int8", "dtype": "bfloat16"}, "converts a float32 model"),
         ({"quantize": "bf16", "device": "cuda"}, "quantize is for CPU"),
     ],
 )
