@@ -68,7 +68,7 @@ def streams_at_once(url: str, sessions: list[str], max_tokens: int) -> tuple[flo
 def bench(
     env: dict[str, str], stream_counts: list[int], max_tokens: int, window: int
 ) -> list[tuple[int, float, float, float, list[int]]]:
-    server = Server(["--model", DEFAULT_MODEL], env=env).start()
+    server = Server(["--model", DEFAULT_MODEL, "--device", "cpu", "--dtype", "float32"], env=env).start()
     try:
         client = LongdocClient(server.url)
         book = BOOK.read_text(encoding="utf-8")

@@ -70,8 +70,8 @@ class Engine:
     async def start(self) -> None:
         """Load models and list saved sessions on the compute thread, then start evicting idle sessions.
         The event loop's own torch calls run single-threaded, and so do those of its default
-        executor's threads (`asyncio.to_thread`), so only the compute thread has an OpenMP team
-        (engine/worker.py)."""
+        executor's threads (`asyncio.to_thread`), so only the compute thread has a team of torch's
+        OpenMP runtime (engine/worker.py)."""
         single_threaded_torch()
         loop = asyncio.get_running_loop()
         loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="longdoc-io", initializer=single_threaded_torch))

@@ -9,8 +9,9 @@ Every worker (each model's, the embedder's) and model loading run on the same th
 torch's OpenMP kernels are fast only while one thread's team owns the cores: once a second
 thread starts a team, libgomp sees more threads than cores and stops spinning between parallel
 regions, and each of a decode step's ~210 matmuls pays a wake-up (docs/benchmarks.md, "One
-compute thread"). Other threads that may touch torch (the event loop) are made single-threaded
-with `single_threaded_torch`, so they never start a team of their own.
+compute thread"). Other threads that may touch torch (the event loop, its `asyncio.to_thread`
+helpers) are made single-threaded with `single_threaded_torch` (OpenMP's and MKL's per-thread
+counts), so they start no team of torch's own. FAISS has its own OpenMP runtime, outside this.
 """
 
 from __future__ import annotations
@@ -51,17 +52,17 @@ def _loaded_libraries(name: str) -> list[Path]:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return []
-    paths = {line.split()[-1] for line in maps.splitlines() if "/" in line}
+    paths = {line.split(maxsplit=5)[-1] for line in maps.splitlines() if "/" in line}
     return sorted(Path(p) for p in paths if Path(p).name.startswith(name))
 
 
 @functools.cache
 def _per_thread_setters() -> tuple[Callable[[int], object], ...]:
     """Per-thread thread-count setters of torch's own OpenMP runtime and of the MKL inside it."""
-    torch_dir = str(Path(torch.__file__).parent)  # its libraries are in torch/lib or torch.libs
+    torch_dir = str(Path(torch.__file__).resolve().parent)  # its libraries are in torch/lib or torch.libs
     setters = []
     if "OpenMP" in torch.__config__.parallel_info():
-        ours = [p for p in _loaded_libraries("libgomp") if str(p).startswith(torch_dir)]
+        ours = [p for p in _loaded_libraries("libgomp") if str(p).startswith((torch_dir + "/", torch_dir + ".libs/"))]
         if ours:
             setters.append(ctypes.CDLL(str(ours[0])).omp_set_num_threads)
         else:
@@ -128,10 +129,11 @@ class SerialWorker:
             raise RuntimeError(f"worker {self.name!r} has stopped")
         return await self._submit(fn, *args)
 
-    async def _submit(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _submit(self, fn: Callable[..., T], *args: Any, cancellable: bool = True) -> T:
         job = self._executor.submit(fn, *args)
-        self._pending.add(job)
-        job.add_done_callback(self._pending.discard)
+        if cancellable:  # `shutdown` may drop it while it waits
+            self._pending.add(job)
+            job.add_done_callback(self._pending.discard)
         return await asyncio.wrap_future(job)
 
     async def iterate(self, steps: Iterator[T]) -> AsyncGenerator[T, None]:
@@ -145,7 +147,7 @@ class SerialWorker:
         finally:
             close = getattr(steps, "close", None)
             if close is not None:  # after the step in flight, on the same thread, also once stopped
-                await asyncio.shield(self._submit(close))
+                await asyncio.shield(self._submit(close, cancellable=False))
 
     def shutdown(self) -> None:
         """Refuse new calls and cancel this worker's queued ones; a call already running finishes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import subprocess
 import sys
@@ -93,7 +94,7 @@ async def test_a_stopped_worker_refuses_calls_and_drops_its_queued_ones_only():
 
 
 TEAM_CHECK = """
-import os, threading, torch
+import os, threading, time, torch
 from engine.worker import single_threaded_torch
 torch.set_num_threads(2)  # as a Ray replica does on its event loop's thread
 a = torch.randn(1024, 1024)
@@ -106,13 +107,47 @@ def work(guarded, out):
     before = tasks()
     got = a @ a + torch.zeros(4_000_000).sum()  # MKL, and an ATen parallel_for, each big enough to go parallel
     out.extend([tasks() - before, torch.get_num_threads(), bool(torch.allclose(got, expected, atol=1e-2))])
+baseline = tasks()
 for guarded in (False, True):
     out = []
     thread = threading.Thread(target=work, args=(guarded, out))
     thread.start()
     thread.join()
+    deadline = time.monotonic() + 10
+    while tasks() > baseline and time.monotonic() < deadline:  # the OS thread and its team end after join
+        time.sleep(0.01)
     print(guarded, *out)
 """
+
+
+async def test_a_stream_dropped_while_its_step_runs_still_closes_on_the_compute_thread_after_shutdown():
+    worker = SerialWorker("w", max_active=1)
+    release, running = threading.Event(), threading.Event()
+    closed_on: list[int] = []
+
+    def steps():
+        try:
+            yield 0
+            running.set()
+            release.wait(10)
+            yield 1
+        finally:
+            closed_on.append(threading.get_ident())
+
+    stream = worker.iterate(steps())
+    assert await stream.__anext__() == 0
+    pending = asyncio.ensure_future(stream.__anext__())
+    assert await asyncio.to_thread(running.wait, 10)
+    pending.cancel()  # the client goes while its step runs: close waits behind the step
+    closing = asyncio.ensure_future(stream.aclose())
+    await asyncio.sleep(0.05)
+    worker.shutdown()
+    release.set()
+    with contextlib.suppress(asyncio.CancelledError, RuntimeError):
+        await pending
+    with contextlib.suppress(asyncio.CancelledError, RuntimeError):
+        await closing
+    assert closed_on == [await on_compute_thread(threading.get_ident)]
 
 
 def test_a_single_threaded_thread_starts_no_openmp_team_and_computes_the_same():
