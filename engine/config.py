@@ -16,6 +16,9 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+QUANTIZE_MODES = ("none", "bf16", "int8")  # weight-only, engine/models/quantize.py
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Which models to load: the bundled default by name, or local Hugging Face folders."""
@@ -30,7 +33,9 @@ class ModelSpec:
     def __post_init__(self) -> None:
         _require(len(self.sources) > 0, "at least one model is needed")
         _require(self.dtype in ("auto", "bfloat16", "float16", "float32"), f"unknown dtype {self.dtype!r}")
-        _require(self.quantize in ("none", "bf16", "int8"), f"unknown quantize {self.quantize!r}; choose none, bf16 or int8")
+        _require(
+            self.quantize in QUANTIZE_MODES, f"unknown quantize {self.quantize!r}; choose one of {', '.join(QUANTIZE_MODES)}"
+        )
         if self.quantize != "none":
             _require(self.dtype in ("auto", "float32"), "quantize converts a float32 model: use --dtype float32 (or auto)")
             _require(self.device in ("auto", "cpu"), "quantize is for CPU: use --device cpu (or auto on a machine without a GPU)")

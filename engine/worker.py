@@ -43,7 +43,7 @@ def compute_executor() -> ThreadPoolExecutor:
 
 async def on_compute_thread(fn: Callable[..., T], *args: Any) -> T:
     """Run one blocking call on the compute thread."""
-    return await asyncio.get_running_loop().run_in_executor(compute_executor(), fn, *args)
+    return await asyncio.wrap_future(compute_executor().submit(fn, *args))
 
 
 def _loaded_libraries(name: str) -> list[Path]:

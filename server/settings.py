@@ -40,7 +40,7 @@ class Settings(BaseSettings):
     dtype: str = Field(ModelSpec.dtype, description="auto, bfloat16, float16 or float32")
     quantize: str = Field(
         ModelSpec.quantize,
-        description="none, bf16 or int8: weights stored in fewer bytes for faster decoding on CPU (float32 activations); "
+        description="none, bf16 or int8: weights stored in fewer bytes for faster decoding on CPU (a float32 model); "
         "its cost in answers is in docs/benchmarks.md",
     )
     cache_dir: Path = DEFAULT_CACHE_DIR

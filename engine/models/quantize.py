@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZE_MODES = ("none", "bf16", "int8")
+from engine.config import QUANTIZE_MODES
+
 DECODE_ROWS = 16  # passes of at most this many rows use the low-precision kernel
 LINEAR_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"})
 
