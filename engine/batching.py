@@ -30,6 +30,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from engine.generation import AnswerState, StopTokens
 from engine.interface import GenerationDone, GenerationEvent, GenerationParams
+from engine.models.fused import fuse_linears
 from engine.models.llama_parts import Attention, Backbone, Layer
 from engine.worker import SerialWorker
 
@@ -73,6 +74,11 @@ class BatchDecoder:
         self.layers = [_base(layer) for layer in cast(Backbone, model.model).layers]
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # one matmul for q, k and v, and one for gate and up, where the layer's projections allow it
+        self.qkv = [
+            fuse_linears([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]) for layer in self.layers
+        ]
+        self.gate_up = [fuse_linears([getattr(layer.mlp, n, None) for n in ("gate_proj", "up_proj")]) for layer in self.layers]
 
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
@@ -136,19 +142,32 @@ class BatchDecoder:
         for index, layer in enumerate(self.layers):
             x = layer.input_layernorm(hidden)
             hidden = hidden + self._attention(index, layer.self_attn, x, cos, sin, rows)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + self._mlp(index, layer.mlp, layer.post_attention_layernorm(hidden))
         logits = cast(nn.Linear, model.lm_head)(inner.norm(hidden))[: len(rows), 0]
         for row in rows:  # only a step that succeeded moves the rows on
             row.length += 1
         return logits
 
+    def _mlp(self, index: int, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        fused = self.gate_up[index]
+        if fused is None:
+            return cast(torch.Tensor, mlp(x))
+        gate, up = fused(x).chunk(2, dim=-1)
+        down, act = cast(nn.Linear, mlp.down_proj), cast(Callable[[torch.Tensor], torch.Tensor], mlp.act_fn)
+        return down(act(gate) * up)
+
     def _attention(
         self, index: int, attention: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: list[Row]
     ) -> torch.Tensor:
-        batch = x.shape[0]
-        q = attention.q_proj(x).view(batch, 1, self.heads, self.head_dim).transpose(1, 2)
-        k = attention.k_proj(x).view(batch, 1, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = attention.v_proj(x).view(batch, 1, self.kv_heads, self.head_dim).transpose(1, 2)
+        batch, fused = x.shape[0], self.qkv[index]
+        if fused is not None:
+            kv_width = self.kv_heads * self.head_dim
+            q, k, v = fused(x).split([self.heads * self.head_dim, kv_width, kv_width], -1)
+        else:
+            q, k, v = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+        q = q.view(batch, 1, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, 1, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, 1, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         outputs = []
         for i, row in enumerate(rows):

@@ -1,0 +1,71 @@
+"""Fused projections (engine/models/fused.py): one matmul gives each part's output, the parts keep
+computing as before from views of the fused weight (no memory added), and what cannot be fused
+(an adapter's layer, mixed kinds or biases) is left alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.models.fused import fuse_linears
+from engine.models.quantize import WeightOnlyLinear
+
+
+def parts(bias: bool, mode: str) -> list[nn.Module]:
+    torch.manual_seed(0)
+    linears: list[nn.Module] = [nn.Linear(24, n, bias=bias) for n in (16, 8, 8)]
+    return linears if mode == "none" else [WeightOnlyLinear(layer, mode) for layer in linears]  # type: ignore[arg-type]
+
+
+def storage(tensor: object) -> int:
+    assert isinstance(tensor, torch.Tensor)
+    return tensor.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("mode", ["none", "bf16", "int8"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_fused_layer_gives_each_parts_output_and_the_parts_are_unchanged(mode, bias, rows):
+    layers = parts(bias, mode)
+    x = torch.randn(rows, 1, 24)
+    with torch.no_grad():
+        before = [layer(x) for layer in layers]
+        fused = fuse_linears(layers)
+        assert fused is not None
+        together = fused(x)
+        after = [layer(x) for layer in layers]
+    assert together.shape == (rows, 1, 32)
+    for piece, alone, again in zip(together.split([16, 8, 8], -1), before, after, strict=True):
+        torch.testing.assert_close(piece, alone, rtol=1e-6, atol=1e-6)
+        assert torch.equal(again, alone)
+
+
+@pytest.mark.parametrize("mode", ["none", "bf16", "int8"])
+def test_the_parts_weights_become_views_of_the_fused_weight(mode):
+    layers = parts(True, mode)
+    fused = fuse_linears(layers)
+    assert fused is not None
+    name = "weight" if mode == "none" else "weight_low"
+    whole = getattr(fused, name)
+    assert {storage(getattr(layer, name)) for layer in layers} == {storage(whole)}
+    assert {storage(layer.bias) for layer in layers} == {storage(fused.bias)}
+    if mode == "int8":
+        assert {storage(layer.scales) for layer in layers} == {storage(fused.scales)}
+
+
+class Adapted(nn.Linear):
+    """Another layer type, as an adapter's (Neurocache's LoRA) is: its forward is its own."""
+
+
+def test_what_cannot_be_fused_is_left_alone():
+    torch.manual_seed(0)
+    plain = nn.Linear(24, 8)
+    adapted = Adapted(24, 8)
+    assert fuse_linears([plain, adapted]) is None
+    assert fuse_linears([plain, nn.Linear(24, 8, bias=False)]) is None  # one with a bias, one without
+    assert fuse_linears([plain, nn.Linear(12, 8)]) is None  # other inputs
+    assert fuse_linears([plain, WeightOnlyLinear(nn.Linear(24, 8), "bf16")]) is None
+    assert fuse_linears([WeightOnlyLinear(nn.Linear(24, 8), "bf16"), WeightOnlyLinear(nn.Linear(24, 8), "int8")]) is None
+    assert fuse_linears([plain]) is None
+    assert fuse_linears([plain, None]) is None
