@@ -88,7 +88,7 @@ $(PEERS_STAMP):
 	touch $(PEERS_STAMP)
 
 peers: $(STAMP) $(PEERS_STAMP)
-	$(BIN)/python -m bench.peers --peers-python $(PEERS_VENV)/bin/python --quantize none bf16 $(ARGS)
+	$(BIN)/python -m bench.peers --peers-python $(PEERS_VENV)/bin/python --quantize none bf16 int8 $(ARGS)
 
 # kvcache speed against the plain model (ingestion, decode, TTFT), docs/benchmarks.md#kvcache
 bench-kvcache: $(STAMP)
