@@ -32,6 +32,7 @@ from engine.generation import AnswerState, StopTokens
 from engine.interface import GenerationDone, GenerationEvent, GenerationParams
 from engine.models.fused import fuse_linears
 from engine.models.llama_parts import Attention, Backbone, Layer
+from engine.models.quantize import DECODE_ROWS, WeightOnlyLinear
 from engine.worker import SerialWorker
 
 BATCHED_FAMILIES = ("llama", "qwen2", "mistral")
@@ -59,6 +60,24 @@ class Row:
     cancelled: bool = False
 
 
+def _rows_alone(model: PreTrainedModel, fused: list[nn.Module | None]) -> bool:
+    """Whether each row of a step gets the same bits in any company of up to DECODE_ROWS rows:
+    every projection is weight-only and its kernel, tried here on this CPU, computes a row the same
+    whatever rows are beside it (true of torch's bf16 and int8 kernels on x86 with AVX2)."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear | WeightOnlyLinear)]
+    if not linears or not all(isinstance(m, WeightOnlyLinear) for m in linears):
+        return False
+    tried = {(m.mode, m.out_features, m.in_features): m for m in [*linears, *fused] if isinstance(m, WeightOnlyLinear)}
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for layer in tried.values():
+            x = torch.randn(DECODE_ROWS, layer.in_features, generator=generator).to(layer.weight_low.device)
+            alone = layer(x[:1])
+            if not all(torch.equal(layer(x[:n])[:1], alone) for n in (2, 3, 4, 8, DECODE_ROWS)):
+                return False
+    return True
+
+
 def _base(layer: torch.nn.Module) -> Layer:
     """A decoder layer under a Neurocache wrapper (which adds nothing while no cache is attached)."""
     return cast(Layer, getattr(layer, "base", layer))
@@ -79,6 +98,9 @@ class BatchDecoder:
             fuse_linears([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]) for layer in self.layers
         ]
         self.gate_up = [fuse_linears([getattr(layer.mlp, n, None) for n in ("gate_proj", "up_proj")]) for layer in self.layers]
+        # weight-only kernels that compute each row alone need no padding for a row's logits to be
+        # the same in any company (of up to DECODE_ROWS rows)
+        self.row_invariant = _rows_alone(model, [*self.qkv, *self.gate_up])
 
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
@@ -121,8 +143,11 @@ class BatchDecoder:
 
     def step_rows(self, answers: int) -> int:
         """Rows a step computes for `answers` answers: 2 or 3 are padded to 4, and so is a lone answer
-        when batch-invariant; a lone answer otherwise steps alone (a 1-row step is the fastest)."""
+        when batch-invariant; a lone answer otherwise steps alone (a 1-row step is the fastest).
+        A model whose projections are all weight-only (`--quantize`) is never padded."""
         assert answers > 0
+        if self.row_invariant and answers <= DECODE_ROWS:
+            return answers
         if answers >= INVARIANT_ROWS or (answers == 1 and not self.invariant):
             return answers
         return INVARIANT_ROWS

@@ -26,6 +26,7 @@ from engine.batching import BatchDecoder, Batcher, Row
 from engine.generation import AnswerState, StopTokens, generate_steps
 from engine.interface import GenerationDone, GenerationParams, TokenDelta
 from engine.models.neurocache import Neurocache, NeurocacheConfig
+from engine.models.quantize import WeightOnlyLinear, quantize_linears
 from engine.worker import SerialWorker
 from research.lms.byte_tokenizer import ByteTokenizer
 from tests.helpers import TEST_DEVICE
@@ -314,3 +315,35 @@ def test_two_or_three_answers_step_as_four_rows_and_get_a_larger_batchs_logits()
         assert torch.equal(decoder.step(pair), reference)
         assert torch.equal(decoder.step(trio)[:2], reference)
         assert torch.equal(decoder.step(four)[:2], reference)
+
+
+@X86_CPU_ONLY
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+def test_a_quantized_model_is_never_padded_and_a_row_gets_the_same_logits_in_any_company(mode):
+    """torch's weight-only kernels compute each row alone (checked by the decoder when it is
+    made): with `--quantize` no step is padded, and a row's logits are bit for bit the same
+    stepped alone, beside one other or beside five."""
+    model = tiny("llama", 101)
+    quantize_linears(model, mode)
+    decoder = BatchDecoder(model, invariant=True)
+    assert decoder.row_invariant
+    assert [decoder.step_rows(n) for n in (1, 2, 3, 5)] == [1, 2, 3, 5]
+    lone, pair, six = (prefilled_rows(decoder, lengths) for lengths in ([20], [20, 7], [20, 7, 33, 12, 25, 9]))
+    for token in (5, 17, 60):
+        for row in (*lone, *pair, *six):
+            assert row.state is not None
+            row.state.next_token = token
+        reference = decoder.step(lone)[0]
+        assert torch.equal(decoder.step(pair)[0], reference)
+        assert torch.equal(decoder.step(six)[0], reference)
+
+
+def test_a_kernel_whose_rows_depend_on_their_company_keeps_the_padding(monkeypatch):
+    model = tiny("llama", 101)
+    quantize_linears(model, "int8")
+    forward = WeightOnlyLinear.forward
+    monkeypatch.setattr(WeightOnlyLinear, "forward", lambda self, x: forward(self, x) * (1 + 1e-3 * (x.shape[0] > 1)))
+    decoder = BatchDecoder(model)
+    assert not decoder.row_invariant
+    assert [decoder.step_rows(n) for n in (1, 2, 3)] == [1, 4, 4]
+    assert not BatchDecoder(tiny("llama", 101)).row_invariant  # float32 layers: MKL's order depends on the rows
