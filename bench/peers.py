@@ -2,7 +2,7 @@
 (on the GGUF file longdoc's default model is converted from) and plain transformers `generate`.
 
     make peers   # builds llama-cpp-python[server] in .venv-peers, then runs this:
-    .venv/bin/python -m bench.peers --peers-python .venv-peers/bin/python --quantize none bf16
+    .venv/bin/python -m bench.peers --peers-python .venv-peers/bin/python --quantize none bf16 int8
 
 longdoc is measured once per `--quantize` mode given (a server each, one after the other).
 

@@ -4,9 +4,10 @@ Requests join between steps (each prefilled on its own, one a step, so a long pr
 others for one prefill only) and leave when they finish, are cancelled or fail. Each keeps its own
 sampling, stop strings and repetition guard (`AnswerState`), and its own key/value rows sized
 prompt + max_tokens, as reserved before it was admitted. The projections and MLPs of a step run
-on all rows at once (the weights are read once a step, not once a request); attention runs row by
-row over that row's own keys (no row sees another's; a step of 2 or 3 rows is padded to 4,
-see `INVARIANT_ROWS`).
+on all rows at once (the weights are read once a step, not once a request; q, k and v as one
+matmul, gate and up as another: engine/models/fused.py); attention runs row by row over that
+row's own keys (no row sees another's; a step of 2 or 3 rows is padded to 4, see
+`INVARIANT_ROWS`, unless its weight-only projections compute each row alone).
 
 `BatchDecoder` steps Llama-family models (Llama, Qwen2, Mistral: pre-norm layers with rotary
 attention) through their own modules; a model it does not support is answered one request at a
@@ -60,20 +61,20 @@ class Row:
     cancelled: bool = False
 
 
-def _rows_alone(model: PreTrainedModel, fused: list[nn.Module | None]) -> bool:
-    """Whether each row of a step gets the same bits in any company of up to DECODE_ROWS rows:
-    every projection is weight-only and its kernel, tried here on this CPU, computes a row the same
-    whatever rows are beside it (true of torch's bf16 and int8 kernels on x86 with AVX2)."""
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear | WeightOnlyLinear)]
-    if not linears or not all(isinstance(m, WeightOnlyLinear) for m in linears):
-        return False
-    tried = {(m.mode, m.out_features, m.in_features): m for m in [*linears, *fused] if isinstance(m, WeightOnlyLinear)}
+def _rows_alone(projections: list[nn.Module]) -> bool:
+    """Whether the step's `projections` give each row the same bits in any company of up to
+    DECODE_ROWS rows: all weight-only, and each kernel, tried here on this CPU for every count of
+    rows, computes a row as it does alone (torch's bf16 and int8 kernels on x86 with AVX2 do)."""
+    if not all(type(m) is WeightOnlyLinear for m in projections):
+        return False  # float32 (MKL sums in an order that depends on the rows), or an adapter's layer
+    layers = cast(list[WeightOnlyLinear], projections)
+    tried = {(m.mode, m.out_features, m.in_features): m for m in layers}
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for layer in tried.values():
             x = torch.randn(DECODE_ROWS, layer.in_features, generator=generator).to(layer.weight_low.device)
-            alone = layer(x[:1])
-            if not all(torch.equal(layer(x[:n])[:1], alone) for n in (2, 3, 4, 8, DECODE_ROWS)):
+            alone = torch.cat([layer(x[i : i + 1]) for i in range(DECODE_ROWS)])
+            if not all(torch.equal(layer(x[:n]), alone[:n]) for n in range(2, DECODE_ROWS + 1)):
                 return False
     return True
 
@@ -100,7 +101,17 @@ class BatchDecoder:
         self.gate_up = [fuse_linears([getattr(layer.mlp, n, None) for n in ("gate_proj", "up_proj")]) for layer in self.layers]
         # weight-only kernels that compute each row alone need no padding for a row's logits to be
         # the same in any company (of up to DECODE_ROWS rows)
-        self.row_invariant = _rows_alone(model, [*self.qkv, *self.gate_up])
+        self.rows_alone = _rows_alone(self._projections())
+
+    def _projections(self) -> list[nn.Module]:
+        """The linear layers a decode step calls: fused or not, per layer, and the output head."""
+        called: list[nn.Module] = []
+        for layer, qkv, gate_up in zip(self.layers, self.qkv, self.gate_up, strict=True):
+            attention, mlp = layer.self_attn, layer.mlp
+            called += [qkv] if qkv is not None else [attention.q_proj, attention.k_proj, attention.v_proj]
+            called += [gate_up] if gate_up is not None else [getattr(mlp, "gate_proj", mlp), getattr(mlp, "up_proj", mlp)]
+            called += [attention.o_proj, getattr(mlp, "down_proj", mlp)]
+        return [*called, cast(nn.Module, self.model.lm_head)]
 
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
@@ -144,9 +155,10 @@ class BatchDecoder:
     def step_rows(self, answers: int) -> int:
         """Rows a step computes for `answers` answers: 2 or 3 are padded to 4, and so is a lone answer
         when batch-invariant; a lone answer otherwise steps alone (a 1-row step is the fastest).
-        A model whose projections are all weight-only (`--quantize`) is never padded."""
+        Up to DECODE_ROWS answers, a step whose projections compute each row alone (`--quantize`,
+        without an adapter's float32 layers) is never padded."""
         assert answers > 0
-        if self.row_invariant and answers <= DECODE_ROWS:
+        if self.rows_alone and answers <= DECODE_ROWS:
             return answers
         if answers >= INVARIANT_ROWS or (answers == 1 and not self.invariant):
             return answers

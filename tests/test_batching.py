@@ -326,7 +326,7 @@ def test_a_quantized_model_is_never_padded_and_a_row_gets_the_same_logits_in_any
     model = tiny("llama", 101)
     quantize_linears(model, mode)
     decoder = BatchDecoder(model, invariant=True)
-    assert decoder.row_invariant
+    assert decoder.rows_alone
     assert [decoder.step_rows(n) for n in (1, 2, 3, 5)] == [1, 2, 3, 5]
     lone, pair, six = (prefilled_rows(decoder, lengths) for lengths in ([20], [20, 7], [20, 7, 33, 12, 25, 9]))
     for token in (5, 17, 60):
@@ -344,6 +344,28 @@ def test_a_kernel_whose_rows_depend_on_their_company_keeps_the_padding(monkeypat
     forward = WeightOnlyLinear.forward
     monkeypatch.setattr(WeightOnlyLinear, "forward", lambda self, x: forward(self, x) * (1 + 1e-3 * (x.shape[0] > 1)))
     decoder = BatchDecoder(model)
-    assert not decoder.row_invariant
+    assert not decoder.rows_alone
     assert [decoder.step_rows(n) for n in (1, 2, 3)] == [1, 4, 4]
-    assert not BatchDecoder(tiny("llama", 101)).row_invariant  # float32 layers: MKL's order depends on the rows
+    assert not BatchDecoder(tiny("llama", 101)).rows_alone  # float32 layers are not tried: MKL's order depends on the rows
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("mode", ["none", "int8"])
+def test_every_layer_steps_fused_and_a_second_decoder_shares_the_weights(family, mode):
+    model = tiny(family, 101)
+    quantize_linears(model, mode)
+    first, second = BatchDecoder(model), BatchDecoder(model)
+    assert all(f is not None for f in first.qkv + first.gate_up)
+    assert all(a is b for a, b in zip(first.qkv + first.gate_up, second.qkv + second.gate_up, strict=True))
+
+
+def test_a_neurocache_adapters_float32_layers_are_stepped_unfused_and_keep_the_padding():
+    model = tiny("llama", 101)
+    Neurocache(model, NeurocacheConfig(top_k=4, capacity=64, lora_rank=4))
+    quantize_linears(model, "int8")  # the adapter's LoRA layers stay float32, as the server does it
+    decoder = BatchDecoder(model)
+    adapted = [type(layer.mlp.gate_proj) is not WeightOnlyLinear for layer in decoder.layers]
+    assert any(adapted) and not all(adapted)
+    assert [f is None for f in decoder.gate_up] == adapted
+    assert all(f is not None for f in decoder.qkv)
+    assert not decoder.rows_alone
