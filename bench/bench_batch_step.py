@@ -1,27 +1,31 @@
-"""One batched decode step of the default model in process (float32, rows at 512 tokens) for 1, 2,
-3, 4 and 8 answers: unpadded (every count steps as itself, the policy before 2-3 rows were padded
-to 4), the default (2-3 padded to 4) and `batch_invariant` (1-3 padded to 4); and why 4 rows: how
-much a row of `F.linear` at the model's shapes changes with the number of rows beside it.
+"""One batched decode step of the default model in process (rows at 512 tokens) for 1, 2, 3, 4
+and 8 answers, the decoders alternating: unpadded (every count steps as itself), padded (2-3
+answers padded to 4, the float32 rule), the default (padded, unless the projections compute each
+row alone: `--quantize`), `batch_invariant` (1-3 padded to 4) and unfused (the default without
+q/k/v and gate/up fused); and why 4 rows: how much a row of the model's projections changes with
+the number of rows beside it.
 
-    .venv/bin/python -m bench.bench_batch_step
+    .venv/bin/python -m bench.bench_batch_step [--quantize bf16|int8]
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 from engine.batching import BatchDecoder, Row
 from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
 from engine.generation import AnswerState, StopTokens
 from engine.interface import GenerationParams
 from engine.models.loader import load_model
+from engine.models.quantize import quantize_linears
 
 CONTEXT = 512
-REPEATS = 8
+REPEATS = 24
 
 
 def filled_rows(decoder: BatchDecoder, tokenizer, count: int) -> list[Row]:
@@ -40,16 +44,38 @@ class Unpadded(BatchDecoder):
         return answers
 
 
+class Padded(BatchDecoder):
+    """The float32 rule whatever the weights: 2-3 answers padded to 4."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)  # type: ignore[arg-type]
+        self.rows_alone = False
+
+
+class Unfused(BatchDecoder):
+    """The default, with q, k and v (and gate and up) as separate matmuls."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)  # type: ignore[arg-type]
+        self.qkv, self.gate_up = [None] * len(self.qkv), [None] * len(self.gate_up)
+
+
 def step_times(model, tokenizer) -> None:
     decoders = {
         "unpadded": Unpadded(model),
+        "padded": Padded(model),
         "default": BatchDecoder(model),
         "batch_invariant": BatchDecoder(model, invariant=True),
+        "unfused": Unfused(model),
     }
     print(
-        "| answers | step ms, unpadded | step ms, default | step ms, batch_invariant | tok/s, unpadded | tok/s, default | tok/s, batch_invariant |"
+        "| answers | "
+        + " | ".join(f"step ms, {name}" for name in decoders)
+        + " | "
+        + " | ".join(f"tok/s, {name}" for name in decoders)
+        + " |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|" + "---|" * 2 * len(decoders))
     for count in (1, 2, 3, 4, 8):
         rows = {name: filled_rows(decoder, tokenizer, count) for name, decoder in decoders.items()}
         times: dict[str, list[float]] = {name: [] for name in decoders}
@@ -67,24 +93,33 @@ def step_times(model, tokenizer) -> None:
 
 
 def linear_regimes(model) -> None:
-    """Row 0 of x @ W.T for 1..32 rows, against 1 row and against 4 rows."""
-    print("\n| weight (out x in) | max change vs 1 row, at 2-3 rows | at 4+ rows | rows 4-32 bit-identical to 4 |")
-    print("|---|---|---|---|")
+    """Row 0 of a projection of 1..32 rows, against 1 row and against 4 rows (weight-only layers
+    widen their weights to float32 past DECODE_ROWS rows, hence the 17-32 column)."""
+    print(
+        "\n| weight (out x in) | max change vs 1 row, at 2-3 rows | at 4-16 rows | at 17-32 rows | rows 4-16 bit-identical to 4 |"
+    )
+    print("|---|---|---|---|---|")
     generator = torch.Generator().manual_seed(0)
     layer = model.model.layers[0]
-    for weight in (layer.self_attn.q_proj.weight, layer.mlp.up_proj.weight, layer.mlp.down_proj.weight, model.lm_head.weight):
-        x = torch.randn(32, weight.shape[1], generator=generator, dtype=weight.dtype)
+    for projection in (layer.self_attn.q_proj, layer.mlp.up_proj, layer.mlp.down_proj, model.lm_head):
+        x = torch.randn(32, projection.in_features, generator=generator)
         with torch.inference_mode():
-            rows = {m: F.linear(x[:m], weight)[0] for m in range(1, 33)}
-        small = max(float((rows[m] - rows[1]).abs().max()) for m in (2, 3))
-        large = max(float((rows[m] - rows[1]).abs().max()) for m in range(4, 33))
-        same = all(torch.equal(rows[m], rows[4]) for m in range(4, 33))
-        print(f"| {tuple(weight.shape)} | {small:.1e} | {large:.1e} | {same} |")
+            rows = {m: projection(x[:m])[0] for m in range(1, 33)}
+        change = [max(float((rows[m] - rows[1]).abs().max()) for m in span) for span in ((2, 3), range(4, 17), range(17, 33))]
+        same = all(torch.equal(rows[m], rows[4]) for m in range(4, 17))
+        shape = (projection.out_features, projection.in_features)
+        print(f"| {shape} | " + " | ".join(f"{c:.1e}" for c in change) + f" | {same} |")
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quantize", default="none", help="none, bf16 or int8 (weight-only, as longdoc serve --quantize)")
+    args = parser.parse_args()
     loaded = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu", dtype="float32")
-    print(f"torch threads: {torch.get_num_threads()}, context {CONTEXT} tokens, medians of {REPEATS}\n")
+    quantize_linears(loaded.model, args.quantize)
+    print(
+        f"torch threads: {torch.get_num_threads()}, context {CONTEXT} tokens, medians of {REPEATS}, --quantize {args.quantize}\n"
+    )
     step_times(loaded.model, loaded.tokenizer)
     linear_regimes(loaded.model)
 
