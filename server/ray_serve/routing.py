@@ -40,12 +40,10 @@ def makes_session(method: str, path: str) -> bool:
     return method == "POST" and path.rstrip("/") == "/v1/sessions"
 
 
-def in_turn(turn: int, replicas: list[str]) -> list[str]:
-    """The live `replicas` (not empty) in the order the `turn`-th new session tries them: round
-    robin from a sorted list, so sessions made together spread evenly whatever each one's timing."""
-    ordered = sorted(replicas)
-    start = turn % len(ordered)
-    return ordered[start:] + ordered[:start]
+def in_turn(turn: int, replicas: list[str]) -> str:
+    """The live replica (of `replicas`, not empty) the `turn`-th new session goes to: round robin
+    over the sorted names, so sessions made together spread evenly whatever each one's timing."""
+    return sorted(replicas)[turn % len(replicas)]
 
 
 def session_in(method: str, path: str, body: bytes) -> str | None:
