@@ -4,9 +4,9 @@ turn (routing.in_turn; the ingress numbers it once), so that sessions, each hold
 as long as it lives, spread evenly rather than by the queue of the moment; any other request goes
 by Serve's own power of two choices, to the less loaded of two replicas. The owner, or the turn's
 replica, alone is offered: when it is busy the request waits for it, as Serve's router waits,
-rather than reach a replica without the session. (A turn that also offered the other replicas
-spilled over whenever its replica missed the router's 0.1 s queue-length probe on a loaded
-machine: CI once saw 8 sessions made together land 3 and 5.)"""
+rather than reach a replica without the session. (A turn that also offered the other replicas let
+a session spill over when its replica was full or missed the router's 0.1 s queue-length probe;
+a fresh-clone test run on a loaded machine once saw 8 sessions made together land 3 and 5.)"""
 
 from __future__ import annotations
 
