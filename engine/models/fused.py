@@ -44,26 +44,38 @@ def _fuse(parts: Sequence[nn.Module | None]) -> nn.Module | None:
     linears = cast(list[nn.Linear | WeightOnlyLinear], list(parts))
     if len({part.in_features for part in linears}) != 1 or len({part.bias is None for part in linears}) != 1:
         return None
+    out_features = sum(part.out_features for part in linears)
     if kinds == {nn.Linear}:
-        return _fused_plain(cast(list[nn.Linear], linears))
-    return WeightOnlyLinear.fused(cast(list[WeightOnlyLinear], linears))
-
-
-def _fused_plain(parts: list[nn.Linear]) -> nn.Linear:
-    weight = torch.cat([part.weight.detach() for part in parts])
-    fused = nn.Linear(parts[0].in_features, weight.shape[0], bias=parts[0].bias is not None, device="meta")
-    fused.weight = nn.Parameter(weight, requires_grad=False)
-    _rebind(parts, "weight", weight)
-    if parts[0].bias is not None:
-        bias = torch.cat([part.bias.detach() for part in parts if part.bias is not None])
-        fused.bias = nn.Parameter(bias, requires_grad=False)
-        _rebind(parts, "bias", bias)
+        fused: nn.Module = nn.Linear(linears[0].in_features, out_features, bias=False, device="meta")
+        names: tuple[str, ...] = ("weight", "bias")
+    else:
+        modes = {cast(WeightOnlyLinear, part).mode for part in linears}
+        if len(modes) != 1:
+            return None
+        fused = WeightOnlyLinear.shell(modes.pop(), linears[0].in_features, out_features)
+        names = ("weight_low", "scales", "scales_low", "bias")
+    for name in names:
+        _share(linears, fused, name)
     return fused
 
 
-def _rebind(parts: Sequence[nn.Module], name: str, whole: torch.Tensor) -> None:
-    """Make each part's parameter `name` the rows of `whole` it holds (as a view)."""
-    sizes = [getattr(part, name).shape[0] for part in parts]
-    for part, view in zip(parts, whole.split(sizes), strict=True):
-        requires_grad = getattr(part, name).requires_grad
-        setattr(part, name, nn.Parameter(view, requires_grad=requires_grad))
+def _share(parts: Sequence[nn.Module], fused: nn.Module, name: str) -> None:
+    """Give `fused` the parts' tensors `name` one after the other (a parameter or a buffer, as the
+    parts hold it; None stays None), and make each part's the rows of it that it holds (a view)."""
+    tensors = [getattr(part, name) for part in parts]
+    if tensors[0] is None:
+        setattr(fused, name, None)
+        return
+    whole = torch.cat([tensor.detach() for tensor in tensors])
+    parameter = name in parts[0]._parameters
+    _set(fused, name, whole, parameter, requires_grad=False)
+    if whole.numel():  # bf16 keeps no scales
+        for part, tensor, view in zip(parts, tensors, whole.split([len(t) for t in tensors]), strict=True):
+            _set(part, name, view, parameter, tensor.requires_grad)
+
+
+def _set(module: nn.Module, name: str, tensor: torch.Tensor, parameter: bool, requires_grad: bool) -> None:
+    if parameter:
+        setattr(module, name, nn.Parameter(tensor, requires_grad=requires_grad))
+    else:
+        module.register_buffer(name, tensor)

@@ -54,29 +54,12 @@ class WeightOnlyLinear(nn.Module):
         self.bias = linear.bias
 
     @classmethod
-    def fused(cls, parts: list[WeightOnlyLinear]) -> WeightOnlyLinear | None:
-        """One layer computing `parts` (same mode and input) side by side; each part's stored
-        weight, scales and bias become views of the fused ones, so no memory is added."""
-        if len({part.mode for part in parts}) != 1:
-            return None
-        fused = cls.__new__(cls)
-        nn.Module.__init__(fused)
-        fused.mode, fused.in_features = parts[0].mode, parts[0].in_features
-        fused.out_features = sum(part.out_features for part in parts)
-        sizes = [part.out_features for part in parts]
-        for name in ("weight_low", "scales", "scales_low"):
-            whole = torch.cat([getattr(part, name) for part in parts])
-            fused.register_buffer(name, whole)
-            if whole.numel():  # bf16 keeps no scales
-                for part, view in zip(parts, whole.split(sizes), strict=True):
-                    part.register_buffer(name, view)
-        fused.bias = None
-        if parts[0].bias is not None:
-            bias = torch.cat([part.bias.detach() for part in parts if part.bias is not None])
-            fused.bias = nn.Parameter(bias, requires_grad=False)
-            for part, view in zip(parts, bias.split(sizes), strict=True):
-                part.bias = nn.Parameter(view, requires_grad=False)
-        return fused
+    def shell(cls, mode: str, in_features: int, out_features: int) -> WeightOnlyLinear:
+        """A layer with its sizes and mode but no tensors yet (engine/models/fused.py fills them)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.mode, layer.in_features, layer.out_features = mode, in_features, out_features
+        return layer
 
     def dequantized(self) -> torch.Tensor:
         """The stored weight as float32 [out, in]."""
