@@ -64,7 +64,8 @@ class Row:
 def _rows_alone(projections: list[nn.Module]) -> bool:
     """Whether the step's `projections` give each row the same bits in any company of up to
     DECODE_ROWS rows: all weight-only, and each kernel, tried here on this CPU for every count of
-    rows, computes a row as it does alone (torch's bf16 and int8 kernels on x86 with AVX2 do)."""
+    rows, computes a row as it does alone (longdoc's kernels do by design, torch's bf16 and int8 ones
+    on x86 with AVX2 do as measured)."""
     if not all(type(m) is WeightOnlyLinear for m in projections):
         return False  # float32 (MKL sums in an order that depends on the rows), or an adapter's layer
     layers = cast(list[WeightOnlyLinear], projections)

@@ -12,6 +12,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from engine.config import ModelSpec
+from engine.models import cpu_kernels
 from engine.models.quantize import DECODE_ROWS, WeightOnlyLinear, quantize_linears
 from tests.helpers import TEST_DEVICE, tiny_settings
 
@@ -32,10 +33,21 @@ def weight_tolerance(weight: torch.Tensor, mode: str) -> torch.Tensor:
     return weight.abs() * 2**-8
 
 
+@pytest.fixture(params=["longdoc", "torch"])
+def decode_kernel(request, monkeypatch):
+    """Decode rows through longdoc's kernel (engine/models/cpu_kernels.py) or, as where it cannot be
+    built, torch's."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_kernels, "library", lambda: None)
+    elif cpu_kernels.library() is None:
+        pytest.skip("longdoc's CPU kernels cannot be built here (tests/test_cpu_kernels.py says why)")
+    return request.param
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("rows", [1, 3, DECODE_ROWS, DECODE_ROWS + 1, 200])
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_layer_stays_within_its_rounding_of_float32(mode, rows, bias):
+def test_a_layer_stays_within_its_rounding_of_float32(mode, rows, bias, decode_kernel):
     plain = linear(bias=bias)
     quantized = WeightOnlyLinear(plain, mode)
     x = torch.randn(rows, 96)
@@ -43,13 +55,16 @@ def test_a_layer_stays_within_its_rounding_of_float32(mode, rows, bias):
         want, got = plain(x), quantized(x)
         tolerance = weight_tolerance(plain.weight, mode)
         assert ((quantized.dequantized() - plain.weight).abs() <= tolerance).all()
-        if rows <= DECODE_ROWS:  # the decode kernels also round the inputs to bfloat16
+        if rows <= DECODE_ROWS and decode_kernel == "torch":  # torch's decode kernels round the inputs to bfloat16
             tolerance = tolerance + plain.weight.abs() * 2**-8
         bound = x.abs() @ tolerance.T + 1e-4
     assert got.dtype == torch.float32 and got.shape == want.shape
     assert ((got - want).abs() <= bound).all()
     if rows > DECODE_ROWS:  # a prefill runs float32 on the widened weight: exactly that matmul
         torch.testing.assert_close(got, F.linear(x, quantized.dequantized(), plain.bias), rtol=0, atol=0)
+    elif decode_kernel == "longdoc":  # the stored weight times the float32 input, summed in float32
+        exact = F.linear(x.double(), quantized.dequantized().double()).float()
+        torch.testing.assert_close(got - (0 if plain.bias is None else plain.bias), exact, rtol=1e-5, atol=1e-5)
     else:  # a decode row: the stored weight (int8: its scales in bfloat16) times the bfloat16 input, summed in
         # float32, the result rounded to bfloat16
         weight = quantized.dequantized()

@@ -1,15 +1,16 @@
 """Weight-only quantization for decoding on CPU (`longdoc serve --quantize bf16|int8`).
 
 A decode step reads every weight once for one row of activations, so on CPU its time is the time
-to stream the weights from memory: fewer bytes a weight, faster steps. The converted layers' inputs
-are rounded to bfloat16 for a decode step's matmul (its result comes back as float32); norms, the
-key/value cache and attention stay in the model's float32, which CPUs without native bfloat16 run
-several times faster than bfloat16 attention. The speed-up needs one OpenMP team on the cores
+to stream the weights from memory: fewer bytes a weight, faster steps. A decode step's matmul (up
+to DECODE_ROWS rows) runs longdoc's own kernel (engine/models/cpu_kernels.py: float32 activations,
+each weight widened to float32 as it is read) where it could be built, else torch's weight-only
+kernel (activations rounded to bfloat16); the result is float32 either way. Norms, the key/value
+cache and attention stay in the model's float32, which CPUs without native bfloat16 run several
+times faster than bfloat16 attention. The speed-up needs one OpenMP team on the cores
 (engine/worker.py).
 
-- `bf16`: weights kept in bfloat16 (half the bytes); a decode step runs the bfloat16 matmul.
-- `int8`: weights kept in int8 with one float scale per output row (a quarter of the bytes);
-  a decode step runs torch's int8 weight-only matmul on bfloat16 activations.
+- `bf16`: weights kept in bfloat16 (half the bytes).
+- `int8`: weights kept in int8 with one float scale per output row (a quarter of the bytes).
 
 A pass over many rows (a prompt's prefill) is compute-bound, not memory-bound: it widens the
 weights back to float32 for that pass and runs the float32 matmul. The decoder layers' projections
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import QUANTIZE_MODES
+from engine.models import cpu_kernels
 
 DECODE_ROWS = 16  # passes of at most this many rows use the low-precision kernel
 LINEAR_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"})
@@ -70,6 +72,8 @@ class WeightOnlyLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] > DECODE_ROWS:
             out = F.linear(rows, self.dequantized().to(x.dtype))
+        elif cpu_kernels.usable(self.weight_low):
+            out = cpu_kernels.matmul(rows, self.weight_low, self.scales if self.mode == "int8" else None).to(x.dtype)
         elif self.mode == "bf16":
             out = F.linear(rows.to(torch.bfloat16), self.weight_low).to(x.dtype)
         else:

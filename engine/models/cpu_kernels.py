@@ -1,0 +1,100 @@
+"""longdoc's own weight-only matmul for decode steps on CPU (csrc/weight_only.c), built on first use.
+
+torch's bf16 and int8 weight-only kernels read a decode step's weights at 5-14 GB/s on a 2-core
+AVX2 machine, where a plain read of memory reaches 20-30 GB/s; the step is bound by that read.
+The C kernel converts each weight to float32 in registers as it is read and shares the output
+rows among torch's OpenMP team (it links the libgomp torch has loaded): on the same machine it
+reads them at about 20 GB/s (docs/benchmarks.md). It takes float32 activations (torch's kernels
+take bfloat16 ones) and sums every output in one order, whatever the number of rows beside it.
+
+It is compiled with the system's C compiler into the cache directory the first time a process
+needs it (about a second), keyed by a hash of the source and flags. Where that cannot be done (no
+compiler, a CPU without AVX2 and FMA, `LONGDOC_CPU_KERNELS=0`), `library()` returns None and the
+caller uses torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from engine.config import DEFAULT_CACHE_DIR
+
+SOURCE = Path(__file__).with_name("csrc") / "weight_only.c"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+ALIGN = 32  # the kernel reads the input features 32 at a time
+log = logging.getLogger(__name__)
+
+
+def _build(target: Path) -> None:
+    """Compile the source into `target` (written aside, then moved in: other processes may race)."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        raise OSError("no C compiler (cc) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True, timeout=120)
+        os.replace(built, target)
+
+
+def kernel_dir() -> Path:
+    """Where built kernels are kept: `LONGDOC_KERNEL_DIR`, else kernels/ in the cache directory
+    (`LONGDOC_CACHE_DIR`, as the server's settings read it, else its default)."""
+    cache = Path(os.environ.get("LONGDOC_CACHE_DIR") or DEFAULT_CACHE_DIR).expanduser()
+    return Path(os.environ.get("LONGDOC_KERNEL_DIR") or cache / "kernels")
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernels, or None where they cannot be used here (then torch's kernels are)."""
+    if os.environ.get("LONGDOC_CPU_KERNELS", "1") == "0":
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    try:
+        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+        target = kernel_dir() / f"weight_only-{digest}.so"
+        if not target.exists():
+            _build(target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", b"") or b""
+        log.warning("weight-only CPU kernels unavailable, using torch's: %s %s", error, detail.decode(errors="replace")[-500:])
+        return None
+    pointer, size = ctypes.c_void_p, ctypes.c_long
+    for kernel in (lib.int8_matmul, lib.bf16_matmul):
+        kernel.argtypes = [pointer, size, size, pointer, pointer, size, pointer]
+        kernel.restype = None
+    return lib
+
+
+def usable(weight: torch.Tensor) -> bool:
+    """Whether the kernels can multiply by this stored weight ([out, in], bf16 or int8, on CPU)."""
+    return weight.device.type == "cpu" and weight.is_contiguous() and weight.shape[1] % ALIGN == 0 and library() is not None
+
+
+def matmul(rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """rows [R, in] times weight [out, in] transposed (bf16, or int8 with float32 scales [out]):
+    [R, out] float32. The caller checked `usable(weight)`."""
+    lib = library()
+    assert lib is not None
+    x = rows if rows.dtype == torch.float32 and rows.is_contiguous() else rows.to(torch.float32).contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    if weight.dtype == torch.int8:
+        assert scales is not None and scales.dtype == torch.float32 and scales.is_contiguous()
+        kernel, scale_pointer = lib.int8_matmul, scales.data_ptr()
+    else:
+        assert weight.dtype == torch.bfloat16
+        kernel, scale_pointer = lib.bf16_matmul, None
+    kernel(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), scale_pointer, weight.shape[0], out.data_ptr())
+    return out

@@ -1,0 +1,111 @@
+"""longdoc's weight-only decode kernels (engine/models/cpu_kernels.py): built where a C compiler and
+AVX2 are, equal to the float32 product of the stored weights, a row's bits independent of the rows
+beside it, and torch's kernels wherever they cannot be used."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from engine.models import cpu_kernels
+from engine.models.quantize import DECODE_ROWS, WeightOnlyLinear
+from tests.helpers import TEST_DEVICE
+
+pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU kernels")
+BUILDABLE = shutil.which("cc") is not None and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+MODES = ("bf16", "int8")
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """library() built again, into a scratch directory, and forgotten afterwards."""
+    monkeypatch.setenv("LONGDOC_KERNEL_DIR", str(tmp_path))
+    cpu_kernels.library.cache_clear()
+    yield tmp_path
+    cpu_kernels.library.cache_clear()
+
+
+def stored(mode: str, out_features: int = 37, in_features: int = 96, seed: int = 0) -> WeightOnlyLinear:
+    torch.manual_seed(seed)
+    return WeightOnlyLinear(nn.Linear(in_features, out_features, bias=False), mode)
+
+
+def product(layer: WeightOnlyLinear, x: torch.Tensor) -> torch.Tensor:
+    return cpu_kernels.matmul(x, layer.weight_low, layer.scales if layer.mode == "int8" else None)
+
+
+@pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")
+def test_the_kernels_build_into_the_kernel_dir(fresh):
+    assert cpu_kernels.library() is not None
+    assert [p.suffix for p in fresh.iterdir()] == [".so"]
+
+
+@pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, DECODE_ROWS])
+def test_equal_to_the_float32_product_of_the_stored_weights(mode, rows):
+    layer = stored(mode)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    want = (x.double() @ layer.dequantized().double().T).float()
+    got = product(layer, x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 37)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got, torch.zeros_like(got))
+
+
+@pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")
+@pytest.mark.parametrize("mode", MODES)
+def test_a_row_gets_the_same_bits_in_any_company(mode):
+    layer = stored(mode, out_features=64, in_features=160)
+    x = torch.randn(DECODE_ROWS, 160, generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([product(layer, x[i : i + 1]) for i in range(DECODE_ROWS)])
+    for count in range(2, DECODE_ROWS + 1):
+        assert torch.equal(product(layer, x[:count]), alone[:count]), count
+    assert torch.equal(product(layer, x.flip(0)), alone.flip(0))
+
+
+@pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")
+def test_a_layer_uses_them_for_decode_rows_only(monkeypatch):
+    layer = stored("int8")
+    calls: list[int] = []
+    real = cpu_kernels.matmul
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(cpu_kernels, "matmul", counted)
+    with torch.no_grad():
+        layer(torch.randn(1, 3, 96))
+        layer(torch.randn(DECODE_ROWS + 1, 96))  # a prefill: float32 on the widened weight
+    assert calls == [3]
+
+
+def test_features_not_a_multiple_of_32_use_torch(monkeypatch):
+    layer = stored("bf16", in_features=72)
+    assert not cpu_kernels.usable(layer.weight_low)
+    monkeypatch.setattr(cpu_kernels, "matmul", lambda *a: pytest.fail("the kernel reads 32 features at a time"))
+    with torch.no_grad():
+        got = layer(torch.randn(2, 72))
+    assert got.shape == (2, 37)
+
+
+def test_turned_off_or_unbuildable_falls_back_to_torch(fresh, monkeypatch, caplog):
+    monkeypatch.setenv("LONGDOC_CPU_KERNELS", "0")
+    assert cpu_kernels.library() is None
+    monkeypatch.delenv("LONGDOC_CPU_KERNELS")
+    cpu_kernels.library.cache_clear()
+    monkeypatch.setenv("CC", str(fresh / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger="engine.models.cpu_kernels"):
+        assert cpu_kernels.library() is None
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert "unavailable" in caplog.text
+    layer = stored("int8")
+    x = torch.randn(2, 96)
+    with torch.no_grad():
+        got = layer(x)  # torch's int8 kernel on bfloat16 inputs
+    torch.testing.assert_close(got, x @ layer.dequantized().T, rtol=2**-6, atol=2e-2)
