@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, DynamicLayer, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import rotate_half
 
 from engine.generation import AnswerState, StopTokens
 from engine.interface import GenerationDone, GenerationEvent, GenerationParams
@@ -80,6 +81,15 @@ def _rows_alone(projections: list[nn.Module]) -> bool:
     return True
 
 
+def _rms_norm(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A Llama-family RMSNorm as one call of torch's (the same sums, fewer calls); any other norm
+    as itself."""
+    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if not type(norm).__name__.endswith("RMSNorm") or not isinstance(weight, torch.Tensor) or not isinstance(eps, float):
+        return cast(Callable[[torch.Tensor], torch.Tensor], norm)
+    return functools.partial(F.rms_norm, normalized_shape=(weight.shape[0],), weight=weight, eps=eps)
+
+
 def _base(layer: torch.nn.Module) -> Layer:
     """A decoder layer under a Neurocache wrapper (which adds nothing while no cache is attached)."""
     return cast(Layer, getattr(layer, "base", layer))
@@ -103,6 +113,8 @@ class BatchDecoder:
         # weight-only kernels that compute each row alone need no padding for a row's logits to be
         # the same in any company (of up to DECODE_ROWS rows)
         self.rows_alone = _rows_alone(self._projections())
+        self.norms = [(_rms_norm(layer.input_layernorm), _rms_norm(layer.post_attention_layernorm)) for layer in self.layers]
+        self.final_norm = _rms_norm(cast(Backbone, model.model).norm)
 
     def _projections(self) -> list[nn.Module]:
         """The linear layers a decode step calls: fused or not, per layer, and the output head."""
@@ -176,12 +188,11 @@ class BatchDecoder:
         positions = torch.tensor([[row.length] for row in rows] + [[rows[0].length]] * len(padding), device=device)
         inner = cast(Backbone, model.model)
         hidden = inner.embed_tokens(tokens)  # [B, 1, d]
-        cos, sin = inner.rotary_emb(hidden, positions)
-        for index, layer in enumerate(self.layers):
-            x = layer.input_layernorm(hidden)
-            hidden = hidden + self._attention(index, layer.self_attn, x, cos, sin, rows)
-            hidden = hidden + self._mlp(index, layer.mlp, layer.post_attention_layernorm(hidden))
-        logits = cast(nn.Linear, model.lm_head)(inner.norm(hidden))[: len(rows), 0]
+        cos, sin = inner.rotary_emb(hidden, positions)  # [B, 1, head_dim]: broadcast over heads below
+        for index, (layer, (input_norm, post_norm)) in enumerate(zip(self.layers, self.norms, strict=True)):
+            hidden = hidden + self._attention(index, layer.self_attn, input_norm(hidden), cos, sin, rows)
+            hidden = hidden + self._mlp(index, layer.mlp, post_norm(hidden))
+        logits = cast(nn.Linear, model.lm_head)(self.final_norm(hidden))[: len(rows), 0]
         for row in rows:  # only a step that succeeded moves the rows on
             row.length += 1
         return logits
@@ -194,29 +205,33 @@ class BatchDecoder:
         down, act = cast(nn.Linear, mlp.down_proj), cast(Callable[[torch.Tensor], torch.Tensor], mlp.act_fn)
         return down(act(gate) * up)
 
+    def _qkv(
+        self, index: int, attention: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """Each row's queries [B, heads, d] and key and value [B, kv_heads, d], rotary applied."""
+        batch, fused, heads, kv_heads, head_dim = x.shape[0], self.qkv[index], self.heads, self.kv_heads, self.head_dim
+        if fused is None:
+            q, k, v = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+            qk = torch.cat([q.view(batch, heads, head_dim), k.view(batch, kv_heads, head_dim)], 1)
+        else:  # q and k side by side in the fused output: rotary on both at once
+            out = fused(x).view(batch, heads + 2 * kv_heads, head_dim)
+            qk, v = out[:, : heads + kv_heads], out[:, heads + kv_heads :]
+        qk = qk * cos + rotate_half(qk) * sin
+        return qk[:, :heads], qk[:, heads:], v.reshape(batch, kv_heads, head_dim)
+
     def _attention(
         self, index: int, attention: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: list[Row]
     ) -> torch.Tensor:
-        batch, fused = x.shape[0], self.qkv[index]
-        if fused is not None:
-            kv_width = self.kv_heads * self.head_dim
-            q, k, v = fused(x).split([self.heads * self.head_dim, kv_width, kv_width], -1)
-        else:
-            q, k, v = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
-        q = q.view(batch, 1, self.heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, 1, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(batch, 1, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        outputs = []
+        q, k, v = self._qkv(index, attention, x, cos, sin)
+        # each query head's group of its key/value head: [kv_heads, group, d], scaled
+        groups = (q * attention.scaling).view(q.shape[0], self.kv_heads, -1, self.head_dim)
+        out = torch.zeros(q.shape[0], 1, self.heads * self.head_dim, dtype=q.dtype, device=q.device)  # padding rows: nothing
         for i, row in enumerate(rows):
             assert row.keys is not None and row.values is not None
-            end = row.length + 1
-            row.keys[index, :, row.length] = k[i, :, 0]
-            row.values[index, :, row.length] = v[i, :, 0]
-            keys, values = row.keys[index, :, :end].unsqueeze(0), row.values[index, :, :end].unsqueeze(0)
-            outputs.append(F.scaled_dot_product_attention(q[i : i + 1], keys, values, scale=attention.scaling, enable_gqa=True))
-        outputs += [torch.zeros_like(outputs[0])] * (batch - len(rows))  # padding rows attend to nothing
-        out = torch.cat(outputs).transpose(1, 2).reshape(batch, 1, self.heads * self.head_dim)
+            keys, values, end = row.keys[index], row.values[index], row.length + 1
+            keys[:, row.length], values[:, row.length] = k[i], v[i]
+            weights = torch.softmax(torch.matmul(groups[i], keys[:, :end].transpose(1, 2)), dim=-1)
+            out[i, 0] = torch.matmul(weights, values[:, :end]).view(-1)
         return attention.o_proj(out)
 
 
