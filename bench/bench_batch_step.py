@@ -1,9 +1,9 @@
 """One batched decode step of the default model in process (rows at 512 tokens) for 1, 2, 3, 4
-and 8 answers, the decoders alternating: unpadded (every count steps as itself), padded (2-3
-answers padded to 4, the float32 rule), the default (padded, unless the projections compute each
-row alone: `--quantize`), `batch_invariant` (1-3 padded to 4) and unfused (the default without
-q/k/v and gate/up fused); and why 4 rows: how much a row of the model's projections changes with
-the number of rows beside it.
+and 8 answers, the decoders alternating: the default (the C step, engine/models/native_step.py),
+and the torch step it replaces: unpadded (every count steps as itself), padded (2-3 answers padded
+to 4, the float32 rule), its default (padded, unless the projections compute each row alone:
+`--quantize`), `batch_invariant` (1-3 padded to 4) and unfused (q/k/v and gate/up separate); and
+why 4 rows: how much a row of the model's projections changes with the number of rows beside it.
 
     .venv/bin/python -m bench.bench_batch_step [--quantize bf16|int8]
 """
@@ -17,7 +17,7 @@ import time
 import torch
 from torch import nn
 
-from engine.batching import BatchDecoder, Row
+from engine.batching import BatchDecoder, Row, _rows_alone
 from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
 from engine.generation import AnswerState, StopTokens
 from engine.interface import GenerationParams
@@ -39,35 +39,46 @@ def filled_rows(decoder: BatchDecoder, tokenizer, count: int) -> list[Row]:
     return rows
 
 
-class Unpadded(BatchDecoder):
+class TorchStep(BatchDecoder):
+    """The step in torch operators, as where the C step cannot run."""
+
+    def __init__(self, model: nn.Module, invariant: bool = False) -> None:
+        super().__init__(model, invariant)  # type: ignore[arg-type]
+        self.native = None
+        self.rows_alone = _rows_alone(self._projections())
+
+
+class Unpadded(TorchStep):
     def step_rows(self, answers: int) -> int:
         return answers
 
 
-class Padded(BatchDecoder):
+class Padded(TorchStep):
     """The float32 rule whatever the weights: 2-3 answers padded to 4."""
 
     def __init__(self, model: nn.Module) -> None:
-        super().__init__(model)  # type: ignore[arg-type]
+        super().__init__(model)
         self.rows_alone = False
 
 
-class Unfused(BatchDecoder):
-    """The default, with q, k and v (and gate and up) as separate matmuls."""
+class Unfused(TorchStep):
+    """The torch step with q, k and v (and gate and up) as separate matmuls."""
 
     def __init__(self, model: nn.Module) -> None:
-        super().__init__(model)  # type: ignore[arg-type]
+        super().__init__(model)
         self.qkv, self.gate_up = [None] * len(self.qkv), [None] * len(self.gate_up)
 
 
 def step_times(model, tokenizer) -> None:
     decoders = {
-        "unpadded": Unpadded(model),
-        "padded": Padded(model),
-        "default": BatchDecoder(model),
-        "batch_invariant": BatchDecoder(model, invariant=True),
-        "unfused": Unfused(model),
+        "C step": BatchDecoder(model),
+        "torch, unpadded": Unpadded(model),
+        "torch, padded": Padded(model),
+        "torch": TorchStep(model),
+        "torch, batch_invariant": TorchStep(model, invariant=True),
+        "torch, unfused": Unfused(model),
     }
+    assert decoders["C step"].native is not None, "the C step cannot run here (engine/models/native_step.py)"
     print(
         "| answers | "
         + " | ".join(f"step ms, {name}" for name in decoders)

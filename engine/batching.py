@@ -10,8 +10,9 @@ row's own keys (no row sees another's; a step of 2 or 3 rows is padded to 4, see
 `INVARIANT_ROWS`, unless its weight-only projections compute each row alone).
 
 `BatchDecoder` steps Llama-family models (Llama, Qwen2, Mistral: pre-norm layers with rotary
-attention) through their own modules; a model it does not support is answered one request at a
-time, as before.
+attention) on their own weights: on CPU as one C call a step where it can (engine/models/
+native_step.py; every row computed alone, so never padded), else through torch operators; a model
+it does not support is answered one request at a time, as before.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from engine.generation import AnswerState, StopTokens
 from engine.interface import GenerationDone, GenerationEvent, GenerationParams
 from engine.models.fused import fuse_linears
 from engine.models.llama_parts import Attention, Backbone, Layer
+from engine.models.native_step import NativeStep
+from engine.models.neurocache import LoRALinear
 from engine.models.quantize import DECODE_ROWS, WeightOnlyLinear
 from engine.worker import SerialWorker
 
@@ -90,6 +93,13 @@ def _rms_norm(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return functools.partial(F.rms_norm, normalized_shape=(weight.shape[0],), weight=weight, eps=eps)
 
 
+def _plain(module: nn.Module | None) -> nn.Module | None:
+    """A projection as a batched step computes it: a Neurocache adapter's LoRA layer is its base
+    layer, as it is outside a Neurocache binding, and a batched step never runs inside one (a
+    binding covers single forward passes on the compute thread, engine/models/neurocache.py)."""
+    return module.base if isinstance(module, LoRALinear) else module
+
+
 def _base(layer: torch.nn.Module) -> Layer:
     """A decoder layer under a Neurocache wrapper (which adds nothing while no cache is attached)."""
     return cast(Layer, getattr(layer, "base", layer))
@@ -105,25 +115,31 @@ class BatchDecoder:
         self.layers = [_base(layer) for layer in cast(Backbone, model.model).layers]
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        attentions, mlps = [layer.self_attn for layer in self.layers], [layer.mlp for layer in self.layers]
         # one matmul for q, k and v, and one for gate and up, where the layer's projections allow it
-        self.qkv = [
-            fuse_linears([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]) for layer in self.layers
-        ]
-        self.gate_up = [fuse_linears([getattr(layer.mlp, n, None) for n in ("gate_proj", "up_proj")]) for layer in self.layers]
-        # weight-only kernels that compute each row alone need no padding for a row's logits to be
-        # the same in any company (of up to DECODE_ROWS rows)
-        self.rows_alone = _rows_alone(self._projections())
+        self.qkv = [fuse_linears([_plain(a.q_proj), _plain(a.k_proj), _plain(a.v_proj)]) for a in attentions]
+        self.gate_up = [fuse_linears([_plain(getattr(m, n, None)) for n in ("gate_proj", "up_proj")]) for m in mlps]
+        self.o = [cast(nn.Module, _plain(a.o_proj)) for a in attentions]
+        self.down = [_plain(getattr(m, "down_proj", None)) for m in mlps]
+        # the whole step as one C call where it computes what the modules do (engine/models/native_step.py)
+        self.native = None
+        if model.device.type == "cpu":
+            self.native = NativeStep.build(model, self.layers, self.qkv, self.o, self.gate_up, self.down)
+        # a step whose projections compute each row alone (the C step; weight-only kernels) needs no
+        # padding for a row's logits to be the same in any company
+        self.rows_alone = self.native is not None or _rows_alone(self._projections())
+        log.info("%s: decode steps %s", type(model).__name__, "in C" if self.native is not None else "in torch")
         self.norms = [(_rms_norm(layer.input_layernorm), _rms_norm(layer.post_attention_layernorm)) for layer in self.layers]
         self.final_norm = _rms_norm(cast(Backbone, model.model).norm)
 
     def _projections(self) -> list[nn.Module]:
         """The linear layers a decode step calls: fused or not, per layer, and the output head."""
         called: list[nn.Module] = []
-        for layer, qkv, gate_up in zip(self.layers, self.qkv, self.gate_up, strict=True):
+        for layer, qkv, gate_up, o, down in zip(self.layers, self.qkv, self.gate_up, self.o, self.down, strict=True):
             attention, mlp = layer.self_attn, layer.mlp
             called += [qkv] if qkv is not None else [attention.q_proj, attention.k_proj, attention.v_proj]
             called += [gate_up] if gate_up is not None else [getattr(mlp, "gate_proj", mlp), getattr(mlp, "up_proj", mlp)]
-            called += [attention.o_proj, getattr(mlp, "down_proj", mlp)]
+            called += [o, down if down is not None else mlp]
         return [*called, cast(nn.Module, self.model.lm_head)]
 
     @staticmethod
@@ -171,6 +187,8 @@ class BatchDecoder:
         Up to DECODE_ROWS answers, a step whose projections compute each row alone (`--quantize`,
         without an adapter's float32 layers) is never padded."""
         assert answers > 0
+        if self.native is not None:
+            return answers
         if self.rows_alone and answers <= DECODE_ROWS:
             return answers
         if answers >= INVARIANT_ROWS or (answers == 1 and not self.invariant):
@@ -189,6 +207,11 @@ class BatchDecoder:
         inner = cast(Backbone, model.model)
         hidden = inner.embed_tokens(tokens)  # [B, 1, d]
         cos, sin = inner.rotary_emb(hidden, positions)  # [B, 1, head_dim]: broadcast over heads below
+        if self.native is not None:
+            logits = self.native(hidden[:, 0], rows, cos[:, 0], sin[:, 0])
+            for row in rows:
+                row.length += 1
+            return logits
         for index, (layer, (input_norm, post_norm)) in enumerate(zip(self.layers, self.norms, strict=True)):
             hidden = hidden + self._attention(index, layer.self_attn, input_norm(hidden), cos, sin, rows)
             hidden = hidden + self._mlp(index, layer.mlp, post_norm(hidden))
@@ -202,8 +225,8 @@ class BatchDecoder:
         if fused is None:
             return cast(torch.Tensor, mlp(x))
         gate, up = fused(x).chunk(2, dim=-1)
-        down, act = cast(nn.Linear, mlp.down_proj), cast(Callable[[torch.Tensor], torch.Tensor], mlp.act_fn)
-        return down(act(gate) * up)
+        down, act = cast(nn.Module, self.down[index]), cast(Callable[[torch.Tensor], torch.Tensor], mlp.act_fn)
+        return cast(torch.Tensor, down(act(gate) * up))
 
     def _qkv(
         self, index: int, attention: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -232,7 +255,7 @@ class BatchDecoder:
             keys[:, row.length], values[:, row.length] = k[i], v[i]
             weights = torch.softmax(torch.matmul(groups[i], keys[:, :end].transpose(1, 2)), dim=-1)
             out[i, 0] = torch.matmul(weights, values[:, :end]).view(-1)
-        return attention.o_proj(out)
+        return cast(torch.Tensor, self.o[index](out))
 
 
 class Batcher:

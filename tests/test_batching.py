@@ -12,6 +12,7 @@ from typing import Any, cast
 
 import pytest
 import torch
+from torch import nn
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -25,7 +26,7 @@ from transformers import (
 from engine.batching import BatchDecoder, Batcher, Row
 from engine.generation import AnswerState, StopTokens, generate_steps
 from engine.interface import GenerationDone, GenerationParams, TokenDelta
-from engine.models.neurocache import Neurocache, NeurocacheConfig
+from engine.models.neurocache import LoRALinear, Neurocache, NeurocacheConfig
 from engine.models.quantize import WeightOnlyLinear, quantize_linears
 from engine.worker import SerialWorker
 from research.lms.byte_tokenizer import ByteTokenizer
@@ -359,13 +360,17 @@ def test_every_layer_steps_fused_and_a_second_decoder_shares_the_weights(family,
     assert all(a is b for a, b in zip(first.qkv + first.gate_up, second.qkv + second.gate_up, strict=True))
 
 
-def test_a_neurocache_adapters_float32_layers_are_stepped_unfused_and_keep_the_padding():
+def test_a_neurocache_adapters_lora_layers_are_stepped_as_their_float32_bases_and_keep_the_padding():
+    """Outside a Neurocache binding (a batched step is always outside) an adapter's LoRA layer is
+    its base layer: the step fuses and calls the bases. With `--quantize` the bases stay float32 (as
+    the server does it), so the torch step keeps the padding."""
     model = tiny("llama", 101)
     Neurocache(model, NeurocacheConfig(top_k=4, capacity=64, lora_rank=4))
-    quantize_linears(model, "int8")  # the adapter's LoRA layers stay float32, as the server does it
+    quantize_linears(model, "int8")
     decoder = BatchDecoder(model)
-    adapted = [type(layer.mlp.gate_proj) is not WeightOnlyLinear for layer in decoder.layers]
+    adapted = [isinstance(layer.mlp.gate_proj, LoRALinear) for layer in decoder.layers]
     assert any(adapted) and not all(adapted)
-    assert [f is None for f in decoder.gate_up] == adapted
-    assert all(f is not None for f in decoder.qkv)
-    assert not decoder.rows_alone
+    assert all(f is not None for f in decoder.qkv + decoder.gate_up)
+    kinds = [type(f) for f in decoder.gate_up]
+    assert [kind is nn.Linear for kind in kinds] == adapted and [type(d) is nn.Linear for d in decoder.down] == adapted
+    assert decoder.native is None and not decoder.rows_alone  # head_dim 8: the torch step

@@ -1,4 +1,5 @@
-"""longdoc's own weight-only matmul for decode steps on CPU (csrc/weight_only.c), built on first use.
+"""longdoc's own decode kernels on CPU (csrc/: weight-only matmuls, and a whole decode step in
+engine/models/native_step.py), built on first use.
 
 torch's bf16 and int8 weight-only kernels read a decode step's weights at 5-14 GB/s on a 2-core
 AVX2 machine, where a plain read of memory reaches 20-30 GB/s; the step is bound by that read.
@@ -29,7 +30,7 @@ import torch
 
 from engine.config import DEFAULT_CACHE_DIR
 
-SOURCE = Path(__file__).with_name("csrc") / "weight_only.c"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("weight_only.h", "weight_only.c", "decode_step.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 ALIGN = 32  # the kernel reads the input features 32 at a time
 log = logging.getLogger(__name__)
@@ -43,7 +44,8 @@ def _build(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True, timeout=120)
+        sources = [str(path) for path in SOURCES if path.suffix == ".c"]
+        subprocess.run([compiler, *FLAGS, *sources, "-o", str(built), "-lm"], check=True, capture_output=True, timeout=120)
         os.replace(built, target)
 
 
@@ -62,8 +64,8 @@ def library() -> ctypes.CDLL | None:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
     try:
-        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-        target = kernel_dir() / f"weight_only-{digest}.so"
+        digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
+        target = kernel_dir() / f"longdoc-cpu-{digest}.so"
         if not target.exists():
             _build(target)
         lib = ctypes.CDLL(str(target))

@@ -1,7 +1,7 @@
-/* Weight-only matmuls for decode steps on x86 CPUs with AVX2 and FMA (engine/models/cpu_kernels.py).
+/* Matmuls for decode steps on x86 CPUs with AVX2 and FMA (engine/models/cpu_kernels.py).
 
    out[r, n] = sum_k x[r, k] * w[n, k]  (times scale[n] for int8), for a few rows r of float32
-   activations against bfloat16 or int8 weights [n, k], k a multiple of 32. A decode step is
+   activations against bfloat16, int8 or float32 weights [n, k], k a multiple of 32. A decode step is
    bound by reading the weights: each weight row is read from memory once and converted to
    float32 in registers (once for each pair of activation rows), and the output rows are
    shared among OpenMP's threads (the team torch's kernels use). Every output is summed in one
@@ -9,6 +9,8 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+
+#include "weight_only.h"
 
 static inline float sum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -59,8 +61,10 @@ static inline __m256 bf16_to_float(const uint16_t *w) {
         out[1] = sum8(_mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3)));         \
     }
 
+#define FLOATS(w) _mm256_loadu_ps(w)
 DOTS(dot_int8, int8_t, int8_to_float)
 DOTS(dot_bf16, uint16_t, bf16_to_float)
+DOTS(dot_f32, float, FLOATS)
 
 /* out[r, j] for every row r of x and output j, the outputs shared among the threads; rows in pairs
    and the odd one alone. */
@@ -84,3 +88,13 @@ DOTS(dot_bf16, uint16_t, bf16_to_float)
 #define AS_IS(v) (v)
 MATMUL(int8_matmul, int8_t, dot_int8, BY_SCALE)
 MATMUL(bf16_matmul, uint16_t, dot_bf16, AS_IS)
+MATMUL(f32_matmul, float, dot_f32, AS_IS)
+
+void weight_matmul(const Weight *w, const float *x, long rows, float *out) {
+    if (w->kind == KIND_INT8) int8_matmul(x, rows, w->in, w->data, w->scale, w->out, out);
+    else if (w->kind == KIND_BF16) bf16_matmul(x, rows, w->in, w->data, w->scale, w->out, out);
+    else f32_matmul(x, rows, w->in, w->data, w->scale, w->out, out);
+    if (w->bias != NULL)
+        for (long r = 0; r < rows; r++)
+            for (long j = 0; j < w->out; j++) out[r * w->out + j] += w->bias[j];
+}

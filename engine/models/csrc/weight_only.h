@@ -1,0 +1,21 @@
+/* The matmuls of weight_only.c, for decode_step.c. */
+#pragma once
+#include <stdint.h>
+
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_INT8 = 2 };
+
+/* A linear layer's stored weight [out, in] (in a multiple of 32), its int8 scales [out] (else
+   NULL) and its bias [out] (else NULL). */
+typedef struct {
+    const void *data;
+    const float *scale;
+    const float *bias;
+    long out, in;
+    long kind;
+} Weight;
+
+void int8_matmul(const float *x, long rows, long k, const int8_t *w, const float *scale, long n, float *out);
+void bf16_matmul(const float *x, long rows, long k, const uint16_t *w, const float *scale, long n, float *out);
+void f32_matmul(const float *x, long rows, long k, const float *w, const float *scale, long n, float *out);
+/* out [rows, w->out] = x [rows, w->in] times the weight transposed, plus the bias */
+void weight_matmul(const Weight *w, const float *x, long rows, float *out);

@@ -1,0 +1,191 @@
+"""A whole batched decode step in C (csrc/decode_step.c) for Llama-family models on CPU.
+
+A step of the default model in torch is about 1,800 small operator calls; on 2 cores their
+dispatch and the Python around them cost more than reading the weights. `NativeStep` hands the
+step to one C call: the layers (norms, q/k/v, rotary, the key/value write, attention, the MLP),
+the final norm and the head, over the model's own weights (float32, or `--quantize` bf16/int8;
+nothing is copied) and each row's own key/value cache. It computes each row alone, so a row's
+logits do not depend on the rows beside it.
+
+`NativeStep.build` returns None where the C step would not compute what the model's modules do
+(another activation or norm, layers an adapter wraps, a model off the CPU or not in float32) or
+the kernels cannot be built; the torch step is used there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Protocol, cast
+
+import torch
+from torch import nn
+
+from engine.models import cpu_kernels
+from engine.models.llama_parts import Layer
+from engine.models.quantize import WeightOnlyLinear
+
+KINDS = {"float32": 0, "bf16": 1, "int8": 2}  # csrc/weight_only.h
+
+
+class StepRow(Protocol):
+    """What the step needs of a row (engine/batching.py's `Row`)."""
+
+    keys: torch.Tensor | None  # [layers, kv_heads, capacity, head_dim]
+    values: torch.Tensor | None
+    length: int
+
+
+class CWeight(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("out", ctypes.c_long),
+        ("in_", ctypes.c_long),
+        ("kind", ctypes.c_long),
+    ]
+
+
+class CLayer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv", CWeight),
+        ("o", CWeight),
+        ("gate_up", CWeight),
+        ("down", CWeight),
+    ]
+
+
+class CShape(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_long) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate")] + [
+        ("eps", ctypes.c_float),
+        ("scaling", ctypes.c_float),
+    ]
+
+
+class CRow(ctypes.Structure):
+    _fields_ = [
+        ("keys", ctypes.c_void_p),
+        ("values", ctypes.c_void_p),
+        ("capacity", ctypes.c_long),
+        ("length", ctypes.c_long),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+    ]
+
+
+def _weight(linear: nn.Module | None) -> CWeight | None:
+    """A linear layer as the C step reads it, or None if it cannot (an adapter's layer, a layout
+    or size the kernels do not take)."""
+    if type(linear) is WeightOnlyLinear:
+        stored, scale, kind = linear.weight_low, linear.scales if linear.mode == "int8" else None, KINDS[linear.mode]
+    elif type(linear) is nn.Linear and linear.weight.dtype == torch.float32:
+        stored, scale, kind = linear.weight, None, KINDS["float32"]
+    else:
+        return None
+    bias = getattr(linear, "bias", None)
+    if not stored.is_contiguous() or stored.shape[1] % cpu_kernels.ALIGN or stored.device.type != "cpu":
+        return None
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return None
+    pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    return CWeight(stored.data_ptr(), pointer(scale), pointer(bias), stored.shape[0], stored.shape[1], kind)
+
+
+def _norm(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
+    """A Llama-family RMSNorm's weight and epsilon (weight * x / rms(x)), or None."""
+    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if type(norm).__name__ not in ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"):
+        return None
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or not isinstance(eps, float):
+        return None
+    return weight, eps
+
+
+class NativeStep:
+    """The C decode step over one model (see the module's docstring)."""
+
+    def __init__(self, lib: ctypes.CDLL, shape: CShape, layers: ctypes.Array[CLayer], final_norm: torch.Tensor, head: CWeight):
+        self.lib, self.shape, self.layers, self.final_norm, self.head = lib, shape, layers, final_norm, head
+        lib.decode_step_scratch.restype = ctypes.c_long
+        lib.decode_step_scratch.argtypes = [ctypes.POINTER(CShape), ctypes.c_long, ctypes.c_long]
+        lib.decode_step.restype = None
+
+    @classmethod
+    def build(
+        cls,
+        model: nn.Module,
+        layers: Sequence[Layer],
+        qkv: Sequence[nn.Module | None],
+        o: Sequence[nn.Module | None],
+        gate_up: Sequence[nn.Module | None],
+        down: Sequence[nn.Module | None],
+    ) -> NativeStep | None:
+        """The C step for this model's layers and the projections a step calls in them (q/k/v and
+        gate/up fused, engine/models/fused.py), or None where it cannot run."""
+        config = getattr(model, "config", None)
+        if config is None or getattr(config, "hidden_act", None) != "silu" or getattr(model, "dtype", None) != torch.float32:
+            return None
+        lib = cpu_kernels.library()
+        if lib is None:
+            return None
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        built, eps_seen, scalings = [], set(), set()
+        for layer, *projections in zip(layers, qkv, o, gate_up, down, strict=True):
+            norms = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+            weights = [_weight(m) for m in projections]
+            if None in norms or None in weights:
+                return None
+            (input_norm, eps_in), (post_norm, eps_post) = cast(tuple[tuple[torch.Tensor, float], ...], norms)
+            eps_seen |= {eps_in, eps_post}
+            scalings.add(float(layer.self_attn.scaling))
+            built.append(CLayer(input_norm.data_ptr(), post_norm.data_ptr(), *cast(list[CWeight], weights)))
+        final = _norm(cast(nn.Module, model.model.norm))
+        head = _weight(cast(nn.Module, getattr(model, "lm_head", None)))
+        if final is None or head is None or len(eps_seen | {final[1]}) != 1 or len(scalings) != 1:
+            return None
+        if head_dim % 16 or heads % kv_heads:
+            return None
+        intermediate = built[0].gate_up.out // 2
+        shape = CShape(len(built), config.hidden_size, heads, kv_heads, head_dim, intermediate, final[1], scalings.pop())
+        return cls(lib, shape, (CLayer * len(built))(*built), final[0], head)
+
+    def __call__(self, hidden: torch.Tensor, rows: Sequence[StepRow], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """hidden [B, d] (the tokens' embeddings, B >= len(rows): the extra rows are skipped), cos
+        and sin [B, head_dim]; writes each row's key and value at its length; the logits [len(rows), V]."""
+        count = len(rows)
+        hidden = hidden[:count].to(torch.float32).contiguous().clone()
+        cos, sin = cos[:count].to(torch.float32).contiguous(), sin[:count].to(torch.float32).contiguous()
+        step = self.shape.head_dim * cos.element_size()
+        c_rows = (CRow * count)()
+        for i, row in enumerate(rows):
+            assert row.keys is not None and row.values is not None
+            assert row.keys.dtype == torch.float32 and row.keys.is_contiguous() and row.values.is_contiguous()
+            if not row.length < row.keys.shape[2]:  # the C step writes at `length` unchecked
+                raise IndexError(f"row at {row.length} tokens has no room left ({row.keys.shape[2]} reserved)")
+            c_rows[i] = CRow(
+                row.keys.data_ptr(),
+                row.values.data_ptr(),
+                row.keys.shape[2],
+                row.length,
+                cos.data_ptr() + i * step,
+                sin.data_ptr() + i * step,
+            )
+        longest = max(row.length for row in rows)
+        scratch = torch.empty(self.lib.decode_step_scratch(ctypes.byref(self.shape), count, longest), dtype=torch.float32)
+        logits = torch.empty(count, self.head.out, dtype=torch.float32)
+        self.lib.decode_step(
+            ctypes.byref(self.shape),
+            self.layers,
+            ctypes.c_void_p(self.final_norm.data_ptr()),
+            ctypes.byref(self.head),
+            ctypes.c_void_p(hidden.data_ptr()),
+            ctypes.c_long(count),
+            c_rows,
+            ctypes.c_void_p(scratch.data_ptr()),
+            ctypes.c_void_p(logits.data_ptr()),
+        )
+        return logits

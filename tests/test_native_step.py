@@ -1,0 +1,177 @@
+"""The batched decode step in C (engine/models/native_step.py): it is used where it computes what
+the model's modules do, its logits equal the model's over each row's whole sequence, it writes the
+keys and values the torch step writes, a row's logits do not depend on the rows beside it, and a
+model it cannot step gets the torch step."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from engine.batching import BatchDecoder, Row
+from engine.generation import AnswerState
+from engine.interface import GenerationParams
+from engine.models import cpu_kernels
+from engine.models.neurocache import Neurocache, NeurocacheConfig
+from engine.models.quantize import quantize_linears
+from research.lms.byte_tokenizer import ByteTokenizer
+from tests.helpers import TEST_DEVICE
+from tests.test_batching import NO_STOP, alone, batcher_for, collect, requests, same_answer
+
+pytestmark = [
+    pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the C step is for CPU"),
+    pytest.mark.skipif(cpu_kernels.library() is None, reason="the CPU kernels cannot be built here (test_cpu_kernels.py)"),
+]
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),  # biases on q, k and v
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+VOCAB = 101
+
+
+def model_of(family: str = "llama", vocab: int = VOCAB, **overrides: Any) -> Any:
+    """A tiny model the C step takes: head_dim 16, features multiples of 32."""
+    torch.manual_seed(0)
+    config_type, model_type = FAMILIES[family]
+    window = {"sliding_window": None} if family == "mistral" else {}
+    settings = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+    )
+    return model_type(config_type(**{**settings, **window, **overrides})).eval()
+
+
+def rows_of(decoder: BatchDecoder, lengths: list[int], seed: int = 2) -> list[Row]:
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for length in lengths:
+        prompt = torch.randint(0, VOCAB, (length,), generator=generator).tolist()
+        row = Row(prompt, GenerationParams(max_tokens=8))
+        row.state = AnswerState(ByteTokenizer(), prompt, row.params, NO_STOP)  # type: ignore[arg-type]
+        decoder.prefill(row)
+        rows.append(row)
+    return rows
+
+
+def feed(rows: list[Row], tokens: list[int]) -> None:
+    for row, token in zip(rows, tokens, strict=True):
+        assert row.state is not None
+        row.state.next_token = token
+        row.prompt_ids = [*row.prompt_ids, token]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("mode", ["none", "bf16", "int8"])
+def test_steps_equal_the_model_over_each_whole_sequence(family, mode):
+    model = model_of(family)
+    quantize_linears(model, mode)
+    decoder = BatchDecoder(model)
+    assert decoder.native is not None and decoder.rows_alone
+    rows = rows_of(decoder, [5, 30, 12])
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(6):
+        feed(rows, torch.randint(0, VOCAB, (len(rows),), generator=generator).tolist())
+        logits = decoder.step(rows)
+        for i, row in enumerate(rows):
+            with torch.no_grad():  # the same weights, through the model's modules (prefill rows: float32)
+                full = model(input_ids=torch.tensor([row.prompt_ids])).logits[0, -1]
+            torch.testing.assert_close(logits[i], full, rtol=1e-4, atol=1e-4)
+    assert all(row.length == len(row.prompt_ids) for row in rows)
+
+
+@pytest.mark.parametrize("mode", ["none", "int8"])
+def test_it_writes_the_keys_and_values_the_torch_step_writes(mode):
+    model = model_of("qwen2")
+    quantize_linears(model, mode)
+    native, torch_step = BatchDecoder(model), BatchDecoder(model)
+    torch_step.native = None
+    pairs = rows_of(native, [9, 21]), rows_of(torch_step, [9, 21])
+    for token in (7, 40, 3):
+        for rows in pairs:
+            feed(rows, [token, token])
+        a, b = native.step(pairs[0]), torch_step.step(pairs[1])
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for x, y in zip(*pairs, strict=True):
+        assert x.length == y.length == len(x.prompt_ids)
+        assert x.keys is not None and y.keys is not None and x.values is not None and y.values is not None
+        torch.testing.assert_close(x.keys[:, :, : x.length], y.keys[:, :, : y.length], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x.values[:, :, : x.length], y.values[:, :, : y.length], rtol=1e-5, atol=1e-5)
+        assert not torch.equal(x.keys[:, :, x.length - 1], torch.zeros_like(x.keys[:, :, 0]))
+
+
+@pytest.mark.parametrize("mode", ["none", "int8"])
+def test_a_row_gets_the_same_logits_in_any_company_without_padding(mode):
+    model = model_of()
+    quantize_linears(model, mode)
+    decoder = BatchDecoder(model)
+    assert [decoder.step_rows(n) for n in (1, 2, 3, 5, 20)] == [1, 2, 3, 5, 20]
+    lone, pair, six = (rows_of(decoder, lengths) for lengths in ([20], [20, 7], [20, 7, 33, 12, 25, 9]))
+    for token in (5, 17, 60):
+        for rows in (lone, pair, six):
+            feed(rows, [token] * len(rows))
+        reference = decoder.step(lone)[0]
+        assert torch.equal(decoder.step(pair)[0], reference)
+        assert torch.equal(decoder.step(six)[0], reference)
+
+
+def test_answers_through_the_batcher_are_the_answers_alone(tiny_tokenizer):
+    model = model_of(vocab=len(tiny_tokenizer))
+    assert BatchDecoder(model).native is not None
+    work = requests(len(tiny_tokenizer))
+    expected = [alone(model, tiny_tokenizer, prompt, params) for prompt, params in work]
+    batcher = batcher_for(model, tiny_tokenizer)
+
+    async def run():
+        return await asyncio.gather(*(collect(batcher, prompt, params) for prompt, params in work))
+
+    for a, b in zip(asyncio.run(run()), expected, strict=True):
+        assert same_answer(a, b), (a, b)
+
+
+def test_a_neurocache_adapted_model_is_stepped_by_its_base_layers():
+    """The default model is served with its adapter attached; a batched step (never inside a
+    Neurocache binding) runs the base layers, as the model's modules do there."""
+    model = model_of()
+    neurocache = Neurocache(model, NeurocacheConfig(top_k=4, capacity=64, lora_rank=4, compression=2))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for parameter in neurocache.adapter_parameters():
+            parameter.normal_(0, 0.5)  # an open adapter: LoRA would change the FFNs inside a binding
+    decoder = BatchDecoder(model)
+    assert decoder.native is not None
+    rows = rows_of(decoder, [6, 15])
+    feed(rows, [4, 9])
+    logits = decoder.step(rows)
+    for i, row in enumerate(rows):
+        with torch.no_grad():
+            full = model(input_ids=torch.tensor([row.prompt_ids])).logits[0, -1]
+        torch.testing.assert_close(logits[i], full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"hidden_act": "gelu"},  # another MLP activation
+        {"hidden_size": 48, "num_attention_heads": 4},  # head_dim 12, features not a multiple of 32
+    ],
+)
+def test_a_model_it_would_get_wrong_gets_the_torch_step(change):
+    assert BatchDecoder(model_of(**change)).native is None
+
+
+def test_without_the_kernels_or_in_another_dtype_the_torch_step(monkeypatch):
+    assert BatchDecoder(model_of().to(torch.float64)).native is None
+    monkeypatch.setattr(cpu_kernels, "library", lambda: None)
+    decoder = BatchDecoder(model_of())
+    assert decoder.native is None and not decoder.rows_alone
