@@ -38,10 +38,11 @@ RUN --mount=type=secret,id=pip-ca \
 # the default model converted once from the wheel's GGUF, stored in bf16 (half of float32)
 RUN python -c "import torch; from pathlib import Path; from engine.models.loader import default_model_dir; \
 default_model_dir(Path('/opt/longdoc-cache'), dtype=torch.bfloat16)"
-# the weight-only decode kernels (`--quantize`, engine/models/cpu_kernels.py) built once with a C
-# compiler the final image does not carry; where they cannot be built the server uses torch's
+# longdoc's CPU decode kernels (engine/models/cpu_kernels.py) built once, from the installed package
+# (hence `cd /`), with a C compiler the final image does not carry
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/* \
- && LONGDOC_CACHE_DIR=/opt/longdoc-cache python -c "from engine.models import cpu_kernels; print('cpu kernels:', cpu_kernels.library())"
+ && cd / && LONGDOC_CACHE_DIR=/opt/longdoc-cache python -c "from engine.models import cpu_kernels; \
+assert cpu_kernels.library() is not None, 'the CPU kernels did not build (see the warning above)'"
 
 FROM ${BASE}
 RUN groupadd --system --gid 10001 longdoc \

@@ -85,10 +85,15 @@ def _rows_alone(projections: list[nn.Module]) -> bool:
 
 
 def _rms_norm(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A Llama-family RMSNorm as one call of torch's (the same sums, fewer calls); any other norm
-    as itself."""
+    """A float32 Llama-family RMSNorm as one call of torch's (the same sums, fewer calls); any other
+    norm, or one in another dtype (whose module rounds twice), as itself."""
     weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
-    if not type(norm).__name__.endswith("RMSNorm") or not isinstance(weight, torch.Tensor) or not isinstance(eps, float):
+    if (
+        not type(norm).__name__.endswith("RMSNorm")
+        or not isinstance(weight, torch.Tensor)
+        or weight.dtype != torch.float32
+        or not isinstance(eps, float)
+    ):
         return cast(Callable[[torch.Tensor], torch.Tensor], norm)
     return functools.partial(F.rms_norm, normalized_shape=(weight.shape[0],), weight=weight, eps=eps)
 

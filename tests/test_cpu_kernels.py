@@ -85,6 +85,15 @@ def test_a_layer_uses_them_for_decode_rows_only(monkeypatch):
     assert calls == [3]
 
 
+@pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")
+def test_with_gradients_a_layer_uses_torch_so_they_flow(monkeypatch):
+    layer = stored("bf16")
+    monkeypatch.setattr(cpu_kernels, "matmul", lambda *a: pytest.fail("the C kernel keeps no gradient"))
+    x = torch.randn(2, 96, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
 def test_features_not_a_multiple_of_32_use_torch(monkeypatch):
     layer = stored("bf16", in_features=72)
     assert not cpu_kernels.usable(layer.weight_low)

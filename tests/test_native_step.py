@@ -90,6 +90,35 @@ def test_steps_equal_the_model_over_each_whole_sequence(family, mode):
     assert all(row.length == len(row.prompt_ids) for row in rows)
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"attention_bias": True, "mlp_bias": True},  # biases on q/k/v, o, gate/up and down
+        {"tie_word_embeddings": True},  # the head is the embedding (the default model's)
+        {"num_key_value_heads": 4},  # one query head a key/value head
+        {"hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 2},  # four
+        {"head_dim": 32},  # attention 128 wide on a 64-wide model
+    ],
+    ids=["biases", "tied-head", "group-1", "group-4", "wide-heads"],
+)
+def test_other_llama_shapes_equal_the_model(change):
+    model = model_of(**change)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.3)  # zero at init: make them count
+    decoder = BatchDecoder(model)
+    assert decoder.native is not None
+    rows = rows_of(decoder, [11, 4])
+    for token in (3, 77):
+        feed(rows, [token, token])
+        logits = decoder.step(rows)
+        for i, row in enumerate(rows):
+            with torch.no_grad():
+                full = model(input_ids=torch.tensor([row.prompt_ids])).logits[0, -1]
+            torch.testing.assert_close(logits[i], full, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("mode", ["none", "int8"])
 def test_it_writes_the_keys_and_values_the_torch_step_writes(mode):
     model = model_of("qwen2")
@@ -163,11 +192,21 @@ def test_a_neurocache_adapted_model_is_stepped_by_its_base_layers():
     "change",
     [
         {"hidden_act": "gelu"},  # another MLP activation
-        {"hidden_size": 48, "num_attention_heads": 4},  # head_dim 12, features not a multiple of 32
+        {"hidden_size": 48, "num_attention_heads": 4},  # features not a multiple of 32
+        {"num_attention_heads": 8, "num_key_value_heads": 2},  # head_dim 8: the C attention reads 16 at a time
     ],
 )
 def test_a_model_it_would_get_wrong_gets_the_torch_step(change):
     assert BatchDecoder(model_of(**change)).native is None
+
+
+def test_norms_it_does_not_compute_get_the_torch_step():
+    model = model_of()
+    model.model.layers[1].post_attention_layernorm.variance_epsilon = 1e-3  # the C step takes one epsilon
+    assert BatchDecoder(model).native is None
+    model = model_of()
+    model.model.norm = torch.nn.LayerNorm(64)
+    assert BatchDecoder(model).native is None
 
 
 def test_without_the_kernels_or_in_another_dtype_the_torch_step(monkeypatch):

@@ -1,17 +1,18 @@
 """longdoc's own decode kernels on CPU (csrc/: weight-only matmuls, and a whole decode step in
 engine/models/native_step.py), built on first use.
 
-torch's bf16 and int8 weight-only kernels read a decode step's weights at 5-14 GB/s on a 2-core
+torch's bf16 and int8 weight-only kernels read a decode step's weights at 5-11 GB/s on a 2-core
 AVX2 machine, where a plain read of memory reaches 20-30 GB/s; the step is bound by that read.
 The C kernel converts each weight to float32 in registers as it is read and shares the output
-rows among torch's OpenMP team (it links the libgomp torch has loaded): on the same machine it
-reads them at about 20 GB/s (docs/benchmarks.md). It takes float32 activations (torch's kernels
+rows among torch's OpenMP team (built with gcc's `-fopenmp` it needs `libgomp.so.1`, which torch's
+x86 wheels have already loaded: one runtime, one team): on the same machine it reads them at
+14-20 GB/s (docs/log/2026-11-24-native-step.md). It takes float32 activations (torch's kernels
 take bfloat16 ones) and sums every output in one order, whatever the number of rows beside it.
 
 It is compiled with the system's C compiler into the cache directory the first time a process
-needs it (about a second), keyed by a hash of the source and flags. Where that cannot be done (no
-compiler, a CPU without AVX2 and FMA, `LONGDOC_CPU_KERNELS=0`), `library()` returns None and the
-caller uses torch's kernels.
+needs it (about a second), keyed by a hash of the sources, the compiler and its flags. Where that
+cannot be done (no compiler, a CPU without AVX2 and FMA, `LONGDOC_CPU_KERNELS=0`), `library()`
+returns None and the caller uses torch's kernels.
 """
 
 from __future__ import annotations
@@ -36,11 +37,16 @@ ALIGN = 32  # the kernel reads the input features 32 at a time
 log = logging.getLogger(__name__)
 
 
-def _build(target: Path) -> None:
-    """Compile the source into `target` (written aside, then moved in: other processes may race)."""
+def _compiler() -> str:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise OSError("no C compiler (cc) on PATH")
+    return os.path.realpath(compiler)
+
+
+def _build(target: Path) -> None:
+    """Compile the source into `target` (written aside, then moved in: other processes may race)."""
+    compiler = _compiler()
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
@@ -64,7 +70,8 @@ def library() -> ctypes.CDLL | None:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
     try:
-        digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
+        built_by = " ".join((_compiler(), *FLAGS)).encode()
+        digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES) + built_by).hexdigest()[:16]
         target = kernel_dir() / f"longdoc-cpu-{digest}.so"
         if not target.exists():
             _build(target)

@@ -104,6 +104,21 @@ def _norm(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
     return weight, eps
 
 
+def _shapes_fit(shape: CShape, layers: list[CLayer], head: CWeight) -> bool:
+    """Every weight [out, in] as the C step indexes it."""
+    hidden, attention = shape.hidden, shape.heads * shape.head_dim
+    qkv = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+    wanted = [(head, head.out, hidden)]
+    for layer in layers:
+        wanted += [
+            (layer.qkv, qkv, hidden),
+            (layer.o, hidden, attention),
+            (layer.gate_up, 2 * shape.intermediate, hidden),
+            (layer.down, hidden, shape.intermediate),
+        ]
+    return all((weight.out, weight.in_) == (out, in_) for weight, out, in_ in wanted)
+
+
 class NativeStep:
     """The C decode step over one model (see the module's docstring)."""
 
@@ -133,7 +148,7 @@ class NativeStep:
             return None
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        built, eps_seen, scalings = [], set(), set()
+        built, eps_seen, scalings, norm_weights = [], set(), set(), []
         for layer, *projections in zip(layers, qkv, o, gate_up, down, strict=True):
             norms = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
             weights = [_weight(m) for m in projections]
@@ -141,38 +156,46 @@ class NativeStep:
                 return None
             (input_norm, eps_in), (post_norm, eps_post) = cast(tuple[tuple[torch.Tensor, float], ...], norms)
             eps_seen |= {eps_in, eps_post}
+            norm_weights += [input_norm, post_norm]
             scalings.add(float(layer.self_attn.scaling))
             built.append(CLayer(input_norm.data_ptr(), post_norm.data_ptr(), *cast(list[CWeight], weights)))
         final = _norm(cast(nn.Module, model.model.norm))
         head = _weight(cast(nn.Module, getattr(model, "lm_head", None)))
         if final is None or head is None or len(eps_seen | {final[1]}) != 1 or len(scalings) != 1:
             return None
-        if head_dim % 16 or heads % kv_heads:
+        if head_dim % 16 or heads % kv_heads or not built:
             return None
         intermediate = built[0].gate_up.out // 2
         shape = CShape(len(built), config.hidden_size, heads, kv_heads, head_dim, intermediate, final[1], scalings.pop())
+        norm_weights = [final[0], *norm_weights]
+        if not all(n.shape == (shape.hidden,) and n.is_contiguous() for n in norm_weights):
+            return None
+        if not _shapes_fit(shape, built, head):
+            return None
         return cls(lib, shape, (CLayer * len(built))(*built), final[0], head)
 
     def __call__(self, hidden: torch.Tensor, rows: Sequence[StepRow], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """hidden [B, d] (the tokens' embeddings, B >= len(rows): the extra rows are skipped), cos
         and sin [B, head_dim]; writes each row's key and value at its length; the logits [len(rows), V]."""
-        count = len(rows)
+        count, shape = len(rows), self.shape
         hidden = hidden[:count].to(torch.float32).contiguous().clone()
         cos, sin = cos[:count].to(torch.float32).contiguous(), sin[:count].to(torch.float32).contiguous()
-        step = self.shape.head_dim * cos.element_size()
+        assert hidden.shape == (count, shape.hidden) and cos.shape == sin.shape == (count, shape.head_dim)
+        step = shape.head_dim * cos.element_size()
         c_rows = (CRow * count)()
+        caches = []  # held until the call returns: the C step writes into them
         for i, row in enumerate(rows):
-            assert row.keys is not None and row.values is not None
-            assert row.keys.dtype == torch.float32 and row.keys.is_contiguous() and row.values.is_contiguous()
-            if not row.length < row.keys.shape[2]:  # the C step writes at `length` unchecked
-                raise IndexError(f"row at {row.length} tokens has no room left ({row.keys.shape[2]} reserved)")
+            keys, values = row.keys, row.values
+            assert keys is not None and values is not None
+            capacity = keys.shape[2]
+            for cache in (keys, values):
+                layout = (shape.layers, shape.kv_heads, capacity, shape.head_dim)
+                assert cache.dtype == torch.float32 and cache.is_contiguous() and cache.shape == layout
+            if not row.length < capacity:  # the C step writes at `length` unchecked
+                raise IndexError(f"row at {row.length} tokens has no room left ({capacity} reserved)")
+            caches.append((keys, values))
             c_rows[i] = CRow(
-                row.keys.data_ptr(),
-                row.values.data_ptr(),
-                row.keys.shape[2],
-                row.length,
-                cos.data_ptr() + i * step,
-                sin.data_ptr() + i * step,
+                keys.data_ptr(), values.data_ptr(), capacity, row.length, cos.data_ptr() + i * step, sin.data_ptr() + i * step
             )
         longest = max(row.length for row in rows)
         scratch = torch.empty(self.lib.decode_step_scratch(ctypes.byref(self.shape), count, longest), dtype=torch.float32)
@@ -188,4 +211,5 @@ class NativeStep:
             ctypes.c_void_p(scratch.data_ptr()),
             ctypes.c_void_p(logits.data_ptr()),
         )
+        del caches
         return logits

@@ -72,7 +72,7 @@ class WeightOnlyLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] > DECODE_ROWS:
             out = F.linear(rows, self.dequantized().to(x.dtype))
-        elif cpu_kernels.usable(self.weight_low):
+        elif not torch.is_grad_enabled() and cpu_kernels.usable(self.weight_low):  # the C kernel keeps no gradient
             out = cpu_kernels.matmul(rows, self.weight_low, self.scales if self.mode == "int8" else None).to(x.dtype)
         elif self.mode == "bf16":
             out = F.linear(rows.to(torch.bfloat16), self.weight_low).to(x.dtype)
