@@ -6,7 +6,7 @@ sampling, stop strings and repetition guard (`AnswerState`), and its own key/val
 prompt + max_tokens, as reserved before it was admitted. The projections and MLPs of a step run
 on all rows at once (the weights are read once a step, not once a request; q, k and v as one
 matmul, gate and up as another: engine/models/fused.py); attention runs row by row over that
-row's own keys (no row sees another's; a step of 2 or 3 rows is padded to 4, see
+row's own keys (no row sees another's; in the torch step a step of 2 or 3 rows is padded to 4, see
 `INVARIANT_ROWS`, unless its weight-only projections compute each row alone).
 
 `BatchDecoder` steps Llama-family models (Llama, Qwen2, Mistral: pre-norm layers with rotary
@@ -187,10 +187,11 @@ class BatchDecoder:
         return out.logits[0, -1]
 
     def step_rows(self, answers: int) -> int:
-        """Rows a step computes for `answers` answers: 2 or 3 are padded to 4, and so is a lone answer
-        when batch-invariant; a lone answer otherwise steps alone (a 1-row step is the fastest).
-        Up to DECODE_ROWS answers, a step whose projections compute each row alone (`--quantize`,
-        without an adapter's float32 layers) is never padded."""
+        """Rows a step computes for `answers` answers. The C step computes each row alone: never
+        padded. In the torch step 2 or 3 are padded to 4, and so is a lone answer when
+        batch-invariant (a lone answer otherwise steps alone: a 1-row step is the fastest); up to
+        DECODE_ROWS answers, a torch step whose projections compute each row alone (`--quantize`)
+        is not padded."""
         assert answers > 0
         if self.native is not None:
             return answers

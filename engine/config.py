@@ -102,7 +102,9 @@ class GenerationLimits:
     default_max_tokens: int = 256
     max_queue: int = 16  # jobs waiting per worker before 429
     max_batch: int = 8  # answers of one model decoded together, one forward pass a step (1: no batching)
-    batch_invariant: bool = False  # a lone answer steps as 4 rows too, so none depends on the others (engine/batching.py)
+    batch_invariant: bool = (
+        False  # torch step: a lone answer steps as 4 rows too, so none depends on the others (engine/batching.py)
+    )
     max_prompt_chars: int = 262_144  # a question, or all of a chat's messages; checked before tokenizing
     max_generation_seconds: float = 300.0  # a generation still running then ends with finish_reason "length"
 

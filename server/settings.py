@@ -85,7 +85,7 @@ class Settings(BaseSettings):
     max_queue: int = Field(GenerationLimits.max_queue, description="requests admitted per model worker before 429")
     batch_invariant: bool = Field(
         GenerationLimits.batch_invariant,
-        description="step a lone answer as 4 rows too (2-3 answers always are), so that an answer never depends on the answers beside it (float32 on x86), at the cost of a 4-row step for a lone answer; steps of up to 16 answers whose projections are all weight-only (--quantize, no adapter) need no padding and get none",
+        description="in the torch decode step, step a lone answer as 4 rows too (2-3 answers always are), so that an answer never depends on the answers beside it (float32 on x86), at the cost of a 4-row step for a lone answer; the C decode step on CPU, and torch steps whose projections are all weight-only (--quantize), compute every row alone and need no padding",
     )
     max_batch: int = Field(
         GenerationLimits.max_batch,
