@@ -1,7 +1,7 @@
 """Continuous batching: the answers of one model are decoded together, one forward pass a step.
 
-Requests join between steps (each prefilled on its own, one a step, so a long prompt stalls the
-others for one prefill only) and leave when they finish, are cancelled or fail. Each keeps its own
+Requests join between steps: each prompt is fed on its own, `prefill_chunk` tokens a step between
+the others' steps, so a long prompt stalls the others for one chunk at a time and leave when they finish, are cancelled or fail. Each keeps its own
 sampling, stop strings and repetition guard (`AnswerState`), and its own key/value rows sized
 prompt + max_tokens, as reserved before it was admitted. The projections and MLPs of a step run
 on all rows at once (the weights are read once a step, not once a request; q, k and v as one
@@ -63,6 +63,8 @@ class Row:
     values: torch.Tensor | None = None
     length: int = 0  # positions filled
     cancelled: bool = False
+    prompt_cache: DynamicCache | None = None  # the prompt's keys and values while it is fed in parts
+    fed: int = 0  # prompt tokens fed so far
 
 
 def _rows_alone(projections: list[nn.Module]) -> bool:
@@ -166,12 +168,27 @@ class BatchDecoder:
             and hasattr(inner, "layers")
         )
 
-    @torch.inference_mode()
     def prefill(self, row: Row) -> torch.Tensor:
         """Run the row's prompt, keep its keys and values; the last position's logits [V]."""
+        logits = self.prefill_part(row, None)
+        assert logits is not None  # the whole prompt was fed
+        return logits
+
+    @torch.inference_mode()
+    def prefill_part(self, row: Row, tokens: int | None) -> torch.Tensor | None:
+        """Feed the row's next `tokens` prompt tokens (None: all that are left). Once the whole
+        prompt is in, keep its keys and values in the row's own rows (prompt + max_tokens) and
+        return the last position's logits [V]; None while some of the prompt is left."""
         model, ids = self.model, row.prompt_ids
-        cache = DynamicCache()
-        out = model(input_ids=torch.tensor([ids], device=model.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if row.prompt_cache is None:
+            row.prompt_cache, row.fed = DynamicCache(), 0
+        end = len(ids) if tokens is None else min(len(ids), row.fed + tokens)
+        part = torch.tensor([ids[row.fed : end]], device=model.device)
+        out = model(input_ids=part, past_key_values=row.prompt_cache, use_cache=True, logits_to_keep=1)
+        row.fed = end
+        if end < len(ids):
+            return None
+        cache, row.prompt_cache = row.prompt_cache, None
         capacity = len(ids) + row.params.max_tokens
         shape = (len(self.layers), self.kv_heads, capacity, self.head_dim)
         row.keys = torch.empty(shape, device=model.device, dtype=model.dtype)
@@ -184,7 +201,7 @@ class BatchDecoder:
             row.values[index, :, : len(ids)] = layer.values[0]
             layer.keys = layer.values = None
         row.length = len(ids)
-        return out.logits[0, -1]
+        return cast(torch.Tensor, out.logits[0, -1])
 
     def step_rows(self, answers: int) -> int:
         """Rows a step computes for `answers` answers. The C step computes each row alone: never
@@ -274,14 +291,17 @@ class Batcher:
         tokenizer: PreTrainedTokenizerBase,
         stop_tokens: StopTokens,
         max_rows: int,
+        prefill_chunk: int | None = None,
     ) -> None:
         self._decoder = decoder
         self._worker = worker
         self._tokenizer = tokenizer
         self._stop_tokens = stop_tokens
         self.max_rows = max_rows
+        self.prefill_chunk = prefill_chunk  # prompt tokens fed a step (None: a whole prompt)
         self._waiting: collections.deque[Row] = collections.deque()
         self._rows: list[Row] = []  # touched on the worker thread only
+        self._prefilling: Row | None = None  # the admitted row whose prompt is being fed, a chunk a step
         self._loop_task: asyncio.Task[None] | None = None
 
     @property
@@ -308,38 +328,58 @@ class Batcher:
 
     async def _run(self) -> None:
         try:
-            while self._rows or self._waiting:
+            while self._rows or self._waiting or self._prefilling is not None:
                 for row, events in await self._worker.run(self._tick):
                     for event in events:
                         row.events.put_nowait(event)
         except BaseException as exc:  # shutdown, or a fault of the scheduler itself: no row waits forever
             failure = exc if isinstance(exc, Exception) else RuntimeError("the model worker stopped")
-            for row in [*list(self._rows), *list(self._waiting)]:
+            prefilling = [] if self._prefilling is None else [self._prefilling]
+            for row in [*list(self._rows), *prefilling, *list(self._waiting)]:
                 row.cancelled = True
-                row.keys = row.values = None
+                row.keys = row.values = row.prompt_cache = None
                 row.events.put_nowait(failure.with_traceback(None))
-            self._rows, self._waiting = [], collections.deque()
+            self._rows, self._waiting, self._prefilling = [], collections.deque(), None
             if not isinstance(exc, Exception):
                 raise
             log.exception("the batch scheduler failed; its answers ended with the error")
 
     @torch.inference_mode()
     def _tick(self) -> _Events:
-        """On the worker thread: admit one waiting row (its prefill), then step every row once."""
+        """On the worker thread: feed the admitted prompt its next chunk (admitting a waiting row
+        when none is being fed), then step every row once."""
         out: _Events = []
         self._keep_live()
-        while self._waiting and len(self._rows) < self.max_rows:
+        while self._prefilling is None and self._waiting and len(self._rows) < self.max_rows:
             row = self._waiting.popleft()
             if not row.cancelled:
                 row.state = AnswerState(self._tokenizer, row.prompt_ids, row.params, self._stop_tokens)
-                self._advance([row], lambda rows: self._decoder.prefill(rows[0]).unsqueeze(0), out)
-                self._rows.append(row)
-                break
+                self._prefilling = row
+        if self._prefilling is not None:
+            self._feed(self._prefilling, out)
         self._keep_live()
         if self._rows:
             self._advance(self._rows, self._decoder.step, out)
         self._keep_live()
         return out
+
+    def _feed(self, row: Row, out: _Events) -> None:
+        """One chunk of the admitted row's prompt; with its last chunk it joins the batch with its
+        first token. A cancelled or failed prefill ends that row alone."""
+        if row.cancelled:
+            self._prefilling, row.prompt_cache = None, None
+            return
+        try:
+            logits = self._decoder.prefill_part(row, self.prefill_chunk)
+        except Exception as exc:
+            self._prefilling, row.prompt_cache, row.cancelled = None, None, True
+            out.append((row, [exc.with_traceback(None)]))
+            return
+        if logits is None:
+            return  # more of its prompt on the next tick
+        self._prefilling = None
+        self._advance([row], lambda rows: logits.unsqueeze(0), out)
+        self._rows.append(row)
 
     def _keep_live(self) -> None:
         """Drop rows that finished, failed or were cancelled, and their keys and values."""

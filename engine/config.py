@@ -105,6 +105,7 @@ class GenerationLimits:
     batch_invariant: bool = (
         False  # torch step: a lone answer steps as 4 rows too, so none depends on the others (engine/batching.py)
     )
+    prefill_chunk: int = 512  # prompt tokens a batched answer feeds a step, between the others' steps (0: whole prompts)
     max_prompt_chars: int = 262_144  # a question, or all of a chat's messages; checked before tokenizing
     max_generation_seconds: float = 300.0  # a generation still running then ends with finish_reason "length"
 

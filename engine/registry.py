@@ -101,7 +101,8 @@ class ModelRegistry:
         if self.config.generation.max_batch == 1 or loaded.own_memory is not None or not BatchDecoder.supports(loaded.model):
             return None
         limits = self.config.generation
-        return Batcher(BatchDecoder(loaded.model, limits.batch_invariant), worker, loaded.tokenizer, stop, limits.max_batch)
+        decoder = BatchDecoder(loaded.model, limits.batch_invariant)
+        return Batcher(decoder, worker, loaded.tokenizer, stop, limits.max_batch, limits.prefill_chunk or None)
 
     def _find_adapter(self, loaded: LoadedModel) -> Neurocache | None:
         """The first Neurocache adapter named after the model in the adapter folders, if any."""

@@ -87,6 +87,11 @@ class Settings(BaseSettings):
         GenerationLimits.batch_invariant,
         description="in the torch decode step, step a lone answer as 4 rows too (2-3 answers always are), so that an answer never depends on the answers beside it (float32 on x86), at the cost of a 4-row step for a lone answer; the C decode step on CPU, and torch steps whose projections are all weight-only (--quantize), compute every row alone and need no padding",
     )
+    prefill_chunk: int = Field(
+        GenerationLimits.prefill_chunk,
+        ge=0,
+        description="prompt tokens a batched answer feeds a step, between the steps of the answers already decoding, so a long prompt stalls them a chunk at a time (0: each prompt whole)",
+    )
     max_batch: int = Field(
         GenerationLimits.max_batch,
         description="answers of one model decoded together, one forward pass a step (1: no batching, each answer steps alone, interleaved)",
@@ -160,6 +165,7 @@ class Settings(BaseSettings):
                 max_queue=self.max_queue,
                 max_batch=self.max_batch,
                 batch_invariant=self.batch_invariant,
+                prefill_chunk=self.prefill_chunk,
                 max_prompt_chars=self.max_prompt_chars,
                 max_generation_seconds=self.max_generation_seconds,
             ),

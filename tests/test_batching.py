@@ -374,3 +374,71 @@ def test_a_neurocache_adapters_lora_layers_are_stepped_as_their_float32_bases_an
     kinds = [type(f) for f in decoder.gate_up]
     assert [kind is nn.Linear for kind in kinds] == adapted and [type(d) is nn.Linear for d in decoder.down] == adapted
     assert decoder.native is None and not decoder.rows_alone  # head_dim 8: the torch step
+
+
+def test_a_prompt_fed_in_parts_keeps_what_the_whole_prompt_keeps():
+    model = tiny("llama", 101)
+    decoder = BatchDecoder(model)
+    prompt = torch.randint(0, 101, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    whole, parts = Row(prompt, GenerationParams(max_tokens=4)), Row(prompt, GenerationParams(max_tokens=4))
+    want = decoder.prefill(whole)
+    assert [decoder.prefill_part(parts, 7) for _ in range(4)] == [None] * 4 and parts.fed == 28
+    got = decoder.prefill_part(parts, 7)
+    assert got is not None and parts.prompt_cache is None and parts.length == 30
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert whole.keys is not None and parts.keys is not None and whole.values is not None and parts.values is not None
+    torch.testing.assert_close(parts.keys[:, :, :30], whole.keys[:, :, :30], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(parts.values[:, :, :30], whole.values[:, :, :30], rtol=1e-5, atol=1e-5)
+
+
+def test_a_long_prompt_is_fed_between_the_steps_of_the_answers_decoding(tiny_tokenizer):
+    """With `prefill_chunk` 4, a 40-token prompt arriving while another answer decodes is fed over
+    10 steps, and the other answer gets a token at each of them; both get their answers."""
+    model = tiny("llama", len(tiny_tokenizer))
+    generator = torch.Generator().manual_seed(6)
+    short, long = (torch.randint(0, len(tiny_tokenizer), (n,), generator=generator).tolist() for n in (5, 40))
+    first, second = GenerationParams(max_tokens=30, temperature=0.0), GenerationParams(max_tokens=3, temperature=0.0)
+    expected = alone(model, tiny_tokenizer, short, first)
+    batcher = Batcher(BatchDecoder(model), SerialWorker("test", 16), tiny_tokenizer, NO_STOP, 8, prefill_chunk=4)
+    arrivals: list[str] = []
+
+    async def run():
+        async def follow(name, prompt, params):
+            events = []
+            async for event in batcher.generate(prompt, params):
+                arrivals.append(name)
+                events.append(event)
+            return answer_of(events)
+
+        decoding = asyncio.create_task(follow("short", short, first))
+        while arrivals.count("short") < 2:
+            await asyncio.sleep(0.001)
+        arrivals.append("long arrives")
+        return await asyncio.gather(decoding, follow("long", long, second))
+
+    got_short, got_long = asyncio.run(run())
+    assert same_answer(got_short, expected)
+    assert got_long[1].completion_tokens == 3
+    waited = arrivals[arrivals.index("long arrives") : arrivals.index("long")]
+    assert waited.count("short") >= 8, arrivals  # a token of the short answer a chunk, not one long stall
+
+
+def test_a_prompt_cancelled_while_it_is_fed_leaves_the_batch(tiny_tokenizer):
+    model = tiny("llama", len(tiny_tokenizer))
+    generator = torch.Generator().manual_seed(7)
+    short, long = (torch.randint(0, len(tiny_tokenizer), (n,), generator=generator).tolist() for n in (5, 200))
+    params = GenerationParams(max_tokens=20, temperature=0.0)
+    expected = alone(model, tiny_tokenizer, short, params)
+    batcher = Batcher(BatchDecoder(model), SerialWorker("test", 16), tiny_tokenizer, NO_STOP, 8, prefill_chunk=2)
+
+    async def run():
+        decoding = asyncio.create_task(collect(batcher, short, params))
+        feeding = asyncio.create_task(collect(batcher, long, params))
+        while (row := batcher._prefilling) is None or row.prompt_ids != long or row.fed < 20:
+            await asyncio.sleep(0.001)  # its prompt half fed
+        feeding.cancel()
+        assert row.fed < len(long)
+        return await decoding
+
+    assert same_answer(asyncio.run(run()), expected)
+    assert batcher._prefilling is None and batcher._rows == []
