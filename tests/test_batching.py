@@ -442,3 +442,30 @@ def test_a_prompt_cancelled_while_it_is_fed_leaves_the_batch(tiny_tokenizer):
 
     assert same_answer(asyncio.run(run()), expected)
     assert batcher._prefilling is None and batcher._rows == []
+
+
+def test_a_prompt_failing_while_it_is_fed_fails_alone(tiny_tokenizer, monkeypatch):
+    model = tiny("llama", len(tiny_tokenizer))
+    generator = torch.Generator().manual_seed(8)
+    short, long = (torch.randint(0, len(tiny_tokenizer), (n,), generator=generator).tolist() for n in (5, 40))
+    params = GenerationParams(max_tokens=12, temperature=0.0)
+    expected = alone(model, tiny_tokenizer, short, params)
+    decoder = BatchDecoder(model)
+    batcher = Batcher(decoder, SerialWorker("test", 16), tiny_tokenizer, NO_STOP, 8, prefill_chunk=4)
+    feed = decoder.prefill_part
+
+    def failing(row, tokens):
+        if row.prompt_ids == long and row.fed >= 12:
+            raise RuntimeError("out of memory in the fourth chunk")
+        return feed(row, tokens)
+
+    monkeypatch.setattr(decoder, "prefill_part", failing)
+
+    async def run():
+        decoding = asyncio.create_task(collect(batcher, short, params))
+        with pytest.raises(RuntimeError, match="fourth chunk"):
+            await collect(batcher, long, params)
+        return await decoding
+
+    assert same_answer(asyncio.run(run()), expected)
+    assert batcher._prefilling is None and batcher._rows == []
