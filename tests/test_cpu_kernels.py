@@ -45,6 +45,16 @@ def test_the_kernels_build_into_the_kernel_dir(fresh):
 
 
 @pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")
+def test_a_built_copy_loads_where_no_compiler_is(fresh, monkeypatch):
+    """The image builds the kernels in its build stage; its final stage has no compiler."""
+    assert cpu_kernels.library() is not None
+    cpu_kernels.library.cache_clear()
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert cpu_kernels.library() is not None
+    assert len(list(fresh.iterdir())) == 1
+
+
+@pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, DECODE_ROWS])
 def test_equal_to_the_float32_product_of_the_stored_weights(mode, rows):

@@ -10,9 +10,11 @@ x86 wheels have already loaded: one runtime, one team): on the same machine it r
 take bfloat16 ones) and sums every output in one order, whatever the number of rows beside it.
 
 It is compiled with the system's C compiler into the cache directory the first time a process
-needs it (about a second), keyed by a hash of the sources, the compiler and its flags. Where that
-cannot be done (no compiler, a CPU without AVX2 and FMA, `LONGDOC_CPU_KERNELS=0`), `library()`
-returns None and the caller uses torch's kernels.
+needs it (about a second), keyed by a hash of the sources, the compiler's name (`CC`, else `cc`)
+and its flags; a built copy is loaded without a compiler. `longdoc serve --cache-dir` does not
+move it: the directory follows the environment (`kernel_dir`). Where it cannot be built or loaded
+(no compiler, a CPU without AVX2 and FMA, `LONGDOC_CPU_KERNELS=0`), `library()` returns None and
+the caller uses torch's kernels.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def kernel_dir() -> Path:
     """Where built kernels are kept: `LONGDOC_KERNEL_DIR`, else kernels/ in the cache directory
     (`LONGDOC_CACHE_DIR`, as the server's settings read it, else its default)."""
     cache = Path(os.environ.get("LONGDOC_CACHE_DIR") or DEFAULT_CACHE_DIR).expanduser()
-    return Path(os.environ.get("LONGDOC_KERNEL_DIR") or cache / "kernels")
+    return Path(os.environ.get("LONGDOC_KERNEL_DIR") or cache / "kernels").expanduser()
 
 
 @functools.cache
@@ -70,7 +72,8 @@ def library() -> ctypes.CDLL | None:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
     try:
-        built_by = " ".join((_compiler(), *FLAGS)).encode()
+        built_by = " ".join((os.environ.get("CC", "cc"), *FLAGS)).encode()  # named, not looked up: a
+        # built copy loads where no compiler is (the image's final stage)
         digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES) + built_by).hexdigest()[:16]
         target = kernel_dir() / f"longdoc-cpu-{digest}.so"
         if not target.exists():
