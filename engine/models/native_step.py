@@ -8,8 +8,9 @@ nothing is copied) and each row's own key/value cache. It computes each row alon
 logits do not depend on the rows beside it.
 
 `NativeStep.build` returns None where the C step would not compute what the model's modules do
-(another activation or norm, layers an adapter wraps, a model off the CPU or not in float32) or
-the kernels cannot be built; the torch step is used there.
+(another activation or norm, norms with different epsilons, a layer type or shape the kernels do
+not take, a model off the CPU or not in float32) or the kernels cannot be built; the torch step is
+used there. (A Neurocache adapter's LoRA layers reach it as their base layers: engine/batching.py.)
 """
 
 from __future__ import annotations
