@@ -34,7 +34,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 from engine.generation import AnswerState, StopTokens
 from engine.interface import GenerationDone, GenerationEvent, GenerationParams
 from engine.models.fused import fuse_linears
-from engine.models.llama_parts import Attention, Backbone, Layer
+from engine.models.llama_parts import Attention, Backbone, Layer, rms_norm_parts
 from engine.models.native_step import NativeStep
 from engine.models.neurocache import LoRALinear
 from engine.models.quantize import DECODE_ROWS, WeightOnlyLinear
@@ -88,15 +88,11 @@ def _rows_alone(projections: list[nn.Module]) -> bool:
 
 def _rms_norm(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """A float32 Llama-family RMSNorm as one call of torch's (the same sums, fewer calls); any other
-    norm, or one in another dtype (whose module rounds twice), as itself."""
-    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
-    if (
-        not type(norm).__name__.endswith("RMSNorm")
-        or not isinstance(weight, torch.Tensor)
-        or weight.dtype != torch.float32
-        or not isinstance(eps, float)
-    ):
+    norm as itself."""
+    parts = rms_norm_parts(norm)
+    if parts is None:
         return cast(Callable[[torch.Tensor], torch.Tensor], norm)
+    weight, eps = parts
     return functools.partial(F.rms_norm, normalized_shape=(weight.shape[0],), weight=weight, eps=eps)
 
 

@@ -47,11 +47,11 @@ X86_CPU_ONLY = pytest.mark.skipif(
 )
 
 
-def tiny(family: str, vocab: int) -> Any:
+def tiny(family: str, vocab: int, **overrides: Any) -> Any:
     torch.manual_seed(0)
     config_type, model_type = FAMILIES[family]
     window = {"sliding_window": None} if family == "mistral" else {}
-    config = config_type(
+    settings = dict(
         vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
@@ -60,9 +60,10 @@ def tiny(family: str, vocab: int) -> Any:
         num_key_value_heads=2,
         max_position_embeddings=512,
         initializer_range=0.3,
-        **window,
     )
-    return model_type(config).eval()  # weights large enough that every position changes the logits
+    return model_type(
+        config_type(**{**settings, **window, **overrides})
+    ).eval()  # weights large enough that every position changes the logits
 
 
 def requests(vocab: int) -> list[tuple[list[int], GenerationParams]]:

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from engine.batching import BatchDecoder, Row
 from engine.generation import AnswerState
@@ -20,36 +19,19 @@ from engine.models.neurocache import Neurocache, NeurocacheConfig
 from engine.models.quantize import quantize_linears
 from research.lms.byte_tokenizer import ByteTokenizer
 from tests.helpers import TEST_DEVICE
-from tests.test_batching import NO_STOP, alone, batcher_for, collect, requests, same_answer
+from tests.test_batching import FAMILIES, NO_STOP, alone, batcher_for, collect, requests, same_answer, tiny
+from tests.test_cpu_kernels import BUILDABLE
 
 pytestmark = [
     pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the C step is for CPU"),
-    pytest.mark.skipif(cpu_kernels.library() is None, reason="the CPU kernels cannot be built here (test_cpu_kernels.py)"),
+    pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU"),  # where they are, the kernels must build
 ]
-FAMILIES = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),  # biases on q, k and v
-    "mistral": (MistralConfig, MistralForCausalLM),
-}
 VOCAB = 101
 
 
 def model_of(family: str = "llama", vocab: int = VOCAB, **overrides: Any) -> Any:
     """A tiny model the C step takes: head_dim 16, features multiples of 32."""
-    torch.manual_seed(0)
-    config_type, model_type = FAMILIES[family]
-    window = {"sliding_window": None} if family == "mistral" else {}
-    settings = dict(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.3,
-    )
-    return model_type(config_type(**{**settings, **window, **overrides})).eval()
+    return tiny(family, vocab, **{"hidden_size": 64, "intermediate_size": 96, **overrides})
 
 
 def rows_of(decoder: BatchDecoder, lengths: list[int], seed: int = 2) -> list[Row]:

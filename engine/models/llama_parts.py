@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
 from torch import nn
 
 
@@ -41,3 +42,15 @@ class Backbone(Protocol):
     rotary_emb: nn.Module
     layers: nn.ModuleList
     norm: nn.Module
+
+
+RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")  # weight * x / sqrt(mean(x^2) + eps)
+
+
+def rms_norm_parts(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
+    """A float32 Llama-family RMSNorm's weight and epsilon, or None for any other norm (or dtype,
+    whose module rounds between its two products)."""
+    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if type(norm).__name__ not in RMS_NORMS or not isinstance(weight, torch.Tensor) or not isinstance(eps, float):
+        return None
+    return (weight, eps) if weight.dtype == torch.float32 else None

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from engine.models import cpu_kernels
-from engine.models.llama_parts import Layer
+from engine.models.llama_parts import Layer, rms_norm_parts
 from engine.models.quantize import WeightOnlyLinear
 
 KINDS = {"float32": 0, "bf16": 1, "int8": 2}  # csrc/weight_only.h
@@ -95,16 +95,6 @@ def _weight(linear: nn.Module | None) -> CWeight | None:
     return CWeight(stored.data_ptr(), pointer(scale), pointer(bias), stored.shape[0], stored.shape[1], kind)
 
 
-def _norm(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
-    """A Llama-family RMSNorm's weight and epsilon (weight * x / rms(x)), or None."""
-    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
-    if type(norm).__name__ not in ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"):
-        return None
-    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or not isinstance(eps, float):
-        return None
-    return weight, eps
-
-
 def _shapes_fit(shape: CShape, layers: list[CLayer], head: CWeight) -> bool:
     """Every weight [out, in] as the C step indexes it."""
     hidden, attention = shape.hidden, shape.heads * shape.head_dim
@@ -151,7 +141,7 @@ class NativeStep:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         built, eps_seen, scalings, norm_weights = [], set(), set(), []
         for layer, *projections in zip(layers, qkv, o, gate_up, down, strict=True):
-            norms = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+            norms = rms_norm_parts(layer.input_layernorm), rms_norm_parts(layer.post_attention_layernorm)
             weights = [_weight(m) for m in projections]
             if None in norms or None in weights:
                 return None
@@ -160,7 +150,7 @@ class NativeStep:
             norm_weights += [input_norm, post_norm]
             scalings.add(float(layer.self_attn.scaling))
             built.append(CLayer(input_norm.data_ptr(), post_norm.data_ptr(), *cast(list[CWeight], weights)))
-        final = _norm(cast(nn.Module, model.model.norm))
+        final = rms_norm_parts(cast(nn.Module, model.model.norm))
         head = _weight(cast(nn.Module, getattr(model, "lm_head", None)))
         if final is None or head is None or len(eps_seen | {final[1]}) != 1 or len(scalings) != 1:
             return None

@@ -61,11 +61,7 @@ static inline float dot(const float *a, const float *b, long d) {
         s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
         s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
     }
-    __m256 v = _mm256_add_ps(s0, s1);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+    return sum8(_mm256_add_ps(s0, s1));
 }
 
 /* The query heads of one key/value head of one row: scores over the row's keys 0..length,

@@ -1,6 +1,15 @@
 /* The matmuls of weight_only.c, for decode_step.c. */
 #pragma once
+#include <immintrin.h>
 #include <stdint.h>
+
+/* The sum of a vector's 8 floats, in one order. */
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
 
 enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_INT8 = 2 };
 
