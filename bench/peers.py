@@ -8,8 +8,11 @@ longdoc is measured once per `--quantize` mode given (a server each, one after t
 
 Per system: prefill tok/s for prompts of about 512, 2K and 8K tokens (prompt tokens / time to the
 first token), decode tok/s of one stream after a 512- and a 2K-token prompt, and, through each
-server's OpenAI-compatible HTTP API, all output tokens / wall time with 1, 4 and 8 streams at once
-(512-token prompts). Greedy, 64 new tokens; an answer may end earlier at the end token, and the
+server's OpenAI-compatible HTTP API, with 1, 4 and 8 streams at once (512-token prompts): all
+output tokens / wall time (prefills included), decode tok/s in all while every stream decodes
+(the tokens streamed between the last stream's first token and the first stream's end, over
+that window) and the median TTFT. Each figure is the median of `--repeats` runs (prefill at 8K
+tokens: one run). Greedy, 64 new tokens; an answer may end earlier at the end token, and the
 rates count the tokens produced (the output text tokenized again with the model's tokenizer).
 Every request reads its own stretch of the book, so no server reuses a cached prompt prefix.
 longdoc and transformers run the dequantized weights (float32 on a CPU without fast bfloat16);
@@ -25,8 +28,9 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 
 import httpx
 import torch
@@ -61,8 +65,24 @@ class Prompts:
         return text + INSTRUCTION
 
 
-def stream_chat(url: str, model: str, content: str) -> tuple[float, float, str]:
-    """(seconds to the first content, seconds to the end, the answer) of one streamed chat completion."""
+@dataclass
+class Answer:
+    """One streamed chat completion: when each content delta came (perf_counter seconds)."""
+
+    started: float
+    times: list[float]
+    text: str
+
+    @property
+    def ttft(self) -> float:
+        return self.times[0] - self.started
+
+    @property
+    def total(self) -> float:
+        return self.times[-1] - self.started
+
+
+def stream_chat(url: str, model: str, content: str) -> Answer:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": content}],
@@ -71,7 +91,7 @@ def stream_chat(url: str, model: str, content: str) -> tuple[float, float, str]:
         "stream": True,
     }
     started = time.perf_counter()
-    first, parts = None, []
+    times, parts = [], []
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
         response.raise_for_status()
         for line in response.iter_lines():
@@ -80,10 +100,10 @@ def stream_chat(url: str, model: str, content: str) -> tuple[float, float, str]:
             choices = json.loads(line.removeprefix("data: "))["choices"]
             delta = choices[0]["delta"].get("content") if choices else None
             if delta:
-                first = first or time.perf_counter()
+                times.append(time.perf_counter())
                 parts.append(delta)
-    assert first is not None, "no content streamed"
-    return first - started, time.perf_counter() - started, "".join(parts)
+    assert times, "no content streamed"
+    return Answer(started, times, "".join(parts))
 
 
 @dataclass
@@ -91,28 +111,53 @@ class Measures:
     prefill: dict[int, float]  # prompt tokens -> tok/s
     decode: dict[int, float]  # context tokens -> tok/s
     streams: dict[int, float]  # streams at once -> output tok/s in all
+    streams_decode: dict[int, float] = field(default_factory=dict)  # streams at once -> decode tok/s in all
+    streams_ttft: dict[int, float] = field(default_factory=dict)  # streams at once -> median TTFT, s
 
 
-def http_measures(url: str, model: str, prompts: Prompts, count_tokens: Callable[[str], int]) -> Measures:
+def decode_while_all(answers: list[Answer], count_tokens: Callable[[str], int]) -> float | None:
+    """Tokens streamed per second, all answers together, while every one of them was decoding:
+    from the last answer's first token to the first answer's end (None if that window is empty).
+    An answer's tokens in the window: its token count times its share of deltas there."""
+    begin, end = max(a.times[0] for a in answers), min(a.times[-1] for a in answers)
+    if end <= begin:
+        return None
+    tokens = 0.0
+    for answer in answers:
+        inside = sum(begin < t <= end for t in answer.times)
+        tokens += count_tokens(answer.text) * inside / len(answer.times)
+    return tokens / (end - begin)
+
+
+def http_measures(url: str, model: str, prompts: Prompts, count_tokens: Callable[[str], int], repeats: int) -> Measures:
     stream_chat(url, model, prompts.make(128))  # warm-up
     prefill, decode = {}, {}
     for tokens in PROMPTS:
-        ttft, _, _ = stream_chat(url, model, prompts.make(tokens))
-        prefill[tokens] = tokens / ttft
+        runs = 1 if tokens > 2048 else repeats
+        prefill[tokens] = median(tokens / stream_chat(url, model, prompts.make(tokens)).ttft for _ in range(runs))
     for tokens in DECODE_CONTEXTS:
-        ttft, total, answer = stream_chat(url, model, prompts.make(tokens))
-        decode[tokens] = (count_tokens(answer) - 1) / (total - ttft)
-    streams = {}
+        answers = [stream_chat(url, model, prompts.make(tokens)) for _ in range(repeats)]
+        decode[tokens] = median((count_tokens(a.text) - 1) / (a.total - a.ttft) for a in answers)
+    measures = Measures(prefill, decode, {})
     for count in STREAMS:
-        contents = [prompts.make(512) for _ in range(count)]
-        started = time.perf_counter()
-        with ThreadPoolExecutor(count) as pool:
-            answers = list(pool.map(lambda c: stream_chat(url, model, c)[2], contents))
-        streams[count] = sum(count_tokens(a) for a in answers) / (time.perf_counter() - started)
-    return Measures(prefill, decode, streams)
+        totals, decodes, ttfts = [], [], []
+        for _ in range(repeats):
+            contents = [prompts.make(512) for _ in range(count)]
+            started = time.perf_counter()
+            with ThreadPoolExecutor(count) as pool:
+                answers = list(pool.map(lambda c: stream_chat(url, model, c), contents))
+            totals.append(sum(count_tokens(a.text) for a in answers) / (time.perf_counter() - started))
+            decodes.append(decode_while_all(answers, count_tokens))
+            ttfts.append(median(a.ttft for a in answers))
+        measures.streams[count] = median(totals)
+        measures.streams_ttft[count] = median(ttfts)
+        found = [d for d in decodes if d is not None]
+        if found:
+            measures.streams_decode[count] = median(found)
+    return measures
 
 
-def transformers_measures(model, tokenizer, prompts: Prompts) -> Measures:
+def transformers_measures(model, tokenizer, prompts: Prompts, repeats: int) -> Measures:
     """Plain `generate` in this process: no server, no batching, one request at a time."""
 
     def ids_of(tokens: int) -> torch.Tensor:
@@ -130,13 +175,16 @@ def transformers_measures(model, tokenizer, prompts: Prompts) -> Measures:
     generate(ids_of(128), 2)  # warm-up
     prefill = {}
     for tokens in PROMPTS:
-        ids = ids_of(tokens)
-        prefill[tokens] = ids.shape[1] / generate(ids, 1)
+        runs = 1 if tokens > 2048 else repeats
+        prefill[tokens] = median(len(ids[0]) / generate(ids, 1) for ids in (ids_of(tokens) for _ in range(runs)))
     decode = {}
     for tokens in DECODE_CONTEXTS:
-        ids = ids_of(tokens)
-        first = generate(ids, 1)
-        decode[tokens] = (NEW_TOKENS - 1) / (generate(ids, NEW_TOKENS) - first)
+        rates = []
+        for _ in range(repeats):
+            ids = ids_of(tokens)
+            first = generate(ids, 1)
+            rates.append((NEW_TOKENS - 1) / (generate(ids, NEW_TOKENS) - first))
+        decode[tokens] = median(rates)
     return Measures(prefill, decode, {})
 
 
@@ -188,7 +236,7 @@ def table(results: dict[str, Measures]) -> str:
 
     def row(label: str, pick: Callable[[Measures], float | None]) -> None:
         values = [pick(results[name]) for name in names]
-        cells = [f"{v:,.1f}" if v is not None else "—" for v in values]
+        cells = [f"{v:,.2f}" if v is not None and v < 10 else f"{v:,.1f}" if v is not None else "—" for v in values]
         theirs = pick(results["llama.cpp"])
         ratios = [pick(results[name]) for name in ours]
         cells += [f"{r / theirs:.2f}x" if r and theirs else "—" for r in ratios]
@@ -199,7 +247,10 @@ def table(results: dict[str, Measures]) -> str:
     for tokens in DECODE_CONTEXTS:
         row(f"decode tok/s, one stream, {tokens:,}-token context", measure("decode", tokens))
     for count in STREAMS:
-        row(f"output tok/s in all, {count} stream{'s' if count > 1 else ''} at once (HTTP)", measure("streams", count))
+        at_once = f"{count} stream{'s' if count > 1 else ''} at once (HTTP)"
+        row(f"output tok/s in all, {at_once}", measure("streams", count))
+        row(f"decode tok/s in all while all decode, {at_once}", measure("streams_decode", count))
+        row(f"median TTFT s, {at_once}", measure("streams_ttft", count))
     return "\n".join(lines)
 
 
@@ -207,6 +258,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers-python", default=".venv-peers/bin/python", help="a Python with llama-cpp-python[server]")
     parser.add_argument("--quantize", nargs="+", default=["none"], help="longdoc serve --quantize modes to measure")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each measure; the median is reported")
     args = parser.parse_args()
     loaded = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu")
     tokenizer = loaded.tokenizer
@@ -220,17 +272,19 @@ def main() -> None:
     for quantize in args.quantize:
         server = Server(["--model", DEFAULT_MODEL, "--device", "cpu", "--quantize", quantize]).start()
         try:
-            results[longdoc_name(quantize)] = http_measures(server.url, DEFAULT_MODEL, Prompts(tokenizer, book_ids), count_tokens)
+            results[longdoc_name(quantize)] = http_measures(
+                server.url, DEFAULT_MODEL, Prompts(tokenizer, book_ids), count_tokens, args.repeats
+            )
         finally:
             server.stop()
         print(f"{longdoc_name(quantize)}:", results[longdoc_name(quantize)], flush=True)
     process, url = llama_server(args.peers_python, wheel_dir(DEFAULT_WHEEL) / DEFAULT_GGUF)
     try:
-        results["llama.cpp"] = http_measures(url, DEFAULT_MODEL, Prompts(tokenizer, book_ids), count_tokens)
+        results["llama.cpp"] = http_measures(url, DEFAULT_MODEL, Prompts(tokenizer, book_ids), count_tokens, args.repeats)
     finally:
         process.kill()
     print("llama.cpp:", results["llama.cpp"], flush=True)
-    results["transformers generate"] = transformers_measures(loaded.model, tokenizer, Prompts(tokenizer, book_ids))
+    results["transformers generate"] = transformers_measures(loaded.model, tokenizer, Prompts(tokenizer, book_ids), args.repeats)
     print("transformers:", results["transformers generate"], flush=True)
     version = subprocess.run(
         [args.peers_python, "-c", "import llama_cpp; print(llama_cpp.__version__)"], capture_output=True, text=True
