@@ -331,7 +331,9 @@ CapacityOption = Annotated[int | None, typer.Option(help="m of neurocache sessio
 def eval_passkey(
     model: str = DEFAULT_MODEL,
     adapter: AdapterOption = None,
-    memory: Annotated[list[str], typer.Option(help="memories to compare")] = ["truncate", "text", "neurocache"],
+    memory: Annotated[
+        list[str], typer.Option(help="memories to compare, each maybe with its JSON options: 'kvcache {\"top_k\": 16}'")
+    ] = ["truncate", "text", "neurocache"],
     length: Annotated[list[int], typer.Option(help="document lengths in tokens")] = [4096, 16_384],
     depth: Annotated[list[float], typer.Option(help="where the key is, 0..1")] = [0.1, 0.3, 0.5, 0.7, 0.9],
     capacity: CapacityOption = None,
@@ -343,7 +345,7 @@ def eval_passkey(
 
     rows = passkey(
         _setup(model, adapter, device),
-        memories=tuple(memory),
+        memories=tuple(_memory_runs(memory)),
         lengths=tuple(length),
         depths=tuple(depth),
         capacity=capacity,

@@ -108,6 +108,29 @@ def _base(layer: torch.nn.Module) -> Layer:
     return cast(Layer, getattr(layer, "base", layer))
 
 
+_StepParts = tuple[list[Layer], list[nn.Module | None], list[nn.Module], list[nn.Module | None], list[nn.Module | None]]
+
+
+def _step_parts(model: PreTrainedModel) -> _StepParts:
+    """The layers and the projections a decode step calls in them: q, k and v as one matmul, and
+    gate and up as another, where the layer's projections allow it (else None); o; down."""
+    layers = [_base(layer) for layer in cast(Backbone, model.model).layers]
+    attentions, mlps = [layer.self_attn for layer in layers], [layer.mlp for layer in layers]
+    qkv = [fuse_linears([_plain(a.q_proj), _plain(a.k_proj), _plain(a.v_proj)]) for a in attentions]
+    gate_up = [fuse_linears([_plain(getattr(m, n, None)) for n in ("gate_proj", "up_proj")]) for m in mlps]
+    o = [cast(nn.Module, _plain(a.o_proj)) for a in attentions]
+    down = [_plain(getattr(m, "down_proj", None)) for m in mlps]
+    return layers, qkv, o, gate_up, down
+
+
+def native_step(model: PreTrainedModel) -> NativeStep | None:
+    """The C decode step (engine/models/native_step.py) of a model the batched step supports, on
+    CPU; None elsewhere. For single answers stepped outside the batch (the kvcache memory's)."""
+    if model.device.type != "cpu" or not BatchDecoder.supports(model):
+        return None
+    return NativeStep.build(model, *_step_parts(model))
+
+
 class BatchDecoder:
     """Prefill one row, then step many rows a token each, on a Llama-family model."""
 
@@ -115,15 +138,9 @@ class BatchDecoder:
         self.model = model
         self.invariant = invariant
         config = model.config
-        self.layers = [_base(layer) for layer in cast(Backbone, model.model).layers]
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        attentions, mlps = [layer.self_attn for layer in self.layers], [layer.mlp for layer in self.layers]
-        # one matmul for q, k and v, and one for gate and up, where the layer's projections allow it
-        self.qkv = [fuse_linears([_plain(a.q_proj), _plain(a.k_proj), _plain(a.v_proj)]) for a in attentions]
-        self.gate_up = [fuse_linears([_plain(getattr(m, n, None)) for n in ("gate_proj", "up_proj")]) for m in mlps]
-        self.o = [cast(nn.Module, _plain(a.o_proj)) for a in attentions]
-        self.down = [_plain(getattr(m, "down_proj", None)) for m in mlps]
+        self.layers, self.qkv, self.o, self.gate_up, self.down = _step_parts(model)
         # the whole step as one C call where it computes what the modules do (engine/models/native_step.py)
         self.native = None
         if model.device.type == "cpu":

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engine.errors import InvalidRequestError
 from engine.models.neurocache import Neurocache, NeurocacheConfig
 from engine.models.neurocache_io import save_adapter
 from research.training.corpus import CANTERBURY
@@ -37,6 +39,14 @@ def test_passkey_seed_draws_other_keys_and_misses_name_them(tiny_dir, tmp_path):
         # The tiny random model cannot copy the key; the row names the key drawn from this seed.
         assert row["missed"].startswith(f"depth 0.5: key {random.Random(seed).randrange(10_000, 100_000)}, answered")
     assert rows[0]["missed"] != rows[1]["missed"]
+
+
+def test_passkey_takes_a_memory_with_its_options(tiny_dir, tmp_path):
+    setup = EvalSetup(model=str(tiny_dir), corpus_dir=_corpus(tmp_path), cache_dir=tmp_path / "cache", device="cpu")
+    (row,) = passkey(setup, memories=(("truncate", {"window_tokens": 16}),), lengths=(300,), depths=(0.5,))
+    assert row["memory"] == 'truncate {"window_tokens": 16}' and row["trials"] == 1
+    with pytest.raises(InvalidRequestError, match="window_tokens"):  # the options reach the session
+        passkey(setup, memories=(("truncate", {"window_tokens": 1}),), lengths=(300,), depths=(0.5,))
 
 
 def test_closed_gate_perplexity_equals_the_window_baseline(tiny_dir, tmp_path):

@@ -123,6 +123,34 @@ def test_selection_never_returns_current_or_future_segments():
     assert pick_segments(torch.tensor([[9.0, 8.0, 7.0, 0.0, 1.0, 0.0]]), eligible=6, top_k=2, neighbours=2) == [[0, 1, 2, 4]]
 
 
+def test_max_pooled_queries_pick_the_segment_one_row_points_at():
+    """query_pool "max": a segment one query row points at wins where the rows' mean points elsewhere."""
+    selective = SelectiveModel(tiny_model(), SelectConfig(query_pool="max"))  # 2 kv heads, 2 query heads each, D 8
+    D = selective.head_dim
+    summaries = torch.zeros(3, 1, 2, D)  # S, R, Hkv, D: unit rows along axes 0, 1, 2
+    for s in range(3):
+        summaries[s, 0, :, s] = 1.0
+    q = torch.zeros(4, 5, D)  # Hq, T, D: every row near axis 0 (cosine 0.89), one row of each head's group on axis 2
+    q[:, :, 0], q[:, :, 1] = 1.0, 0.5
+    q[:, 2] = 0.0
+    q[:, 2, 2] = 0.3  # short, but pointing exactly at segment 2
+    assert selective.answer_scores(summaries, q).argmax(dim=-1).tolist() == [2, 2]
+    mean = SelectiveModel(tiny_model(), SelectConfig(query_pool="mean"))
+    assert mean.answer_scores(summaries, q).argmax(dim=-1).tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8"])
+def test_head_segments_are_each_heads_picks_of_segment_rows(storage):
+    config = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=16, sinks=4)
+    selective, store, _ = fed(tiny_model(), config, random_ids(120), chunk=24, storage=storage)
+    picks = [[0, 3, 9], [2, 3, 5]]  # per key/value head, in the order given
+    keys, values = store.head_segments(1, picks)
+    rows_k, rows_v = store.segment_rows(1, list(range(10)))  # n, l, H, D
+    for h, segments in enumerate(picks):
+        torch.testing.assert_close(keys[h], rows_k[segments, :, h].flatten(0, 1), rtol=0, atol=0)
+        torch.testing.assert_close(values[h], rows_v[segments, :, h].flatten(0, 1), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("storage", ["bfloat16", "int8"])
 def test_compact_storage_stays_close(storage):
     model = tiny_model()

@@ -6,15 +6,20 @@ model it cannot step gets the torch step."""
 from __future__ import annotations
 
 import asyncio
+import copy
 from typing import Any
 
 import pytest
 import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from engine.batching import BatchDecoder, Row
+from engine.batching import BatchDecoder, Row, _step_parts, native_step
 from engine.generation import AnswerState
 from engine.interface import GenerationParams
 from engine.models import cpu_kernels
+from engine.models.kv_select import SelectConfig, SelectiveAnswer, SelectiveModel
+from engine.models.kv_store import KVStore
+from engine.models.native_step import NativeStep
 from engine.models.neurocache import Neurocache, NeurocacheConfig
 from engine.models.quantize import quantize_linears
 from research.lms.byte_tokenizer import ByteTokenizer
@@ -196,3 +201,71 @@ def test_without_the_kernels_or_in_another_dtype_the_torch_step(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "library", lambda: None)
     decoder = BatchDecoder(model_of())
     assert decoder.native is None and not decoder.rows_alone
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_kvcache_decode_steps_in_c_equal_its_torch_steps(family):
+    """kvcache's decode steps run as the C step over its buffers, those that reselect (every 3rd)
+    selecting in each layer from the C step's queries; the logits equal its torch steps'."""
+    model = model_of(family)
+    config = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=16, sinks=4, query_chunk=8, reselect_every=3)
+    ids = torch.randint(0, VOCAB, (150,), generator=torch.Generator().manual_seed(4)).tolist()
+    logits: dict[bool, list[torch.Tensor]] = {}
+    picks: dict[bool, list[Any]] = {}
+    hooked: list[bool] = []
+    for native in (None, native_step(model)):
+        selective = SelectiveModel(model, config, native)
+        store = KVStore(selective.store_shape("float32"), device=torch.device("cpu"), dtype=torch.float32)
+        store.reserve(120)
+        for at in range(0, 120, 24):
+            selective.feed(store, ids[at : at + 24])
+        answer = SelectiveAnswer(selective, store, 30)
+        assert answer.eligible > 2  # there is something to select, and picks can change
+        if native is not None:
+
+            def step(*args, c_step=native):
+                hooked.append(args[4] is not None)
+                return c_step(*args)
+
+            selective.native = step  # type: ignore[assignment]  # counts the hooked steps
+        logits[native is not None] = [answer.forward(ids[120:130])]
+        picks[native is not None] = []
+        for token in ids[130:150]:
+            logits[native is not None].append(answer.forward([token]))
+            picks[native is not None].append(copy.deepcopy(answer._picks))
+    assert hooked == [step % 3 == 0 for step in range(20)]  # steps 1, 4, 7, ... reselect
+    assert picks[True] == picks[False] and picks[True][0] != picks[True][-1]  # the same picks, and they moved
+    for torch_step, c_step in zip(logits[False], logits[True], strict=True):
+        torch.testing.assert_close(c_step, torch_step, rtol=1e-4, atol=1e-4)
+
+
+def test_an_exception_in_the_hook_skips_the_later_hooks_and_is_raised():
+    decoder = BatchDecoder(model_of())
+    (row,) = rows_of(decoder, [6])
+    seen = []
+
+    def hook(layer, qkv):
+        seen.append((layer, tuple(qkv.shape)))
+        raise RuntimeError("selection failed")
+
+    hidden, cos, sin = torch.zeros(1, 64), torch.ones(1, 16), torch.zeros(1, 16)
+    assert decoder.native is not None
+    with pytest.raises(RuntimeError, match="selection failed"):
+        decoder.native(hidden, [row], cos, sin, hook)
+    assert seen == [(0, (1, (4 + 2 * 2) * 16))]  # called in the first layer, not again
+
+
+def test_kvcache_gets_no_c_step_where_the_batched_step_would_not_run():
+    assert native_step(model_of()) is not None
+    qwen3 = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    model = Qwen3ForCausalLM(qwen3).eval()
+    assert native_step(model) is None  # not a batched family
+    assert NativeStep.build(model, *_step_parts(model)) is None  # and its per-head q/k norms are not computed in C

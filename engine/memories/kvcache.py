@@ -15,6 +15,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from engine.batching import native_step
 from engine.generation import decode_steps
 from engine.interface import CacheInfo, GenerationEvent, Retrieval, RetrievedItem
 from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, MemoryWrite, Segment, parse_options
@@ -38,6 +39,7 @@ class KVCacheOptions:
     ingest_selection: bool = True  # document chunks attend to selected earlier segments too
     summary: Literal["mean", "representative"] = "mean"
     representatives: int = 4  # keys kept per segment for the "representative" summary
+    query_pool: Literal["mean", "max"] = "mean"  # answering: a chunk's mean query scores, or its best row
     storage: Literal["bfloat16", "int8", "float32"] = "bfloat16"
 
     def __post_init__(self) -> None:
@@ -74,7 +76,7 @@ class KVCacheMemory(Memory):
         self.options: KVCacheOptions = parse_options(KVCacheOptions, options)
         if not self.available(context):
             raise ValueError(f"memory 'kvcache' needs a served Llama-family model ({', '.join(ARCHITECTURES)})")
-        self.selective = SelectiveModel(context.model, self.options.select_config())
+        self.selective = SelectiveModel(context.model, self.options.select_config(), native_step(context.model))
         room = context.context_len - self.selective.config.positions()
         if room < 256:
             raise ValueError(

@@ -15,8 +15,9 @@ keys); top-k segments, each with its u - 1 neighbours (u = `neighbours`, centred
 only among segments that end before the local window (never the current or a future segment).
 While a document is fed, chunk g is selected for by the queries of chunk g-1, so no stored key or
 value depends on a later token. In the answer's prompt pass chunk g uses its own queries: every
-selectable segment precedes the whole prompt, and only the last position's logits are used. Each
-decode step selects with its own query.
+selectable segment precedes the whole prompt, and only the last position's logits are used. A
+decode step that reselects (every `reselect_every`-th, the first included) does so with its own
+query; on CPU the decode steps run as the model's C step (`SelectiveAnswer`).
 
 Positions (rotary): keys are stored before rotary and rotated where they are attended. Sinks sit
 at 0..s-1; the current region (window, then the chunk) continues from `sinks + max_selected`,
@@ -41,6 +42,7 @@ from transformers import PretrainedConfig
 
 from engine.models.kv_store import KVStore, StoreShape
 from engine.models.llama_parts import Backbone, Layer, NormedAttention
+from engine.models.native_step import NativeStep
 from engine.models.rope import apply_rope as rotate
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -58,6 +60,7 @@ class SelectConfig:
     ingest_selection: bool = True  # fed chunks attend to selected segments too
     summary: str = "mean"  # "mean" | "representative"
     representatives: int = 4  # keys per segment for "representative"
+    query_pool: str = "mean"  # answering: "mean" (the chunk's mean query) | "max" (its best query row)
 
     @property
     def max_selected_tokens(self) -> int:
@@ -92,11 +95,13 @@ def pick_segments(scores: torch.Tensor, eligible: int, top_k: int, neighbours: i
 class SelectiveModel:
     """A Llama-family causal LM run with segment-selection attention (module docstring)."""
 
-    def __init__(self, model: nn.Module, config: SelectConfig) -> None:
+    def __init__(self, model: nn.Module, config: SelectConfig, native: NativeStep | None = None) -> None:
+        """`native`: the model's C decode step (engine/batching.py's `native_step`), which then
+        takes every decode step of an answer (`SelectiveAnswer`); None: every step in torch."""
         cfg = cast(PretrainedConfig, model.config)
         if cfg.model_type not in ARCHITECTURES:
             raise ValueError(f"memory 'kvcache' runs Llama-family models ({', '.join(ARCHITECTURES)}), not {cfg.model_type!r}")
-        self.model, self.config = model, config
+        self.model, self.config, self.native = model, config, native
         self.q_heads: int = cfg.num_attention_heads
         self.kv_heads: int = cfg.num_key_value_heads
         self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.q_heads
@@ -104,6 +109,8 @@ class SelectiveModel:
         self.layers = [cast(Layer, getattr(layer, "base", layer)) for layer in self._backbone.layers]
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        # cos, sin of the selected region, kept while it stays where it is: (window position, width) -> them
+        self._selected_rope: tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def _backbone(self) -> Backbone:
@@ -164,25 +171,33 @@ class SelectiveModel:
         """[Hkv, S]: each segment's best summary row against the head's mean query [Hkv, D]."""
         return torch.einsum("srhd,hd->hsr", summaries, query_mean).amax(dim=-1)
 
+    def answer_scores(self, summaries: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """[Hkv, S] for queries q [Hq, T, D] while answering: against their mean (`query_pool`
+        "mean"), or each segment's best against any one query row of the head's group, the rows
+        scaled to unit length ("max")."""
+        if self.config.query_pool == "mean":
+            return self.scores(summaries, self._query_mean(q))
+        rows = F.normalize(q.float().reshape(self.kv_heads, -1, self.head_dim), dim=-1)  # Hkv, G·T, D
+        return torch.einsum("srhd,hqd->hsrq", summaries, rows).flatten(2).amax(dim=-1)
+
     def _selected(
         self, layer_index: int, store: KVStore, picks: list[list[int]], window_position: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values [Hkv, n·l, D] of each head's n picks, placed back to back right
         before `window_position`, in document order."""
         l, D = self.config.segment_len, self.head_dim
-        distinct = sorted({s for p in picks for s in p})
         width = len(picks[0]) * l
         if not width:
             empty = torch.zeros(self.kv_heads, 0, D, device=self.device, dtype=self.dtype)
             return empty, empty
-        row_of = {s: i for i, s in enumerate(distinct)}
-        k_rows, v_rows = store.segment_rows(layer_index, distinct)  # U, l, Hkv, D
-        rows = torch.tensor([[row_of[s] for s in segs] for segs in picks], device=self.device)  # Hkv, n
-        heads = torch.arange(self.kv_heads, device=self.device).unsqueeze(1)
-        keys = k_rows[rows, :, heads].reshape(self.kv_heads, width, D)  # Hkv, n·l, D
-        values = v_rows[rows, :, heads].reshape(self.kv_heads, width, D)
-        cos, sin = self._rope(torch.arange(window_position - width, window_position))
-        return rotate(keys, cos, sin), values
+        keys, values = store.head_segments(layer_index, picks)  # Hkv, n·l, D
+        cached = self._selected_rope
+        if cached is None or cached[0] != (window_position, width):
+            cached = self._selected_rope = (
+                (window_position, width),
+                self._rope(torch.arange(window_position - width, window_position)),
+            )
+        return rotate(keys, *cached[1]), values
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """q [Hq, T, D] over keys/values [Hkv, L, D], the queries being the last T keys' tokens
@@ -265,8 +280,11 @@ class SelectiveAnswer:
     store. `picked` counts, per segment, the layers that selected it in the prompt pass.
 
     Each layer keeps one buffer [Hkv, sinks + selected + window + new tokens, D] of rotated keys
-    (and values): a step writes its own key in place and rewrites the selected
-    region only when its picks change."""
+    (and values), all layers in one tensor [layers, Hkv, ..., D]: a step writes its own key in
+    place and rewrites the selected region only when its picks change. With the model's C step
+    (`SelectiveModel.native`) a decode step is one C call over those buffers: a step that keeps
+    its selection (all but every `reselect_every`-th) is a plain decode step there, and one that
+    reselects does it in each layer from the C step's queries, before that layer attends."""
 
     def __init__(self, selective: SelectiveModel, store: KVStore, new_tokens: int) -> None:
         """`new_tokens`: the most tokens this answer will feed (prompt and answer)."""
@@ -284,34 +302,43 @@ class SelectiveAnswer:
         self._prompt_done = False
         self._picks: list[list[list[int]] | None] = [None] * len(selective.layers)
         self._summaries: list[torch.Tensor | None] = [None] * len(selective.layers)
-        self._steps = [0] * len(selective.layers)  # decode steps seen per layer
+        self._steps = 0  # decode steps fed
         H, D, size = selective.kv_heads, selective.head_dim, self.window_position + window + new_tokens
         sink_rope = selective._rope(torch.arange(self.sinks))
         window_rope = selective._rope(torch.arange(window) + self.window_position)
-        self._k: list[torch.Tensor] = []
-        self._v: list[torch.Tensor] = []
-        for i in range(len(selective.layers)):
-            keys = torch.zeros(H, size, D, device=selective.device, dtype=selective.dtype)
-            values = torch.zeros_like(keys)
+        self.keys = torch.zeros(len(selective.layers), H, size, D, device=selective.device, dtype=selective.dtype)
+        self.values = torch.zeros_like(self.keys)
+        self._k, self._v = list(self.keys.unbind(0)), list(self.values.unbind(0))  # per layer, views
+        for i, (keys, values) in enumerate(zip(self._k, self._v, strict=True)):
             keys[:, : self.sinks] = rotate(store.sink_k[i].transpose(0, 1), *sink_rope)
             values[:, : self.sinks] = store.sink_v[i].transpose(0, 1)
             if window:
                 wk, wv = store.read(i, window_start, N)
                 keys[:, self.window_position : self.window_position + window] = rotate(wk.transpose(0, 1), *window_rope)
                 values[:, self.window_position : self.window_position + window] = wv.transpose(0, 1)
-            self._k.append(keys)
-            self._v.append(values)
-        self._length = self.window_position + window  # buffer columns in use
-        self.position = self._length  # the buffer's column is the token's position
+        self._length = self.window_position + window  # buffer columns in use; a column is its token's position
 
     @property
     def picked(self) -> Counter[int]:
         """Segment -> in how many layers the prompt pass selected it."""
         return Counter(s for picks in self._prompt_picks for s in picks)
 
+    @property
+    def length(self) -> int:
+        """Buffer columns in use (what the C step reads as a row's length)."""
+        return self._length
+
+    def _keeps_selection(self) -> bool:
+        """Whether the decode step being fed keeps the last step's picks."""
+        return self.eligible == 0 or (self._steps - 1) % self.m.config.reselect_every != 0
+
     @torch.inference_mode()
     def forward(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [V] of the last of `token_ids`, fed after everything fed before."""
+        if self._prompt_done:
+            self._steps += 1
+            if len(token_ids) == 1 and self.m.native is not None:
+                return self._native_step(token_ids[0])
         chunk = self.m.config.query_chunk
         out = None
         for at in range(0, len(token_ids), chunk):
@@ -321,6 +348,23 @@ class SelectiveAnswer:
         self._prompt_done = True
         assert out is not None
         return out
+
+    def _native_step(self, token: int) -> torch.Tensor:
+        """One decode step as one C call over the layers' buffers, writing the token's keys and
+        values; a step that reselects does so in each layer, from the queries the C step computed."""
+        m = self.m
+        assert m.native is not None
+        hidden = m._backbone.embed_tokens(torch.tensor([token], device=m.device))  # 1, d
+        cos, sin = m._rope(torch.tensor([self._length]))  # 1, D
+        hook = None if self._keeps_selection() else self._select_from_qkv
+        logits = m.native(hidden, [self], cos, sin, hook)[0]
+        self._length += 1
+        return logits
+
+    def _select_from_qkv(self, layer_index: int, qkv: torch.Tensor) -> None:
+        """The C step's hook: select with the layer's queries (qkv [1, (Hq + 2 Hkv) D], before rotary)."""
+        m = self.m
+        self._select(layer_index, qkv[0, : m.q_heads * m.head_dim].view(m.q_heads, 1, m.head_dim))
 
     def _chunk(self, token_ids: list[int]) -> torch.Tensor:
         m = self.m
@@ -341,15 +385,13 @@ class SelectiveAnswer:
         m, c = self.m, self.m.config
         if self.eligible == 0:
             return
-        if self._prompt_done:
-            self._steps[layer_index] += 1
-            if (self._steps[layer_index] - 1) % c.reselect_every:
-                return
+        if self._prompt_done and self._keeps_selection():
+            return
         started = time.perf_counter()
         summaries = self._summaries[layer_index]
         if summaries is None:  # the store is read-only while answering
             summaries = self._summaries[layer_index] = m.summaries(layer_index, self.store, self.eligible)
-        scores = m.scores(summaries, m._query_mean(q))
+        scores = m.answer_scores(summaries, q)
         picks = pick_segments(scores, self.eligible, c.top_k, c.neighbours)
         if picks != self._picks[layer_index]:  # a step that picks as the last one keeps its rows
             self._picks[layer_index] = picks

@@ -184,6 +184,25 @@ class KVStore:
                 vs.append(page["v"][slot])
         return torch.stack(ks).to(self.dtype), torch.stack(vs).to(self.dtype)
 
+    def head_segments(self, layer: int, picks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [H, n·l, D] in the compute dtype: head h's segments picks[h] (n for
+        every head) back to back, in the order given. Only those (segment, head) pairs are widened
+        from storage; the values are segment_rows' own."""
+        H, l, D, P = self.shape.kv_heads, self.shape.segment_len, self.shape.head_dim, self.shape.page_segments
+        distinct = sorted({s for segments in picks for s in segments})
+        row_of = {s: i for i, s in enumerate(distinct)}
+        pairs = torch.tensor([row_of[s] * H + h for h, segments in enumerate(picks) for s in segments], device=self.device)
+        located = [(self.pages[layer][s // P], s % P) for s in distinct]
+        out = []
+        for name in ("k", "v"):
+            rows = torch.stack([page[name][slot] for page, slot in located])  # U, l, H, D as stored
+            chosen = rows.transpose(1, 2).reshape(-1, l, D).index_select(0, pairs)  # pairs, l, D
+            if self.shape.storage == "int8":
+                scales = torch.stack([page[f"{name}_scale"][slot] for page, slot in located])  # U, H, D
+                chosen = chosen.float() * scales.reshape(-1, 1, D).index_select(0, pairs)
+            out.append(chosen.to(self.dtype).view(H, -1, D))
+        return out[0], out[1]
+
     def read(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [end - start, H, D] of fed tokens start..end-1 past the sinks (the
         window); start must be on a segment boundary."""

@@ -8,7 +8,7 @@ nothing is copied) and each row's own key/value cache. It computes each row alon
 logits do not depend on the rows beside it.
 
 `NativeStep.build` returns None where the C step would not compute what the model's modules do
-(another activation or norm, norms with different epsilons, a layer type or shape the kernels do
+(another activation or norm, norms with different epsilons, per-head q/k norms, a layer type or shape the kernels do
 not take, a model off the CPU or not in float32) or the kernels cannot be built; the torch step is
 used there. (A Neurocache adapter's LoRA layers reach it as their base layers: engine/batching.py.)
 """
@@ -16,7 +16,7 @@ used there. (A Neurocache adapter's LoRA layers reach it as their base layers: e
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, cast
 
 import torch
@@ -27,14 +27,20 @@ from engine.models.llama_parts import Layer, rms_norm_parts
 from engine.models.quantize import WeightOnlyLinear
 
 KINDS = {"float32": 0, "bf16": 1, "int8": 2}  # csrc/weight_only.h
+_HOOK = ctypes.CFUNCTYPE(None, ctypes.c_long, ctypes.c_void_p)  # decode_step's before_attention
 
 
 class StepRow(Protocol):
     """What the step needs of a row (engine/batching.py's `Row`)."""
 
-    keys: torch.Tensor | None  # [layers, kv_heads, capacity, head_dim]
-    values: torch.Tensor | None
-    length: int
+    @property
+    def keys(self) -> torch.Tensor | None: ...  # [layers, kv_heads, capacity, head_dim]
+
+    @property
+    def values(self) -> torch.Tensor | None: ...
+
+    @property
+    def length(self) -> int: ...
 
 
 class CWeight(ctypes.Structure):
@@ -141,6 +147,8 @@ class NativeStep:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         built, eps_seen, scalings, norm_weights = [], set(), set(), []
         for layer, *projections in zip(layers, qkv, o, gate_up, down, strict=True):
+            if hasattr(layer.self_attn, "q_norm") or hasattr(layer.self_attn, "k_norm"):  # Qwen3's per-head norms
+                return None
             norms = rms_norm_parts(layer.input_layernorm), rms_norm_parts(layer.post_attention_layernorm)
             weights = [_weight(m) for m in projections]
             if None in norms or None in weights:
@@ -165,9 +173,21 @@ class NativeStep:
             return None
         return cls(lib, shape, (CLayer * len(built))(*built), final[0], head)
 
-    def __call__(self, hidden: torch.Tensor, rows: Sequence[StepRow], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        rows: Sequence[StepRow],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        before_attention: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
         """hidden [B, d] (the tokens' embeddings, B >= len(rows): the extra rows are skipped), cos
-        and sin [B, head_dim]; writes each row's key and value at its length; the logits [len(rows), V]."""
+        and sin [B, head_dim]; writes each row's key and value at its length; the logits [len(rows), V].
+        `before_attention(layer, qkv)`, if given, is called in each layer with the rows' q, k and v
+        before rotary ([rows, (heads + 2 kv_heads) head_dim], valid during the call) and may rewrite
+        the rows' caches below their lengths before the layer attends. If it raises, the later
+        layers' hooks are skipped (the C step still runs to its end, writing each row's key and
+        value at its length), and the exception is raised here in place of the logits."""
         count, shape = len(rows), self.shape
         hidden = hidden[:count].to(torch.float32).contiguous().clone()
         cos, sin = cos[:count].to(torch.float32).contiguous(), sin[:count].to(torch.float32).contiguous()
@@ -191,6 +211,8 @@ class NativeStep:
         longest = max(row.length for row in rows)
         scratch = torch.empty(self.lib.decode_step_scratch(ctypes.byref(self.shape), count, longest), dtype=torch.float32)
         logits = torch.empty(count, self.head.out, dtype=torch.float32)
+        errors: list[BaseException] = []
+        hook = None if before_attention is None else _HOOK(self._hook(before_attention, count, errors))
         self.lib.decode_step(
             ctypes.byref(self.shape),
             self.layers,
@@ -201,6 +223,26 @@ class NativeStep:
             c_rows,
             ctypes.c_void_p(scratch.data_ptr()),
             ctypes.c_void_p(logits.data_ptr()),
+            hook,
         )
         del caches
+        if errors:
+            raise errors[0]
         return logits
+
+    def _hook(
+        self, before_attention: Callable[[int, torch.Tensor], None], count: int, errors: list[BaseException]
+    ) -> Callable[[int, int], None]:
+        shape = self.shape
+        width = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+
+        def call(layer: int, address: int) -> None:
+            if errors:  # a layer before failed: the step's result is dropped
+                return
+            try:
+                qkv = torch.frombuffer((ctypes.c_float * (count * width)).from_address(address), dtype=torch.float32)
+                before_attention(layer, qkv.view(count, width))
+            except BaseException as exc:  # ctypes would print and drop it
+                errors.append(exc)
+
+        return call

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import threading
@@ -112,10 +113,17 @@ def passkey_document(filler: str, length_tokens: int, depth: float, key: str, to
     return f"{head} The pass key is {key}. Remember it. {key} is the pass key. {tail}"
 
 
-async def _answers(engine: Engine, memory: str, document: str, questions: list[str], capacity: int | None = None) -> list[str]:
-    """Ingest `document` into a fresh session once, then answer each question greedily.
-    `capacity` sets a neurocache session's m (None: the adapter's)."""
-    options = {"capacity": capacity} if memory == "neurocache" and capacity else {}
+async def _answers(
+    engine: Engine,
+    memory: str,
+    document: str,
+    questions: list[str],
+    capacity: int | None = None,
+    options: dict[str, Any] | None = None,
+) -> list[str]:
+    """Ingest `document` into a fresh session of `memory` (with `options`) once, then answer each
+    question greedily. `capacity` sets a neurocache session's m (None: the adapter's)."""
+    options = {**(options or {}), **({"capacity": capacity} if memory == "neurocache" and capacity else {})}
     session = engine.create_session(None, memory, options)
     try:
         async for _ in await engine.ingest(session.id, document, "eval"):
@@ -183,13 +191,14 @@ def run_with_engine(setup: EvalSetup, max_tokens: int, body: Callable[[Engine], 
 def passkey(
     setup: EvalSetup,
     *,
-    memories: tuple[str, ...],
+    memories: tuple[str | tuple[str, dict[str, Any]], ...],
     lengths: tuple[int, ...],
     depths: tuple[float, ...],
     seed: int = 0,
     capacity: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Accuracy per memory and document length, over the depths; the filler is held-out text."""
+    """Accuracy per memory (a name, or a name and its session options) and document length, over
+    the depths; the filler is held-out text."""
     _, held_out = split(fetch(setup.corpus_dir))
     filler = next(p for p in held_out if p.name.startswith("kjv-")).read_text()
     rng = random.Random(seed)
@@ -197,19 +206,20 @@ def passkey(
     async def body(engine: Engine) -> list[dict[str, Any]]:
         tokenizer = engine.tokenizer()
         rows = []
-        for memory in memories:
+        for run in memories:
+            memory, options = (run, {}) if isinstance(run, str) else run
             for length in lengths:
                 hits, missed = 0, []
                 for depth in depths:
                     key = str(rng.randrange(10_000, 100_000))
                     document = passkey_document(filler, length, depth, key, tokenizer)
-                    answer = (await _answers(engine, memory, document, [PASSKEY_QUESTION], capacity))[0]
+                    answer = (await _answers(engine, memory, document, [PASSKEY_QUESTION], capacity, options))[0]
                     hits += key in answer
                     if key not in answer:
                         missed.append(f"depth {depth}: key {key}, answered {_gist(answer)!r}")
                 rows.append(
                     {
-                        "memory": memory,
+                        "memory": f"{memory} {json.dumps(options)}" if options else memory,
                         "length": length,
                         "correct": hits,
                         "trials": len(depths),

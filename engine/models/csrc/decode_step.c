@@ -10,7 +10,12 @@
      x = rms_norm(h) * post_norm
      h += (silu(x @ gate^T) * (x @ up^T)) @ down^T
    Matmuls share their output rows among the OpenMP team (weight_only.c); attention shares the
-   (row, key/value head) pairs. A row's numbers never depend on the other rows. */
+   (row, key/value head) pairs. A row's numbers never depend on the other rows.
+
+   `before_attention`, where not NULL, is called once a layer, on the calling thread, with the
+   layer's index and its q, k, v [rows, (heads + 2 kv_heads) head_dim] before rotary: it may
+   rewrite the rows' caches below `length` (the kvcache memory places the segments a layer's
+   queries select there) before the layer attends. */
 
 #include <immintrin.h>
 #include <math.h>
@@ -94,7 +99,7 @@ long decode_step_scratch(const Shape *s, long rows, long longest) {
 /* hidden [rows, hidden]: the tokens' embeddings in, the last layer's output out; logits
    [rows, head->out] from the final norm and the head. */
 void decode_step(const Shape *s, const Layer *layers, const float *final_norm, const Weight *head, float *hidden, long rows,
-                 const Row *row, float *scratch, float *logits) {
+                 const Row *row, float *scratch, float *logits, void (*before_attention)(long layer, const float *qkv)) {
     long d = s->head_dim, group = s->heads / s->kv_heads, qkv_width = (s->heads + 2 * s->kv_heads) * d;
     long longest = 0;
     for (long r = 0; r < rows; r++) longest = row[r].length > longest ? row[r].length : longest;
@@ -105,6 +110,7 @@ void decode_step(const Shape *s, const Layer *layers, const float *final_norm, c
         const Layer *layer = layers + l;
         for (long r = 0; r < rows; r++) rms_norm(hidden + r * s->hidden, layer->input_norm, s->hidden, s->eps, x + r * s->hidden);
         weight_matmul(&layer->qkv, x, rows, qkv);
+        if (before_attention) before_attention(l, qkv);
         for (long r = 0; r < rows; r++) {
             float *q = qkv + r * qkv_width, *k = q + s->heads * d, *v = k + s->kv_heads * d;
             for (long h = 0; h < s->heads + s->kv_heads; h++) rotate(q + h * d, row[r].cos, row[r].sin, d);
