@@ -51,6 +51,12 @@ def cluster(tiny_dir, tmp_path_factory):
     while len(list((root / "targets").glob("*.json"))) < 2:
         assert time.monotonic() < deadline, "the replicas did not write their metrics targets"
         time.sleep(1)
+    # the ingress's router learns of running replicas from Serve's controller a moment later, and a
+    # new session's turn goes over the replicas it knows: wait until requests reach both
+    seen: set[str] = set()
+    while len(seen) < 2:
+        assert time.monotonic() < deadline, f"the ingress reached only {seen}"
+        seen.add(httpx.get(f"{server.url}/v1/models", timeout=10).headers[REPLICA])
     yield server.url, root / "targets"
     server.stop()  # a graceful stop: Serve, then Ray, shut down
     with pytest.raises(ProcessLookupError):  # nothing started in its process group outlives it
