@@ -2,13 +2,15 @@
 
 - ingestion: tokens/s feeding a held-out text through the selective model, against the plain
   model's forward over chunks of the window's size (the issue's yardstick);
-- decode: tokens/s of a kvcache answer after that text, against plain decoding after (a) the same
-  question alone and (b) a prompt as long as what the kvcache answer attends to;
+- decode: tokens/s of a kvcache answer after that text, against the server's plain decoding (its
+  batched decoder on one row: the C step where it runs) after (a) the same question alone and
+  (b) a prompt as long as what the kvcache answer attends to. kvcache's decode steps run as the
+  C step too (those that reselect through its per-layer hook), unless `--torch-steps`;
 - TTFT: the prompt pass of a question after the text.
 
 Medians over warm repeats. Prints a Markdown table.
 
-    .venv/bin/python -m bench.bench_kvcache --tokens 16384 [--options '{"ingest_selection": false}']
+    .venv/bin/python -m bench.bench_kvcache --tokens 16384 [--options '{"ingest_selection": false}'] [--torch-steps]
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import statistics
 import time
 
 import torch
-from transformers import DynamicCache
 
 from bench.bench_neurocache import median_time
+from engine.batching import BatchDecoder, Row, native_step
 from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from engine.generation import AnswerState, StopTokens
+from engine.interface import GenerationParams
 from engine.memories.kvcache import KVCacheOptions
 from engine.models.kv_select import SelectiveAnswer, SelectiveModel
 from engine.models.kv_store import KVStore
@@ -33,16 +37,14 @@ from research.evals import texts
 QUESTION = "What did the Mock Turtle sing about?"
 
 
-@torch.inference_mode()
-def plain_decode(model, prompt: list[int], steps: int) -> float:
-    """Seconds per token decoding `steps` tokens greedily after `prompt`."""
-    cache = DynamicCache()
-    out = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True, logits_to_keep=1)
-    token = out.logits[0, -1].argmax()
+def plain_decode(decoder: BatchDecoder, tokenizer, prompt: list[int], steps: int) -> float:
+    """Seconds per token decoding `steps` tokens greedily after `prompt`, as the server decodes a lone answer."""
+    row = Row(prompt, GenerationParams(max_tokens=steps + 1))
+    row.state = state = AnswerState(tokenizer, prompt, row.params, StopTokens(frozenset()))
+    state.next_token = int(decoder.prefill(row).argmax())
     started = time.perf_counter()
     for _ in range(steps):
-        out = model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True, logits_to_keep=1)
-        token = out.logits[0, -1].argmax()
+        state.next_token = int(decoder.step([row])[0].argmax())
     return (time.perf_counter() - started) / steps
 
 
@@ -52,12 +54,14 @@ def main() -> None:
     parser.add_argument("--options", default="{}", help="kvcache options, JSON")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--torch-steps", action="store_true", help="kvcache decode steps in torch only (no C step)")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     loaded = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu")
     model, tokenizer = loaded.model, loaded.tokenizer
     options = KVCacheOptions(**json.loads(args.options))
-    selective = SelectiveModel(model, options.select_config())
+    selective = SelectiveModel(model, options.select_config(), None if args.torch_steps else native_step(model))
+    decoder = BatchDecoder(model)
     text = texts.load("alice", texts.QA_DIR)
     ids = tokenizer(document_frame(tokenizer)[0] + text, add_special_tokens=False)["input_ids"][: args.tokens]
     window = options.window
@@ -92,16 +96,16 @@ def main() -> None:
     runs = [answer() for _ in range(args.repeats)]
     ttft = statistics.median(r[0] for r in runs)
     kv_step = statistics.median(r[1] for r in runs)
-    attended = SelectiveAnswer(selective, store, 1).position + len(prompt)
-    question_alone = statistics.median(plain_decode(model, prompt, args.steps) for _ in range(args.repeats))
-    same_span = statistics.median(plain_decode(model, ids[-attended:], args.steps) for _ in range(args.repeats))
+    attended = SelectiveAnswer(selective, store, 1).length + len(prompt)
+    question_alone = statistics.median(plain_decode(decoder, tokenizer, prompt, args.steps) for _ in range(args.repeats))
+    same_span = statistics.median(plain_decode(decoder, tokenizer, ids[-attended:], args.steps) for _ in range(args.repeats))
     print(
         f"| document tokens | options | plain forward @{window} tok/s | kvcache ingest tok/s | ratio | "
         f"kvcache decode tok/s | plain decode, question alone | ratio | plain decode, {attended}-token prompt | ratio | TTFT s |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     print(
-        f"| {len(ids):,} | `{args.options}` | {plain_rate:,.0f} | {ingest_rate:,.0f} | {ingest_rate / plain_rate:.2f} | "
+        f"| {len(ids):,} | `{args.options}`{' torch steps' if args.torch_steps else ''} | {plain_rate:,.0f} | {ingest_rate:,.0f} | {ingest_rate / plain_rate:.2f} | "
         f"{1 / kv_step:.1f} | {1 / question_alone:.1f} | {question_alone / kv_step:.2f} | {1 / same_span:.1f} | "
         f"{same_span / kv_step:.2f} | {ttft:.2f} |"
     )
