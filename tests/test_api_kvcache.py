@@ -40,6 +40,7 @@ def test_answers_come_from_selected_segments_and_leave_the_store_as_it_was(clien
         ({"storage": "fp8"}, "storage"),
         ({"summary": "max"}, "summary"),
         ({"query_pool": "sum"}, "query_pool"),
+        ({"selection": "all"}, "selection"),
         ({"window": 16, "segment_len": 32}, "window must be at least segment_len"),
         ({"window": 4000}, "positions"),
         ({"top_k": 1.5}, "top_k"),

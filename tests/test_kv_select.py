@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from engine.models import kv_select, kv_store
 from engine.models.kv_select import SelectConfig, SelectiveAnswer, SelectiveModel, pick_segments
 from engine.models.kv_store import KVStore
 
@@ -71,9 +72,10 @@ def test_text_within_sinks_and_window_equals_plain_model(family):
         torch.testing.assert_close(out[j], full[position], atol=1e-4, rtol=0)
 
 
-def test_top_k_covering_every_segment_equals_full_attention():
+@pytest.mark.parametrize("selection", ["summary", "keys"])
+def test_top_k_covering_every_segment_equals_full_attention(selection):
     model = tiny_model()
-    config = SelectConfig(segment_len=8, top_k=64, neighbours=1, window=16, sinks=4, query_chunk=5)
+    config = SelectConfig(segment_len=8, top_k=64, neighbours=1, window=16, sinks=4, query_chunk=5, selection=selection)
     ids = random_ids(200)
     selective, store, logits = fed(model, config, ids[:180], chunk=20)
     assert selective.eligible(store, 180) > 10  # the window alone does not hold the text
@@ -149,6 +151,30 @@ def test_head_segments_are_each_heads_picks_of_segment_rows(storage):
     for h, segments in enumerate(picks):
         torch.testing.assert_close(keys[h], rows_k[segments, :, h].flatten(0, 1), rtol=0, atol=0)
         torch.testing.assert_close(values[h], rows_v[segments, :, h].flatten(0, 1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8"])
+def test_segment_keys_are_segment_rows_keys_across_pages(storage, monkeypatch):
+    monkeypatch.setattr(kv_store, "PAGE_TOKENS", 32)  # 4 segments a page: reads cross pages
+    config = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=16, sinks=4)
+    _, store, _ = fed(tiny_model(), config, random_ids(120), chunk=24, storage=storage)
+    rows_k, _ = store.segment_rows(1, list(range(10)))
+    for first, end in [(0, 10), (3, 9), (4, 8), (5, 6)]:
+        torch.testing.assert_close(store.segment_keys(1, first, end), rows_k[first:end].float(), rtol=0, atol=0)
+
+
+def test_key_scores_are_each_segments_best_key_against_any_query_row(monkeypatch):
+    monkeypatch.setattr(kv_select, "KEY_BLOCK", 3)  # blocks of segments: the result must not depend on them
+    config = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=16, sinks=4, selection="keys")
+    selective, store, _ = fed(tiny_model(), config, random_ids(120), chunk=24, storage="float32")
+    q = torch.randn(4, 5, selective.head_dim)  # Hq, T, D
+    keys, _ = store.segment_rows(0, list(range(10)))  # S, l, Hkv, D
+    expected = torch.zeros(2, 10)
+    for h in range(2):
+        rows = q[2 * h : 2 * h + 2].reshape(-1, selective.head_dim)  # the head's query group, every row
+        for s in range(10):
+            expected[h, s] = (keys[s, :, h] @ rows.T).max()
+    torch.testing.assert_close(selective.key_scores(store, 0, 10, q), expected)
 
 
 @pytest.mark.parametrize("storage", ["bfloat16", "int8"])

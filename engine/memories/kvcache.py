@@ -40,6 +40,7 @@ class KVCacheOptions:
     summary: Literal["mean", "representative"] = "mean"
     representatives: int = 4  # keys kept per segment for the "representative" summary
     query_pool: Literal["mean", "max"] = "mean"  # answering: a chunk's mean query scores, or its best row
+    selection: Literal["summary", "keys"] = "summary"  # answering: score summaries, or every stored key
     storage: Literal["bfloat16", "int8", "float32"] = "bfloat16"
 
     def __post_init__(self) -> None:

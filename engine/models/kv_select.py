@@ -46,6 +46,7 @@ from engine.models.native_step import NativeStep
 from engine.models.rope import apply_rope as rotate
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+KEY_BLOCK = 64  # segments whose keys `key_scores` widens at once
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class SelectConfig:
     summary: str = "mean"  # "mean" | "representative"
     representatives: int = 4  # keys per segment for "representative"
     query_pool: str = "mean"  # answering: "mean" (the chunk's mean query) | "max" (its best query row)
+    selection: str = "summary"  # answering: "summary" (scores against summaries) | "keys" (each segment's best key)
 
     @property
     def max_selected_tokens(self) -> int:
@@ -179,6 +181,17 @@ class SelectiveModel:
             return self.scores(summaries, self._query_mean(q))
         rows = F.normalize(q.float().reshape(self.kv_heads, -1, self.head_dim), dim=-1)  # Hkv, G·T, D
         return torch.einsum("srhd,hqd->hsrq", summaries, rows).flatten(2).amax(dim=-1)
+
+    def key_scores(self, store: KVStore, layer_index: int, eligible: int, q: torch.Tensor) -> torch.Tensor:
+        """[Hkv, S] for queries q [Hq, T, D] while answering: each eligible segment's largest dot
+        product, before rotary, between any of its stored keys and any query row of the head's group.
+        Reads every key of those segments, `KEY_BLOCK` segments at a time."""
+        rows = q.float().reshape(self.kv_heads, -1, self.head_dim)  # Hkv, G·T, D
+        scores = []
+        for first in range(0, eligible, KEY_BLOCK):
+            keys = store.segment_keys(layer_index, first, min(eligible, first + KEY_BLOCK))  # s, l, Hkv, D
+            scores.append(torch.einsum("slhd,hqd->hslq", keys, rows).flatten(2).amax(dim=-1))
+        return torch.cat(scores, dim=1)
 
     def _selected(
         self, layer_index: int, store: KVStore, picks: list[list[int]], window_position: int
@@ -388,10 +401,13 @@ class SelectiveAnswer:
         if self._prompt_done and self._keeps_selection():
             return
         started = time.perf_counter()
-        summaries = self._summaries[layer_index]
-        if summaries is None:  # the store is read-only while answering
-            summaries = self._summaries[layer_index] = m.summaries(layer_index, self.store, self.eligible)
-        scores = m.answer_scores(summaries, q)
+        if c.selection == "keys":
+            scores = m.key_scores(self.store, layer_index, self.eligible, q)
+        else:
+            summaries = self._summaries[layer_index]
+            if summaries is None:  # the store is read-only while answering
+                summaries = self._summaries[layer_index] = m.summaries(layer_index, self.store, self.eligible)
+            scores = m.answer_scores(summaries, q)
         picks = pick_segments(scores, self.eligible, c.top_k, c.neighbours)
         if picks != self._picks[layer_index]:  # a step that picks as the last one keeps its rows
             self._picks[layer_index] = picks

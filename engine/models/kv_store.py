@@ -184,6 +184,17 @@ class KVStore:
                 vs.append(page["v"][slot])
         return torch.stack(ks).to(self.dtype), torch.stack(vs).to(self.dtype)
 
+    def segment_keys(self, layer: int, first: int, end: int) -> torch.Tensor:
+        """Keys of segments first..end-1 [n, l, H, D] in float32."""
+        P = self.shape.page_segments
+        parts = []
+        for page_index in range(first // P, -(-end // P)):
+            page = self.pages[layer][page_index]
+            slots = slice(max(first, page_index * P) - page_index * P, min(end, (page_index + 1) * P) - page_index * P)
+            keys = page["k"][slots].float()
+            parts.append(keys * page["k_scale"][slots, None] if self.shape.storage == "int8" else keys)
+        return torch.cat(parts)
+
     def head_segments(self, layer: int, picks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [H, n·l, D] in the compute dtype: head h's segments picks[h] (n for
         every head) back to back, in the order given. Only those (segment, head) pairs are widened
