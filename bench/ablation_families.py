@@ -146,6 +146,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
     parser.add_argument("--reuse", action="store_true", help="keep finished runs of the same command")
     parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
+    parser.add_argument("--heading", default="Every family", help="names the section, so a run of some families keeps the others")
     args = parser.parse_args()
     names = ["transformer", *(n for n in args.families if n != "transformer")]
     target = parameters("transformer", {}, 128)
@@ -158,7 +159,7 @@ def main() -> None:
     print(body)
     seeds = " ".join(str(seed) for seed in args.seeds)
     section = (
-        f"## Every family at {target:,} parameters: {args.steps} steps of {args.batch_size} × {SEQ_LEN} bytes, seeds {seeds}\n\n"
+        f"## {args.heading} at {target:,} parameters: {args.steps} steps of {args.batch_size} × {SEQ_LEN} bytes, seeds {seeds}\n\n"
         f"Command:\n\n```\n.venv/bin/python -m bench.ablation_families {shlex.join(sys.argv[1:])}\n```\n\n"
         f"Held-out bits/byte on the first 64 KiB of the held-out split, windows of {SEQ_LEN} every {LATENT} bytes scoring "
         f"their last {LATENT} (the same bytes for every family). Runs went {args.jobs} at a time, one thread each.\n\n"
