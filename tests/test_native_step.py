@@ -203,12 +203,14 @@ def test_without_the_kernels_or_in_another_dtype_the_torch_step(monkeypatch):
     assert decoder.native is None and not decoder.rows_alone
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_kvcache_decode_steps_in_c_equal_its_torch_steps(family):
+@pytest.mark.parametrize("family, selection", [("llama", "summary"), ("qwen2", "summary"), ("llama", "keys")])
+def test_kvcache_decode_steps_in_c_equal_its_torch_steps(family, selection):
     """kvcache's decode steps run as the C step over its buffers, those that reselect (every 3rd)
     selecting in each layer from the C step's queries; the logits equal its torch steps'."""
     model = model_of(family)
-    config = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=16, sinks=4, query_chunk=8, reselect_every=3)
+    config = SelectConfig(
+        segment_len=8, top_k=2, neighbours=1, window=16, sinks=4, query_chunk=8, reselect_every=3, selection=selection
+    )
     ids = torch.randint(0, VOCAB, (150,), generator=torch.Generator().manual_seed(4)).tolist()
     logits: dict[bool, list[torch.Tensor]] = {}
     picks: dict[bool, list[Any]] = {}

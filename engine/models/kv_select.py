@@ -11,7 +11,8 @@ one softmax, to
 
 Selection (per layer and key/value head): the mean query of the chunk's rows and of the head's
 query group, before rotary, dotted with each segment's summary (the best of its representative
-keys); top-k segments, each with its u - 1 neighbours (u = `neighbours`, centred), deduplicated,
+keys), or, while answering with `selection` "keys", each segment's best stored key against any
+query row (raw dot products, not centred); top-k segments, each with its u - 1 neighbours (u = `neighbours`, centred), deduplicated,
 only among segments that end before the local window (never the current or a future segment).
 While a document is fed, chunk g is selected for by the queries of chunk g-1, so no stored key or
 value depends on a later token. In the answer's prompt pass chunk g uses its own queries: every
@@ -187,7 +188,7 @@ class SelectiveModel:
         product, before rotary, between any of its stored keys and any query row of the head's group.
         Reads every key of those segments, `KEY_BLOCK` segments at a time."""
         rows = q.float().reshape(self.kv_heads, -1, self.head_dim)  # Hkv, G·T, D
-        scores = []
+        scores = [torch.zeros(self.kv_heads, 0, device=rows.device)]
         for first in range(0, eligible, KEY_BLOCK):
             keys = store.segment_keys(layer_index, first, min(eligible, first + KEY_BLOCK))  # s, l, Hkv, D
             scores.append(torch.einsum("slhd,hqd->hslq", keys, rows).flatten(2).amax(dim=-1))

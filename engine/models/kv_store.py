@@ -187,6 +187,8 @@ class KVStore:
     def segment_keys(self, layer: int, first: int, end: int) -> torch.Tensor:
         """Keys of segments first..end-1 [n, l, H, D] in float32."""
         P = self.shape.page_segments
+        if first >= end:
+            return torch.zeros(0, self.shape.segment_len, self.shape.kv_heads, self.shape.head_dim, device=self.device)
         parts = []
         for page_index in range(first // P, -(-end // P)):
             page = self.pages[layer][page_index]
