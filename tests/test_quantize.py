@@ -77,6 +77,22 @@ def test_a_layer_stays_within_its_rounding_of_float32(mode, rows, bias, decode_k
         torch.testing.assert_close(got - (0 if plain.bias is None else plain.bias), exact, rtol=2**-8, atol=1e-5)
 
 
+@pytest.mark.parametrize("in_features", [8, 24, 40])
+def test_int8_rows_of_other_lengths_stay_right_call_after_call(in_features, monkeypatch):
+    """Where neither longdoc's kernel nor torch's int8 kernel takes the rows (torch's returned
+    garbage on an AVX-512 CPU for these lengths, from the first call on), the layer still gives the
+    stored weight times the bfloat16 input, every call."""
+    monkeypatch.setattr(cpu_kernels, "library", lambda: None)
+    torch.manual_seed(0)
+    quantized = WeightOnlyLinear(nn.Linear(in_features, 16, bias=False), "int8")
+    weight = quantized.weight_low.float() * quantized.scales.to(torch.bfloat16).float()[:, None]
+    for rows in (1, 3, 1, 3):
+        x = torch.randn(rows, in_features)
+        with torch.no_grad():
+            got = quantized(x)
+        torch.testing.assert_close(got, F.linear(x.to(torch.bfloat16).float(), weight), rtol=2**-7, atol=1e-3)
+
+
 def test_int8_keeps_one_scale_a_row_and_a_quarter_of_the_bytes():
     plain = linear()
     quantized = WeightOnlyLinear(plain, "int8")

@@ -28,6 +28,9 @@ from engine.config import QUANTIZE_MODES
 from engine.models import cpu_kernels
 
 DECODE_ROWS = 16  # passes of at most this many rows use the low-precision kernel
+# torch's int8 decode kernel gets rows of a multiple of this many inputs only: on an AVX-512 CPU
+# (torch 2.13) it gave garbage or NaN for 8, 24 and 40 inputs, and was right for 16, 32, 48, 64, 96, 576
+INT8PACK_ALIGN = 16
 LINEAR_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"})
 
 
@@ -76,10 +79,13 @@ class WeightOnlyLinear(nn.Module):
             out = cpu_kernels.matmul(rows, self.weight_low, self.scales if self.mode == "int8" else None).to(x.dtype)
         elif self.mode == "bf16":
             out = F.linear(rows.to(torch.bfloat16), self.weight_low).to(x.dtype)
-        else:
+        elif self.in_features % INT8PACK_ALIGN == 0:
             out = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16).contiguous(), self.weight_low, self.scales_low).to(
                 x.dtype
             )
+        else:  # the same product in float32, the weight widened for the call
+            weight = self.weight_low.float() * self.scales_low.float()[:, None]
+            out = F.linear(rows.to(torch.bfloat16).float(), weight).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
