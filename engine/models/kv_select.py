@@ -12,8 +12,9 @@ one softmax, to
 Selection (per layer and key/value head): the mean query of the chunk's rows and of the head's
 query group, before rotary, dotted with each segment's summary (the best of its representative
 keys), or, while answering with `selection` "keys", each segment's best stored key against any
-query row (raw dot products, not centred); top-k segments, each with its u - 1 neighbours (u = `neighbours`, centred), deduplicated,
-only among segments that end before the local window (never the current or a future segment).
+query row (raw dot products, not centred); top-k segments, each with its u - 1 neighbours
+(u = `neighbours`, centred), deduplicated, only among segments that end before the local window
+(never the current or a future segment).
 While a document is fed, chunk g is selected for by the queries of chunk g-1, so no stored key or
 value depends on a later token. In the answer's prompt pass chunk g uses its own queries: every
 selectable segment precedes the whole prompt, and only the last position's logits are used. A
