@@ -21,6 +21,8 @@ from transformers import (
     PreTrainedTokenizerBase,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from engine.batching import BatchDecoder, Batcher, Row
@@ -38,6 +40,7 @@ FAMILIES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
 }
+MODEL_TYPES = {**FAMILIES, "qwen3": (Qwen3Config, Qwen3ForCausalLM)}  # `tiny` builds these; FAMILIES are batched
 
 
 # float32 summation orders by row count were measured with MKL on x86 CPUs (bench/bench_batch_step.py);
@@ -49,7 +52,7 @@ X86_CPU_ONLY = pytest.mark.skipif(
 
 def tiny(family: str, vocab: int, **overrides: Any) -> Any:
     torch.manual_seed(0)
-    config_type, model_type = FAMILIES[family]
+    config_type, model_type = MODEL_TYPES[family]
     window = {"sliding_window": None} if family == "mistral" else {}
     settings = dict(
         vocab_size=vocab,

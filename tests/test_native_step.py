@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from engine.batching import BatchDecoder, Row, _step_parts, native_step
 from engine.generation import AnswerState
@@ -259,15 +258,6 @@ def test_an_exception_in_the_hook_skips_the_later_hooks_and_is_raised():
 
 def test_kvcache_gets_no_c_step_where_the_batched_step_would_not_run():
     assert native_step(model_of()) is not None
-    qwen3 = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
-    model = Qwen3ForCausalLM(qwen3).eval()
+    model = model_of("qwen3", head_dim=16).eval()
     assert native_step(model) is None  # not a batched family
     assert NativeStep.build(model, *_step_parts(model)) is None  # and its per-head q/k norms are not computed in C
