@@ -1,8 +1,9 @@
 """The default model's prefill and decode speed in float32 and in bfloat16, on the compute thread
 (as the server runs them): a 512-token prompt's prefill (`BatchDecoder.prefill`) and a lone
-answer's decode step at 512 tokens of context. In float32 the step is the C step
-(engine/models/native_step.py); a bfloat16 model decodes with the torch step. On a CPU with fast
-bfloat16 (`--dtype auto` picks bfloat16 there) this says what that choice costs and gains.
+answer's decode step at 512 tokens of context. Both decode with the C step
+(engine/models/native_step.py), which reads a bfloat16 model's weights in bfloat16; the prefill
+runs in torch in the model's dtype. On a CPU with fast bfloat16 (`--dtype auto` picks bfloat16
+there) this says what that choice costs and gains.
 
     .venv/bin/python -m bench.bench_dtype_step [--rounds 2]
 """

@@ -1,7 +1,8 @@
 """Continuous batching: the answers of one model are decoded together, one forward pass a step.
 
-Requests join between steps: each prompt is fed on its own, `prefill_chunk` tokens a step between
-the others' steps, so a long prompt stalls the others for one chunk at a time and leave when they finish, are cancelled or fail. Each keeps its own
+Requests join between steps and leave when they finish, are cancelled or fail. Each prompt is fed
+on its own, `prefill_chunk` tokens a step between the others' steps, so a long prompt stalls the
+others for one chunk at a time. Each keeps its own
 sampling, stop strings and repetition guard (`AnswerState`), and its own key/value rows sized
 prompt + max_tokens, as reserved before it was admitted. The projections and MLPs of a step run
 on all rows at once (the weights are read once a step, not once a request; q, k and v as one
@@ -35,7 +36,7 @@ from engine.generation import AnswerState, StopTokens
 from engine.interface import GenerationDone, GenerationEvent, GenerationParams
 from engine.models.fused import fuse_linears
 from engine.models.llama_parts import Attention, Backbone, Layer, rms_norm_parts
-from engine.models.native_step import NativeStep
+from engine.models.native_step import CACHE_DTYPE, NativeStep
 from engine.models.neurocache import LoRALinear
 from engine.models.quantize import DECODE_ROWS, WeightOnlyLinear
 from engine.worker import SerialWorker
@@ -148,6 +149,7 @@ class BatchDecoder:
         # a step whose projections compute each row alone (the C step; weight-only kernels) needs no
         # padding for a row's logits to be the same in any company
         self.rows_alone = self.native is not None or _rows_alone(self._projections())
+        self.cache_dtype = CACHE_DTYPE if self.native is not None else model.dtype  # a row's keys and values
         log.info("%s: decode steps %s", type(model).__name__, "in C" if self.native is not None else "in torch")
         self.norms = [(_rms_norm(layer.input_layernorm), _rms_norm(layer.post_attention_layernorm)) for layer in self.layers]
         self.final_norm = _rms_norm(cast(Backbone, model.model).norm)
@@ -204,8 +206,8 @@ class BatchDecoder:
         cache, row.prompt_cache = row.prompt_cache, None
         capacity = len(ids) + row.params.max_tokens
         shape = (len(self.layers), self.kv_heads, capacity, self.head_dim)
-        row.keys = torch.empty(shape, device=model.device, dtype=model.dtype)
-        row.values = torch.empty(shape, device=model.device, dtype=model.dtype)
+        row.keys = torch.empty(shape, device=model.device, dtype=self.cache_dtype)
+        row.values = torch.empty(shape, device=model.device, dtype=self.cache_dtype)
         for index, layer in enumerate(
             cast(list[DynamicLayer], cache.layers)
         ):  # each layer freed once copied: the peak stays near the reservation
@@ -242,7 +244,8 @@ class BatchDecoder:
         positions = torch.tensor([[row.length] for row in rows] + [[rows[0].length]] * len(padding), device=device)
         inner = cast(Backbone, model.model)
         hidden = inner.embed_tokens(tokens)  # [B, 1, d]
-        cos, sin = inner.rotary_emb(hidden, positions)  # [B, 1, head_dim]: broadcast over heads below
+        # [B, 1, head_dim]: broadcast over heads below; in float32 for the C step, whatever the model
+        cos, sin = inner.rotary_emb(hidden if self.native is None else hidden.to(CACHE_DTYPE), positions)
         if self.native is not None:
             logits = self.native(hidden[:, 0], rows, cos[:, 0], sin[:, 0])
             for row in rows:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.batching import BatchDecoder, Batcher
+from engine.batching import BatchDecoder, Batcher, native_step
 from engine.config import EngineConfig
 from engine.embedder import Embedder
 from engine.errors import NotFoundError
@@ -17,6 +17,7 @@ from engine.interface import ModelInfo
 from engine.memories import MEMORIES, MemoryContext
 from engine.models.loader import LoadedModel, load_model
 from engine.models.manifest import FALLBACK_MEMORY, default_memory_of
+from engine.models.native_step import CACHE_DTYPE
 from engine.models.neurocache import Neurocache
 from engine.models.neurocache_io import load_adapter
 from engine.models.quantize import quantize_linears
@@ -86,6 +87,8 @@ class ModelRegistry:
             neurocache = None if loaded.own_memory is not None else self._find_adapter(loaded)
             if loaded.own_memory is None:  # after the adapter: the layers it wraps stay float32
                 loaded.quantize = spec.quantize if quantize_linears(loaded.model, spec.quantize) else "none"
+                if native_step(loaded.model) is not None:  # its answers keep float32 keys and values
+                    loaded.cache_dtype = CACHE_DTYPE
             stop = StopTokens.of(loaded.model, loaded.tokenizer)
             self._runtimes[loaded.name] = ModelRuntime(loaded, worker, stop, neurocache, self._batcher(loaded, worker, stop))
             log.info(

@@ -158,15 +158,13 @@ def ingest_held(client, session_id: str) -> tuple[Hold, threading.Thread, list]:
 # --- models: tiny Hugging Face models and a Neurocache on them ---
 
 
-def make_tiny_llama(folder: Path, tokenizer_dir: Path, *, seed: int = 0) -> Path:
-    """A 2-layer, hidden-32 Llama with random weights and the default model's tokenizer."""
+def make_tiny_llama(folder: Path, tokenizer_dir: Path, *, seed: int = 0, **sizes: int) -> Path:
+    """A 2-layer, hidden-32 Llama (or of other `sizes`) with random weights and the default model's tokenizer."""
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    settings: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **{**settings, **sizes},
         num_key_value_heads=2,
         max_position_embeddings=4096,
         bos_token_id=tokenizer.bos_token_id,

@@ -12,8 +12,21 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
-from tests.helpers import DOCUMENT, TIMEOUT, Hold, assert_error, in_thread, ingest_held, new_session, session_of
+from tests.helpers import (
+    DOCUMENT,
+    TEST_DEVICE,
+    TIMEOUT,
+    Hold,
+    assert_error,
+    in_thread,
+    ingest_held,
+    make_tiny_llama,
+    new_session,
+    session_of,
+)
+from tests.test_cpu_kernels import BUILDABLE
 
 
 def each_step(client):
@@ -121,6 +134,23 @@ def test_budget_accounting_returns_to_zero_after_everything(make_client, memory)
     assert engine.sessions.used_bytes() == held > 0 and engine.sessions.reserved_bytes == 0
     client.delete(f"/v1/sessions/{session_id}")
     assert engine.sessions.used_bytes() == 0
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu" or not BUILDABLE, reason="the C step is for CPU, where its kernels build")
+def test_a_bfloat16_models_answers_reserve_the_float32_keys_its_c_step_keeps(make_client, tiny_dir, tmp_path):
+    folder = make_tiny_llama(tmp_path / "c-step-tiny", tiny_dir, hidden_size=64, intermediate_size=96)  # head_dim 16
+    client = make_client(model=[str(folder)], dtype="bfloat16")
+    runtime = client.app.state.engine.models.runtimes()[0]
+    loaded = runtime.loaded
+    assert runtime.batcher is not None and runtime.batcher._decoder.native is not None  # answers step in C
+    config = loaded.model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    float32_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+    assert loaded.dtype == torch.bfloat16 and loaded.kv_bytes_per_token == float32_bytes
+    session_id = new_session(client, memory="text")
+    client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT})
+    answer = client.post(f"/v1/sessions/{session_id}/ask", json={"question": "q", "max_tokens": 8})
+    assert answer.status_code == 200 and answer.json()["answer"]
 
 
 def test_an_answers_key_value_cache_is_reserved_while_it_runs(make_client):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -74,6 +75,47 @@ def test_steps_equal_the_model_over_each_whole_sequence(family, mode):
                 full = model(input_ids=torch.tensor([row.prompt_ids])).logits[0, -1]
             torch.testing.assert_close(logits[i], full, rtol=1e-4, atol=1e-4)
     assert all(row.length == len(row.prompt_ids) for row in rows)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_bfloat16_model_steps_as_its_weights_widened_to_float32(family):
+    """A bf16 model's C step reads its weights in bf16 (no copy) and computes in float32: the
+    same logits and keys as the C step of a float32 model holding those weights widened."""
+    bf16 = model_of(family, attention_bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, parameter in bf16.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.3)  # zero at init: make them count (Qwen2's q/k/v biases)
+    widened = copy.deepcopy(bf16).to(torch.float32)
+    low, wide = BatchDecoder(bf16), BatchDecoder(widened)
+    assert low.native is not None and low.cache_dtype == torch.float32
+    rows = rows_of(wide, [13, 5])
+    twins = copy.deepcopy(rows)
+    for token in (9, 51, 2):
+        feed(rows, [token, token])
+        feed(twins, [token, token])
+        torch.testing.assert_close(low.step(twins), wide.step(rows), rtol=1e-4, atol=1e-4)
+    for a, b in zip(rows, twins, strict=True):
+        assert a.keys is not None and b.keys is not None
+        torch.testing.assert_close(b.keys[:, :, : b.length], a.keys[:, :, : a.length], rtol=1e-5, atol=1e-5)
+
+
+def test_a_bfloat16_model_prefills_in_bfloat16_and_keeps_float32_keys():
+    """Its prompt runs through the bf16 modules; the row's keys and values are theirs, widened,
+    and the first step's logits are the bf16 model's over the whole sequence, up to bf16 rounding."""
+    model = model_of().to(torch.bfloat16)
+    decoder = BatchDecoder(model)
+    (row,) = rows_of(decoder, [17])
+    assert row.keys is not None and row.keys.dtype == torch.float32
+    with torch.no_grad():
+        cache = model(input_ids=torch.tensor([row.prompt_ids]), use_cache=True).past_key_values
+    torch.testing.assert_close(row.keys[0, :, :17], cache.layers[0].keys[0].float(), rtol=0, atol=0)
+    feed([row], [33])
+    logits = decoder.step([row])[0]
+    with torch.no_grad():
+        full = model(input_ids=torch.tensor([row.prompt_ids])).logits[0, -1].float()
+    assert (logits - full).abs().max() < 0.05 * full.abs().max()  # bf16 rounds between operations; the C step does not
+    assert logits.argmax() == full.argmax()
 
 
 @pytest.mark.parametrize(
@@ -202,14 +244,15 @@ def test_without_the_kernels_or_in_another_dtype_the_torch_step(monkeypatch):
     assert decoder.native is None and not decoder.rows_alone
 
 
+CONFIG = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=16, sinks=4, query_chunk=8, reselect_every=3)
+
+
 @pytest.mark.parametrize("family, selection", [("llama", "summary"), ("qwen2", "summary"), ("llama", "keys")])
 def test_kvcache_decode_steps_in_c_equal_its_torch_steps(family, selection):
     """kvcache's decode steps run as the C step over its buffers, those that reselect (every 3rd)
     selecting in each layer from the C step's queries; the logits equal its torch steps'."""
     model = model_of(family)
-    config = SelectConfig(
-        segment_len=8, top_k=2, neighbours=1, window=16, sinks=4, query_chunk=8, reselect_every=3, selection=selection
-    )
+    config = dataclasses.replace(CONFIG, selection=selection)
     ids = torch.randint(0, VOCAB, (150,), generator=torch.Generator().manual_seed(4)).tolist()
     logits: dict[bool, list[torch.Tensor]] = {}
     picks: dict[bool, list[Any]] = {}
@@ -238,6 +281,32 @@ def test_kvcache_decode_steps_in_c_equal_its_torch_steps(family, selection):
     assert picks[True] == picks[False] and picks[True][0] != picks[True][-1]  # the same picks, and they moved
     for torch_step, c_step in zip(logits[False], logits[True], strict=True):
         torch.testing.assert_close(c_step, torch_step, rtol=1e-4, atol=1e-4)
+
+
+def test_kvcache_over_a_bfloat16_model_decodes_as_its_weights_widened():
+    """A bf16 model's kvcache answer: the prompt pass in bf16 (torch) into float32 buffers, then
+    decode steps in C, reselecting every third step. From the same prompt pass, they equal the
+    torch steps of the float32 model holding the same weights widened (same picks, logits 1e-4)."""
+    model = model_of().to(torch.bfloat16)
+    widened = SelectiveModel(copy.deepcopy(model).to(torch.float32), CONFIG)
+    ids = torch.randint(0, VOCAB, (150,), generator=torch.Generator().manual_seed(5)).tolist()
+    selective = SelectiveModel(model, CONFIG, native_step(model))
+    store = KVStore(selective.store_shape("bfloat16"), device=torch.device("cpu"), dtype=torch.bfloat16)
+    store.reserve(120)
+    for at in range(0, 120, 24):
+        selective.feed(store, ids[at : at + 24])
+    answers = [SelectiveAnswer(selective, store, 30) for _ in range(2)]
+    assert answers[0].keys.dtype == torch.float32 and answers[0].eligible > 2
+    prompt = [answer.forward(ids[120:130]) for answer in answers]
+    assert torch.equal(prompt[0], prompt[1])
+    answers[1].m = widened  # from here on: torch steps in float32 over the widened weights
+    picks = []
+    for token in ids[130:150]:
+        c_step, torch_step = (answer.forward([token]) for answer in answers)
+        torch.testing.assert_close(c_step, torch_step, rtol=1e-4, atol=1e-4)
+        assert answers[0]._picks == answers[1]._picks
+        picks.append(copy.deepcopy(answers[0]._picks))
+    assert picks[0] != picks[-1]  # reselection happened and moved
 
 
 def test_an_exception_in_the_hook_skips_the_later_hooks_and_is_raised():

@@ -44,7 +44,7 @@ from transformers import PretrainedConfig
 
 from engine.models.kv_store import KVStore, StoreShape
 from engine.models.llama_parts import Backbone, Layer, NormedAttention
-from engine.models.native_step import NativeStep
+from engine.models.native_step import CACHE_DTYPE, NativeStep
 from engine.models.rope import apply_rope as rotate
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -113,8 +113,10 @@ class SelectiveModel:
         self.layers = [cast(Layer, getattr(layer, "base", layer)) for layer in self._backbone.layers]
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        # cos, sin of the selected region, kept while it stays where it is: (window position, width) -> them
-        self._selected_rope: tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+        # an answer's buffers: what the C step reads (float32 whatever the model), else the compute dtype
+        self.answer_dtype = CACHE_DTYPE if native is not None else self.dtype
+        # cos, sin of the selected region, kept while it stays where it is: (window position, width, dtype) -> them
+        self._selected_rope: tuple[tuple[int, int, torch.dtype | None], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def _backbone(self) -> Backbone:
@@ -138,10 +140,10 @@ class SelectiveModel:
 
     # ---- pieces of a layer ---------------------------------------------------------------------
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [*positions.shape, D] in the compute dtype."""
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [*positions.shape, D] in `dtype` (default: the compute dtype)."""
         flat = positions.reshape(1, positions.numel()).to(self.device)
-        probe = torch.empty(0, device=self.device, dtype=self.dtype)
+        probe = torch.empty(0, device=self.device, dtype=dtype or self.dtype)
         cos, sin = self._backbone.rotary_emb(probe, flat)
         return cos.view(*positions.shape, cos.shape[-1]), sin.view(*positions.shape, sin.shape[-1])
 
@@ -196,10 +198,10 @@ class SelectiveModel:
         return torch.cat(scores, dim=1)
 
     def _selected(
-        self, layer_index: int, store: KVStore, picks: list[list[int]], window_position: int
+        self, layer_index: int, store: KVStore, picks: list[list[int]], window_position: int, dtype: torch.dtype | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values [Hkv, n·l, D] of each head's n picks, placed back to back right
-        before `window_position`, in document order."""
+        before `window_position`, in document order; rotated in `dtype` (default: the compute dtype)."""
         l, D = self.config.segment_len, self.head_dim
         width = len(picks[0]) * l
         if not width:
@@ -207,10 +209,10 @@ class SelectiveModel:
             return empty, empty
         keys, values = store.head_segments(layer_index, picks)  # Hkv, n·l, D
         cached = self._selected_rope
-        if cached is None or cached[0] != (window_position, width):
+        if cached is None or cached[0] != (window_position, width, dtype):
             cached = self._selected_rope = (
-                (window_position, width),
-                self._rope(torch.arange(window_position - width, window_position)),
+                (window_position, width, dtype),
+                self._rope(torch.arange(window_position - width, window_position), dtype),
             )
         return rotate(keys, *cached[1]), values
 
@@ -319,9 +321,9 @@ class SelectiveAnswer:
         self._summaries: list[torch.Tensor | None] = [None] * len(selective.layers)
         self._steps = 0  # decode steps fed
         H, D, size = selective.kv_heads, selective.head_dim, self.window_position + window + new_tokens
-        sink_rope = selective._rope(torch.arange(self.sinks))
-        window_rope = selective._rope(torch.arange(window) + self.window_position)
-        self.keys = torch.zeros(len(selective.layers), H, size, D, device=selective.device, dtype=selective.dtype)
+        sink_rope = selective._rope(torch.arange(self.sinks), selective.answer_dtype)
+        window_rope = selective._rope(torch.arange(window) + self.window_position, selective.answer_dtype)
+        self.keys = torch.zeros(len(selective.layers), H, size, D, device=selective.device, dtype=selective.answer_dtype)
         self.values = torch.zeros_like(self.keys)
         self._k, self._v = list(self.keys.unbind(0)), list(self.values.unbind(0))  # per layer, views
         for i, (keys, values) in enumerate(zip(self._k, self._v, strict=True)):
@@ -370,7 +372,7 @@ class SelectiveAnswer:
         m = self.m
         assert m.native is not None
         hidden = m._backbone.embed_tokens(torch.tensor([token], device=m.device))  # 1, d
-        cos, sin = m._rope(torch.tensor([self._length]))  # 1, D
+        cos, sin = m._rope(torch.tensor([self._length]), CACHE_DTYPE)  # 1, D
         hook = None if self._keeps_selection() else self._select_from_qkv
         logits = m.native(hidden, [self], cos, sin, hook)[0]
         self._length += 1
@@ -392,7 +394,8 @@ class SelectiveAnswer:
             self._select(i, q)
             self._k[i][:, start:end] = rotate(k.transpose(0, 1), cos, sin)
             self._v[i][:, start:end] = v.transpose(0, 1)
-            x = m._finish_layer(layer, x, m._attend(rotate(q, cos, sin), self._k[i][:, :end], self._v[i][:, :end]))
+            keys, values = self._k[i][:, :end].to(q.dtype), self._v[i][:, :end].to(q.dtype)  # float32 buffers for the C step
+            x = m._finish_layer(layer, x, m._attend(rotate(q, cos, sin), keys, values))
         self._length = end
         return m.logits(x)
 
@@ -414,7 +417,7 @@ class SelectiveAnswer:
         if picks != self._picks[layer_index]:  # a step that picks as the last one keeps its rows
             self._picks[layer_index] = picks
             region = slice(self.sinks, self.window_position)
-            keys, values = m._selected(layer_index, self.store, picks, self.window_position)
+            keys, values = m._selected(layer_index, self.store, picks, self.window_position, m.answer_dtype)
             self._k[layer_index][:, region], self._v[layer_index][:, region] = keys, values
         if not self._prompt_done:
             self._prompt_picks[layer_index].update(s for p in picks for s in p)

@@ -47,10 +47,13 @@ class Backbone(Protocol):
 RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")  # weight * x / sqrt(mean(x^2) + eps)
 
 
-def rms_norm_parts(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
+def rms_norm_parts(norm: nn.Module, widen: bool = False) -> tuple[torch.Tensor, float] | None:
     """A float32 Llama-family RMSNorm's weight and epsilon, or None for any other norm (or dtype,
-    whose module rounds between its two products)."""
+    whose module rounds between its two products). `widen`: a bfloat16 norm's weight too, as a
+    float32 copy, for a caller that computes the norm in float32 (the C step)."""
     weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
     if type(norm).__name__ not in RMS_NORMS or not isinstance(weight, torch.Tensor) or not isinstance(eps, float):
         return None
-    return (weight, eps) if weight.dtype == torch.float32 else None
+    if weight.dtype == torch.float32:
+        return weight, eps
+    return (weight.float(), eps) if widen and weight.dtype == torch.bfloat16 else None

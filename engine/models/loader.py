@@ -39,6 +39,7 @@ class LoadedModel:
     context_len: int
     own_memory: str | None = None  # a plugin's model whose state is the session's memory: the one memory it takes
     quantize: str = "none"  # weight-only quantization applied after loading (engine/models/quantize.py)
+    cache_dtype: torch.dtype | None = None  # a generation's keys and values, if not `dtype` (the C step's float32)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -50,7 +51,7 @@ class LoadedModel:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        element = torch.empty((), dtype=self.dtype).element_size()
+        element = torch.empty((), dtype=self.cache_dtype or self.dtype).element_size()
         return 2 * config.num_hidden_layers * kv_heads * head_dim * element
 
 

@@ -3,13 +3,21 @@
 A step of the default model in torch is about 1,800 small operator calls; on 2 cores their
 dispatch and the Python around them cost more than reading the weights. `NativeStep` hands the
 step to one C call: the layers (norms, q/k/v, rotary, the key/value write, attention, the MLP),
-the final norm and the head, over the model's own weights (float32, or `--quantize` bf16/int8;
-nothing is copied) and each row's own key/value cache. It computes each row alone, so a row's
-logits do not depend on the rows beside it.
+the final norm and the head, over the model's own weights (float32 or bfloat16 modules, or
+`--quantize` bf16/int8; the weights are not copied) and each row's own key/value cache. It computes
+each row alone, so a row's logits do not depend on the rows beside it.
+
+Activations, norms, attention and the key/value cache are float32 whatever the weights are
+(`CACHE_DTYPE`). A bfloat16 model is stepped as its weights widened to float32: its norm weights
+and biases are copied to float32 once, its projections and head are read in bfloat16 as
+`--quantize bf16`'s are. So on a CPU with fast bfloat16 a bfloat16 model prefills with bfloat16
+matmuls (torch) and decodes at the speed of a step that reads half the bytes; its decode steps
+compute in float32 what the bfloat16 modules compute with rounding between operations (close,
+not bit-equal; tests/test_native_step.py).
 
 `NativeStep.build` returns None where the C step would not compute what the model's modules do
 (another activation or norm, norms with different epsilons, per-head q/k norms, a layer type or shape the kernels do
-not take, a model off the CPU or not in float32) or the kernels cannot be built; the torch step is
+not take, a model off the CPU or not in float32 or bfloat16) or the kernels cannot be built; the torch step is
 used there. (A Neurocache adapter's LoRA layers reach it as their base layers: engine/batching.py.)
 """
 
@@ -27,6 +35,8 @@ from engine.models.llama_parts import Layer, rms_norm_parts
 from engine.models.quantize import WeightOnlyLinear
 
 KINDS = {"float32": 0, "bf16": 1, "int8": 2}  # csrc/weight_only.h
+LINEAR_KINDS = {torch.float32: KINDS["float32"], torch.bfloat16: KINDS["bf16"]}  # a plain nn.Linear's weight
+CACHE_DTYPE = torch.float32  # a row's keys and values, whatever the weights
 _HOOK = ctypes.CFUNCTYPE(None, ctypes.c_long, ctypes.c_void_p)  # decode_step's before_attention
 
 
@@ -83,20 +93,22 @@ class CRow(ctypes.Structure):
     ]
 
 
-def _weight(linear: nn.Module | None) -> CWeight | None:
+def _weight(linear: nn.Module | None, kept: list[torch.Tensor]) -> CWeight | None:
     """A linear layer as the C step reads it, or None if it cannot (an adapter's layer, a layout
-    or size the kernels do not take)."""
+    or size the kernels do not take). A bias not in float32 is read from a float32 copy, appended
+    to `kept` (which the step holds)."""
     if type(linear) is WeightOnlyLinear:
         stored, scale, kind = linear.weight_low, linear.scales if linear.mode == "int8" else None, KINDS[linear.mode]
-    elif type(linear) is nn.Linear and linear.weight.dtype == torch.float32:
-        stored, scale, kind = linear.weight, None, KINDS["float32"]
+    elif type(linear) is nn.Linear and linear.weight.dtype in LINEAR_KINDS:
+        stored, scale, kind = linear.weight, None, LINEAR_KINDS[linear.weight.dtype]
     else:
         return None
     bias = getattr(linear, "bias", None)
     if not stored.is_contiguous() or stored.shape[1] % cpu_kernels.ALIGN or stored.device.type != "cpu":
         return None
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-        return None
+    if bias is not None:
+        bias = bias.detach().to(torch.float32).contiguous()
+        kept.append(bias)
     pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     return CWeight(stored.data_ptr(), pointer(scale), pointer(bias), stored.shape[0], stored.shape[1], kind)
 
@@ -119,8 +131,13 @@ def _shapes_fit(shape: CShape, layers: list[CLayer], head: CWeight) -> bool:
 class NativeStep:
     """The C decode step over one model (see the module's docstring)."""
 
-    def __init__(self, lib: ctypes.CDLL, shape: CShape, layers: ctypes.Array[CLayer], final_norm: torch.Tensor, head: CWeight):
-        self.lib, self.shape, self.layers, self.final_norm, self.head = lib, shape, layers, final_norm, head
+    def __init__(
+        self, lib: ctypes.CDLL, shape: CShape, layers: ctypes.Array[CLayer], head: CWeight, kept: list[torch.Tensor]
+    ) -> None:
+        """`kept[0]`: the final norm's weight; `kept`: every tensor the C structures point to that
+        the model does not hold (float32 copies of a bfloat16 model's norms and biases)."""
+        self.lib, self.shape, self.layers, self.head, self.kept = lib, shape, layers, head, kept
+        self.final_norm = kept[0]
         lib.decode_step_scratch.restype = ctypes.c_long
         lib.decode_step_scratch.argtypes = [ctypes.POINTER(CShape), ctypes.c_long, ctypes.c_long]
         lib.decode_step.restype = None
@@ -138,7 +155,7 @@ class NativeStep:
         """The C step for this model's layers and the projections a step calls in them (q/k/v and
         gate/up fused, engine/models/fused.py), or None where it cannot run."""
         config = getattr(model, "config", None)
-        if config is None or getattr(config, "hidden_act", None) != "silu" or getattr(model, "dtype", None) != torch.float32:
+        if config is None or getattr(config, "hidden_act", None) != "silu" or getattr(model, "dtype", None) not in LINEAR_KINDS:
             return None
         lib = cpu_kernels.library()
         if lib is None:
@@ -146,11 +163,12 @@ class NativeStep:
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         built, eps_seen, scalings, norm_weights = [], set(), set(), []
+        kept: list[torch.Tensor] = []  # the biases in float32 (copies where the model holds them in bfloat16)
         for layer, *projections in zip(layers, qkv, o, gate_up, down, strict=True):
             if hasattr(layer.self_attn, "q_norm") or hasattr(layer.self_attn, "k_norm"):  # Qwen3's per-head norms
                 return None
-            norms = rms_norm_parts(layer.input_layernorm), rms_norm_parts(layer.post_attention_layernorm)
-            weights = [_weight(m) for m in projections]
+            norms = rms_norm_parts(layer.input_layernorm, widen=True), rms_norm_parts(layer.post_attention_layernorm, widen=True)
+            weights = [_weight(m, kept) for m in projections]
             if None in norms or None in weights:
                 return None
             (input_norm, eps_in), (post_norm, eps_post) = cast(tuple[tuple[torch.Tensor, float], ...], norms)
@@ -158,8 +176,8 @@ class NativeStep:
             norm_weights += [input_norm, post_norm]
             scalings.add(float(layer.self_attn.scaling))
             built.append(CLayer(input_norm.data_ptr(), post_norm.data_ptr(), *cast(list[CWeight], weights)))
-        final = rms_norm_parts(cast(nn.Module, model.model.norm))
-        head = _weight(cast(nn.Module, getattr(model, "lm_head", None)))
+        final = rms_norm_parts(cast(nn.Module, model.model.norm), widen=True)
+        head = _weight(cast(nn.Module, getattr(model, "lm_head", None)), kept)
         if final is None or head is None or len(eps_seen | {final[1]}) != 1 or len(scalings) != 1:
             return None
         if head_dim % 16 or heads % kv_heads or not built:
@@ -171,7 +189,7 @@ class NativeStep:
             return None
         if not _shapes_fit(shape, built, head):
             return None
-        return cls(lib, shape, (CLayer * len(built))(*built), final[0], head)
+        return cls(lib, shape, (CLayer * len(built))(*built), head, [*norm_weights, *kept])
 
     def __call__(
         self,
@@ -201,7 +219,7 @@ class NativeStep:
             capacity = keys.shape[2]
             for cache in (keys, values):
                 layout = (shape.layers, shape.kv_heads, capacity, shape.head_dim)
-                assert cache.dtype == torch.float32 and cache.is_contiguous() and cache.shape == layout
+                assert cache.dtype == CACHE_DTYPE and cache.is_contiguous() and cache.shape == layout
             if not row.length < capacity:  # the C step writes at `length` unchecked
                 raise IndexError(f"row at {row.length} tokens has no room left ({capacity} reserved)")
             caches.append((keys, values))
