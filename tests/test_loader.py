@@ -26,6 +26,27 @@ def test_load_local_folder(tiny_dir):
     assert not loaded.model.training
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_head_gets_its_last_row_with_plain_strides(tiny_dir, dtype):
+    """With `logits_to_keep=1` the head's input is the last row of [1, T, d]: it reaches the head
+    as a [1, 1, d] tensor with the strides of a fresh one (torch copies the whole head weight for
+    the strided view when the weight is frozen, engine/models/loader.py), and the logits are the
+    full pass's last row."""
+    loaded = load_model(str(tiny_dir), cache_dir=CACHE_DIR, device="cpu", dtype=dtype)
+    model = loaded.model
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)  # as a Neurocache adapter leaves the served model
+    seen = []
+    model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    ids = torch.arange(3, 40)[None]
+    with torch.inference_mode():
+        last = model(input_ids=ids, logits_to_keep=1).logits[0, -1]
+        full = model(input_ids=ids).logits[0, -1]
+    assert seen[0].shape == (1, 1, model.config.hidden_size)
+    assert seen[0].stride() == torch.empty(seen[0].shape).stride()
+    torch.testing.assert_close(last, full)  # a 37-row product may sum in another order
+
+
 def test_default_model_is_converted_to_safetensors(default_dir):
     assert (default_dir / "model.safetensors").is_file()
     config = json.loads((default_dir / "config.json").read_text())
