@@ -79,12 +79,14 @@ bench-scaleout: $(STAMP)
 	$(BIN)/python -m bench.bench_scaleout $(ARGS)
 
 # peers in one run: longdoc, llama-cpp-python's server (built from PyPI's source in a venv of its
-# own, a few minutes on 2 cores) and transformers generate, docs/benchmarks.md#peers
+# own, for this CPU without llama.cpp's AMX backend: scripts/llama_cpp_flags.sh; a few minutes on
+# 2 cores) and transformers generate, docs/benchmarks.md#peers
 PEERS_VENV  := .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.installed
 $(PEERS_STAMP):
 	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
-	CMAKE_BUILD_PARALLEL_LEVEL=2 $(PEERS_VENV)/bin/pip install -q 'llama-cpp-python[server]==0.3.36'
+	CMAKE_ARGS="$$(scripts/llama_cpp_flags.sh)" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+	  $(PEERS_VENV)/bin/pip install -q --no-cache-dir 'llama-cpp-python[server]==0.3.36'
 	touch $(PEERS_STAMP)
 
 peers: $(STAMP) $(PEERS_STAMP)
