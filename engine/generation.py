@@ -236,7 +236,7 @@ class AnswerState:
         self.produced += 1
         if self.produced == 1:
             self._ttft = time.perf_counter() - self.started
-        if token in self._stop_tokens.ids:
+        if token in self._stop_tokens.ids and not params.ignore_eos:
             return self._finish("stop")
         events: list[TokenDelta | GenerationDone] = []
         delta = self._assembler.add(token)

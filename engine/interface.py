@@ -28,6 +28,7 @@ class GenerationParams:
     max_seconds: float | None = None  # wall-clock cap on decoding; the engine sets it from its limits
     no_repeat_ngram_size: int = NO_REPEAT_NGRAM_SIZE
     repetition_penalty: float = REPETITION_PENALTY
+    ignore_eos: bool = False  # end-of-sequence tokens do not end the answer (benchmarks and tests of long answers)
 
 
 @dataclass(frozen=True)

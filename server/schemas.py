@@ -56,6 +56,7 @@ RepetitionPenalty = Annotated[
 ]
 StopString = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+IGNORE_EOS = "the model's end-of-sequence tokens do not end the answer: it runs to max_tokens or a stop string"
 
 
 class SessionCreate(BaseModel):
@@ -132,6 +133,7 @@ class AskRequest(BaseModel):
     stop: Stop | None = None
     no_repeat_ngram_size: NoRepeatNgram = NO_REPEAT_NGRAM_SIZE
     repetition_penalty: RepetitionPenalty = REPETITION_PENALTY
+    ignore_eos: Flag = Field(False, description=IGNORE_EOS)
     stream: Flag = False
 
 
@@ -201,6 +203,7 @@ class ChatCompletionRequest(BaseModel):
     repetition_penalty: RepetitionPenalty = Field(
         REPETITION_PENALTY, description="longdoc extension (as in vLLM's extra parameters)"
     )
+    ignore_eos: Flag = Field(False, description=f"longdoc extension (as in vLLM's extra parameters): {IGNORE_EOS}")
     n: int = Field(1, strict=True, ge=1, le=1, description="only 1 is supported")
     stream: Flag = False
     stream_options: StreamOptions | None = None

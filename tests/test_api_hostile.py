@@ -78,6 +78,8 @@ def test_lone_surrogates_are_422_everywhere(client):
         {"repetition_penalty": 0.5},
         {"repetition_penalty": 2.5},
         {"repetition_penalty": "1.1"},
+        {"ignore_eos": "true"},
+        {"ignore_eos": 1},
     ],
 )
 def test_strict_scalars(client, fields):

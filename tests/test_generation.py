@@ -133,6 +133,18 @@ def test_stop_token_ends_generation(tiny_dir, tiny_tokenizer):
     assert events[0].finish_reason == "stop" and events[0].completion_tokens == 1
 
 
+def test_ignore_eos_runs_past_a_stop_token_to_max_tokens(tiny_dir, tiny_tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    prompt = tiny_tokenizer("Once upon a time", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        first = int(model(torch.tensor([prompt])).logits[0, -1].argmax())
+    params = GenerationParams(max_tokens=5, ignore_eos=True)
+    events = list(generate_steps(model, tiny_tokenizer, prompt, params, StopTokens(frozenset({first}))))
+    done = events[-1]
+    assert isinstance(done, GenerationDone)
+    assert done.finish_reason == "length" and done.completion_tokens == 5
+
+
 def test_seeded_sampling_is_repeatable_end_to_end(tiny_dir, tiny_tokenizer):
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
     prompt = tiny_tokenizer("Seeds", add_special_tokens=False)["input_ids"]

@@ -12,7 +12,7 @@ from fastapi.sse import EventSourceResponse
 from engine.interface import GenerationDone, GenerationEvent, GenerationParams, Retrieval, TokenDelta
 from server.deps import CallerDep, EngineDep, MetricsDep, SettingsDep, visible_session
 from server.metrics import GenerationTimer, Metrics
-from server.schemas import AskRequest, AskResponse, RetrievalPublic, Timings, Usage
+from server.schemas import AskRequest, AskResponse, ChatCompletionRequest, RetrievalPublic, Timings, Usage
 from server.streaming import event_stream, sse
 
 router = APIRouter(prefix="/v1/sessions", tags=["ask"])
@@ -24,6 +24,20 @@ def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
     return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def generation_params(body: AskRequest | ChatCompletionRequest, max_tokens: int) -> GenerationParams:
+    """The sampling fields both request bodies share, as the engine takes them."""
+    return GenerationParams(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=stop_tuple(body.stop),
+        no_repeat_ngram_size=body.no_repeat_ngram_size,
+        repetition_penalty=body.repetition_penalty,
+        ignore_eos=body.ignore_eos,
+    )
 
 
 def usage_of(done: GenerationDone) -> Usage:
@@ -53,15 +67,7 @@ async def ask(
 ) -> EventSourceResponse | AskResponse:
     visible_session(engine, session_id, caller)
     timer = GenerationTimer(metrics, ENDPOINT)
-    params = GenerationParams(
-        max_tokens=body.max_tokens or settings.default_max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        seed=body.seed,
-        stop=stop_tuple(body.stop),
-        no_repeat_ngram_size=body.no_repeat_ngram_size,
-        repetition_penalty=body.repetition_penalty,
-    )
+    params = generation_params(body, body.max_tokens or settings.default_max_tokens)
     events = await engine.ask(session_id, body.question, params)
     if body.stream:
         return event_stream(_ask_events(events, metrics, timer), events, metrics)

@@ -11,10 +11,10 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.sse import EventSourceResponse
 
-from engine.interface import GenerationDone, GenerationEvent, GenerationParams, TokenDelta
+from engine.interface import GenerationDone, GenerationEvent, TokenDelta
 from server.deps import CallerDep, EngineDep, MetricsDep, SettingsDep, visible_session
 from server.metrics import GenerationTimer, Metrics
-from server.routes.ask import observe, stop_tuple, usage_of
+from server.routes.ask import generation_params, observe, usage_of
 from server.schemas import ChatCompletionRequest, ModelCard, ModelList
 from server.streaming import event_stream, sse
 
@@ -51,15 +51,7 @@ async def chat_completions(
 ) -> EventSourceResponse | dict[str, Any]:
     session = visible_session(engine, body.session_id, caller) if body.session_id else None
     timer = GenerationTimer(metrics, ENDPOINT)
-    params = GenerationParams(
-        max_tokens=body.max_completion_tokens or body.max_tokens or settings.default_max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        seed=body.seed,
-        stop=stop_tuple(body.stop),
-        no_repeat_ngram_size=body.no_repeat_ngram_size,
-        repetition_penalty=body.repetition_penalty,
-    )
+    params = generation_params(body, body.max_completion_tokens or body.max_tokens or settings.default_max_tokens)
     messages = [m.model_dump() for m in body.messages]
     events = await engine.chat(messages, params, body.model, body.session_id)
     model = body.model or (session.model if session else engine.list_models()[0].name)
