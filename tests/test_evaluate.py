@@ -49,6 +49,15 @@ def test_passkey_takes_a_memory_with_its_options(tiny_dir, tmp_path):
         passkey(setup, memories=(("truncate", {"window_tokens": 1}),), lengths=(300,), depths=(0.5,))
 
 
+def test_passkey_counts_the_answers_whose_sources_hold_the_key(tiny_dir, tmp_path):
+    setup = EvalSetup(model=str(tiny_dir), corpus_dir=_corpus(tmp_path), cache_dir=tmp_path / "cache", device="cpu")
+    every_segment = {"segment_len": 16, "top_k": 64, "neighbours": 1, "window": 16, "sinks": 4}  # all selected
+    memories = (("kvcache", every_segment), "truncate", ("truncate", {"window_tokens": 16}))
+    rows = passkey(setup, memories=memories, lengths=(300,), depths=(0.5,))
+    assert [row["key in sources"] for row in rows] == [1, 1, 0]  # a 16-token window keeps the end, not the key
+    assert [row["key's layers"] for row in rows] == [2, "-", "-"]  # the tiny model's two layers both select it
+
+
 def test_closed_gate_perplexity_equals_the_window_baseline(tiny_dir, tmp_path):
     corpus = _corpus(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)

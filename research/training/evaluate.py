@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 
 from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL, SHIPPED_ADAPTERS, EngineConfig, ModelSpec
 from engine.engine import Engine
-from engine.interface import GenerationParams, TokenDelta
+from engine.interface import GenerationParams, Retrieval, RetrievedItem, TokenDelta
 from engine.models.loader import load_model
 from engine.models.neurocache_io import load_adapter
 from research.training.corpus import DEFAULT_DIR, fetch, split
@@ -120,9 +120,10 @@ async def _answers(
     questions: list[str],
     capacity: int | None = None,
     options: dict[str, Any] | None = None,
-) -> list[str]:
+) -> list[tuple[str, tuple[RetrievedItem, ...]]]:
     """Ingest `document` into a fresh session of `memory` (with `options`) once, then answer each
-    question greedily. `capacity` sets a neurocache session's m (None: the adapter's)."""
+    question greedily: each answer with the passages its retrieval event named. `capacity` sets a
+    neurocache session's m (None: the adapter's)."""
     options = {**(options or {}), **({"capacity": capacity} if memory == "neurocache" and capacity else {})}
     session = engine.create_session(None, memory, options)
     try:
@@ -130,14 +131,24 @@ async def _answers(
             pass
         answers = []
         for question in questions:
-            parts = []
+            parts: list[str] = []
+            sources: tuple[RetrievedItem, ...] = ()
             async for event in await engine.ask(session.id, question, GenerationParams(max_tokens=24)):
                 if isinstance(event, TokenDelta):
                     parts.append(event.text)
-            answers.append("".join(parts))
+                elif isinstance(event, Retrieval):
+                    sources = event.items
+            answers.append(("".join(parts), sources))
         return answers
     finally:
         engine.delete_session(session.id)
+
+
+def _holding(sources: tuple[RetrievedItem, ...], document: str, key: str) -> list[RetrievedItem]:
+    """The passages the retrieval event named that hold part of the key's digits, where the needle
+    states them (for kvcache: selected segments; the local window is never named)."""
+    starts = [document.index(f"The pass key is {key}") + len("The pass key is "), document.index(f"{key} is the pass key")]
+    return [item for item in sources if any(item.char_start < at + len(key) and item.char_end > at for at in starts)]
 
 
 def _gist(answer: str) -> str:
@@ -209,12 +220,15 @@ def passkey(
         for run in memories:
             memory, options = (run, {}) if isinstance(run, str) else run
             for length in lengths:
-                hits, missed = 0, []
+                hits, sourced, missed, layers = 0, 0, [], []
                 for depth in depths:
                     key = str(rng.randrange(10_000, 100_000))
                     document = passkey_document(filler, length, depth, key, tokenizer)
-                    answer = (await _answers(engine, memory, document, [PASSKEY_QUESTION], capacity, options))[0]
+                    answer, sources = (await _answers(engine, memory, document, [PASSKEY_QUESTION], capacity, options))[0]
                     hits += key in answer
+                    holding = _holding(sources, document, key)
+                    sourced += bool(holding)
+                    layers.append(max((item.layers or 0 for item in holding), default=0))
                     if key not in answer:
                         missed.append(f"depth {depth}: key {key}, answered {_gist(answer)!r}")
                 rows.append(
@@ -222,6 +236,9 @@ def passkey(
                         "memory": f"{memory} {json.dumps(options)}" if options else memory,
                         "length": length,
                         "correct": hits,
+                        "key in sources": sourced,
+                        # kvcache: in how many layers the prompt pass selected the key's segment, mean over trials
+                        "key's layers": sum(layers) / len(layers) if memory == "kvcache" else "-",
                         "trials": len(depths),
                         "missed": "; ".join(missed) or "-",
                     }
