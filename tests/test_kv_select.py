@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from engine.models import kv_select, kv_store
 from engine.models.kv_select import SelectConfig, SelectiveAnswer, SelectiveModel, pick_segments
 from engine.models.kv_store import KVStore
+from engine.models.rope import apply_rope as rotate
 
 VOCAB = 97
 
@@ -163,18 +164,24 @@ def test_segment_keys_are_segment_rows_keys_across_pages(storage, monkeypatch):
         torch.testing.assert_close(store.segment_keys(1, first, end), rows_k[first:end].float(), rtol=0, atol=0)
 
 
-def test_key_scores_are_each_segments_best_key_against_any_query_row(monkeypatch):
+def test_key_scores_are_each_segments_best_logit_with_its_keys_placed_before_the_rows(monkeypatch):
+    """The rows and keys rotated at their own positions (the rows at 500 + t, every key `distance`
+    before the first row), as attention would see them; the best logit of each segment."""
     monkeypatch.setattr(kv_select, "KEY_BLOCK", 3)  # blocks of segments: the result must not depend on them
     config = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=16, sinks=4, selection="keys")
     selective, store, _ = fed(tiny_model(), config, random_ids(120), chunk=24, storage="float32")
     q = torch.randn(4, 5, selective.head_dim)  # Hq, T, D
     keys, _ = store.segment_rows(0, list(range(10)))  # S, l, Hkv, D
+    distance, first_row = 37, 500
+    q_rotated = rotate(q, *selective._rope(torch.arange(first_row, first_row + 5), torch.float32))
+    k_rotated = rotate(keys, *selective._rope(torch.tensor([first_row - distance]), torch.float32))
     expected = torch.zeros(2, 10)
     for h in range(2):
-        rows = q[2 * h : 2 * h + 2].reshape(-1, selective.head_dim)  # the head's query group, every row
+        rows = q_rotated[2 * h : 2 * h + 2].reshape(-1, selective.head_dim)  # the head's query group, every row
         for s in range(10):
-            expected[h, s] = (keys[s, :, h] @ rows.T).max()
-    torch.testing.assert_close(selective.key_scores(store, 0, 10, q), expected)
+            expected[h, s] = (k_rotated[s, :, h] @ rows.T).max()
+    torch.testing.assert_close(selective.key_scores(store, 0, 10, q, distance), expected)
+    assert not torch.allclose(selective.key_scores(store, 0, 10, q, 0), expected)  # where the keys sit matters
 
 
 @pytest.mark.parametrize("storage", ["bfloat16", "int8"])

@@ -12,7 +12,8 @@ one softmax, to
 Selection (per layer and key/value head): the mean query of the chunk's rows and of the head's
 query group, before rotary, dotted with each segment's summary (the best of its representative
 keys), or, while answering with `selection` "keys", each segment's best stored key against any
-query row (raw dot products, not centred); top-k segments, each with its u - 1 neighbours
+query row (the attention logit, with rotary as if the key sat in the middle of the selected
+region: docs/kvcache.md); top-k segments, each with its u - 1 neighbours
 (u = `neighbours`, centred), deduplicated, only among segments that end before the local window
 (never the current or a future segment).
 While a document is fed, chunk g is selected for by the queries of chunk g-1, so no stored key or
@@ -186,11 +187,15 @@ class SelectiveModel:
         rows = F.normalize(q.float().reshape(self.kv_heads, -1, self.head_dim), dim=-1)  # Hkv, G·T, D
         return torch.einsum("srhd,hqd->hsrq", summaries, rows).flatten(2).amax(dim=-1)
 
-    def key_scores(self, store: KVStore, layer_index: int, eligible: int, q: torch.Tensor) -> torch.Tensor:
-        """[Hkv, S] for queries q [Hq, T, D] while answering: each eligible segment's largest dot
-        product, before rotary, between any of its stored keys and any query row of the head's group.
-        Reads every key of those segments, `KEY_BLOCK` segments at a time."""
-        rows = q.float().reshape(self.kv_heads, -1, self.head_dim)  # Hkv, G·T, D
+    def key_scores(self, store: KVStore, layer_index: int, eligible: int, q: torch.Tensor, distance: int) -> torch.Tensor:
+        """[Hkv, S] for queries q [Hq, T, D] (before rotary) while answering: each eligible
+        segment's largest attention logit (unscaled) between any of its stored keys and any query
+        row of the head's group, with the keys placed `distance` positions before the first row
+        (where the selected region sits). Rotary makes the logit of a query at m and a key at n
+        depend on m - n alone, so the rows are rotated by distance + t and the stored keys not at
+        all. Reads every key of those segments, `KEY_BLOCK` segments at a time."""
+        cos, sin = self._rope(torch.arange(distance, distance + q.shape[1]), torch.float32)
+        rows = rotate(q.float(), cos, sin).reshape(self.kv_heads, -1, self.head_dim)  # Hkv, G·T, D
         scores = [torch.zeros(self.kv_heads, 0, device=rows.device)]
         for first in range(0, eligible, KEY_BLOCK):
             keys = store.segment_keys(layer_index, first, min(eligible, first + KEY_BLOCK))  # s, l, Hkv, D
@@ -407,7 +412,8 @@ class SelectiveAnswer:
             return
         started = time.perf_counter()
         if c.selection == "keys":
-            scores = m.key_scores(self.store, layer_index, self.eligible, q)
+            middle = (self.sinks + self.window_position) // 2  # of the selected region
+            scores = m.key_scores(self.store, layer_index, self.eligible, q, self._length - middle)
         else:
             summaries = self._summaries[layer_index]
             if summaries is None:  # the store is read-only while answering
