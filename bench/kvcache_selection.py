@@ -1,0 +1,127 @@
+"""kvcache's selection against perfect selection, on pass keys (the default model, through the engine).
+
+Each pass-key document (`longdoc eval passkey`'s, one per depth) is fed once into a kvcache
+session; the question is then asked under each answering config (swapped on the session's
+selective model: selection, reselect_every) and, with `forced`, once more with the needle's segment
+forced into every layer's and head's picks at every selection. Every config sees the same
+documents and keys, so a miss that the forced row shares is the model's reading, not selection.
+
+Prints, per config: pass keys answered, and the mean number of layers (of the model's) whose
+prompt pass picked the needle's segment (a needle in the local window counts 0).
+
+    .venv/bin/python -m bench.kvcache_selection --length 8192 --configs '{}' '{"selection": "keys", "reselect_every": 1}' --forced '{"selection": "keys"}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import random
+from collections.abc import Iterator
+from typing import Any, cast
+
+import torch
+
+from engine.engine import Engine
+from engine.interface import GenerationParams, Retrieval, RetrievedItem, TokenDelta
+from engine.memories.kvcache import KVCacheMemory
+from engine.models import kv_select
+from research.training.corpus import fetch, split
+from research.training.evaluate import PASSKEY_QUESTION, EvalSetup, markdown, passkey_document, run_with_engine
+
+DEPTHS = (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95)
+
+
+@contextlib.contextmanager
+def forced(segment: int) -> Iterator[None]:
+    """Every selection picks `segment` first: its score is +inf whatever the scoring."""
+    real = kv_select.pick_segments
+
+    def pick(scores: torch.Tensor, eligible: int, top_k: int, neighbours: int) -> list[list[int]]:
+        if segment < eligible:
+            scores = scores.clone()
+            scores[:, segment] = float("inf")
+        return real(scores, eligible, top_k, neighbours)
+
+    kv_select.pick_segments = pick
+    try:
+        yield
+    finally:
+        kv_select.pick_segments = real
+
+
+async def ask(engine: Engine, session_id: str) -> tuple[str, tuple[RetrievedItem, ...]]:
+    parts: list[str] = []
+    items: tuple[RetrievedItem, ...] = ()
+    async for event in await engine.ask(session_id, PASSKEY_QUESTION, GenerationParams(max_tokens=16)):
+        if isinstance(event, TokenDelta):
+            parts.append(event.text)
+        elif isinstance(event, Retrieval):
+            items = event.items
+    return "".join(parts), items
+
+
+def needle_layers(items: tuple[RetrievedItem, ...], at: int) -> int:
+    return max((item.layers or 0 for item in items if item.char_start <= at < item.char_end), default=0)
+
+
+def run(length: int, depths: tuple[float, ...], configs: list[dict[str, Any]], forced_config: dict[str, Any] | None) -> list[dict[str, Any]]:
+    runs = [(json.dumps(c), c, False) for c in configs]
+    if forced_config is not None:
+        runs.append((f"forced {json.dumps(forced_config)}", forced_config, True))
+    tally: dict[str, list[tuple[bool, int]]] = {name: [] for name, _, _ in runs}
+
+    async def body(engine: Engine) -> None:
+        _, held_out = split(fetch(EvalSetup().corpus_dir))
+        filler = next(p for p in held_out if p.name.startswith("kjv-")).read_text()
+        tokenizer, rng = engine.tokenizer(), random.Random(0)
+        for depth in depths:
+            key = str(rng.randrange(10_000, 100_000))
+            document = passkey_document(filler, length, depth, key, tokenizer)
+            at = document.index(f"The pass key is {key}") + len("The pass key is ")  # the key's digits
+            session = engine.create_session(None, "kvcache", {})
+            async for _ in await engine.ingest(session.id, document, "eval"):
+                pass
+            memory = cast(KVCacheMemory, engine.sessions.use(session.id).memory)
+            selective, base = memory.selective, memory.selective.config
+            lead = memory.store.tokens - len(tokenizer(document, add_special_tokens=False)["input_ids"])  # the template's start
+            position = lead + len(tokenizer(document[:at], add_special_tokens=False)["input_ids"])
+            segment = (position - base.sinks) // base.segment_len
+            for name, change, force in runs:
+                selective.config = dataclasses.replace(base, **change)
+                with forced(segment) if force else contextlib.nullcontext():
+                    answer, items = await ask(engine, session.id)
+                tally[name].append((key in answer, needle_layers(items, at)))
+                print(f"depth {depth} {name}: {key in answer} layers {tally[name][-1][1]} {answer!r}", flush=True)
+            selective.config = base
+            engine.delete_session(session.id)
+
+    run_with_engine(EvalSetup(device="cpu"), length, body)
+    return [
+        {
+            "answering": name,
+            "length": length,
+            "correct": sum(ok for ok, _ in rows),
+            "trials": len(rows),
+            "needle's layers (mean)": round(sum(n for _, n in rows) / len(rows), 1),
+        }
+        for name, rows in tally.items()
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=8192, help="document tokens")
+    parser.add_argument("--configs", nargs="+", default=["{}"], help="answering options, JSON, one run each")
+    parser.add_argument("--depth", type=float, action="append", help=f"where the key is, 0..1 (default: {DEPTHS})")
+    parser.add_argument("--forced", default=None, help="options of the forced run, JSON (none: no forced run)")
+    args = parser.parse_args()
+    forced_config = json.loads(args.forced) if args.forced is not None else None
+    rows = run(args.length, tuple(args.depth or DEPTHS), [json.loads(c) for c in args.configs], forced_config)
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
