@@ -67,7 +67,9 @@ def needle_layers(items: tuple[RetrievedItem, ...], at: int) -> int:
     return max((item.layers or 0 for item in items if item.char_start <= at < item.char_end), default=0)
 
 
-def run(length: int, depths: tuple[float, ...], configs: list[dict[str, Any]], forced_config: dict[str, Any] | None) -> list[dict[str, Any]]:
+def run(
+    length: int, depths: tuple[float, ...], configs: list[dict[str, Any]], forced_config: dict[str, Any] | None
+) -> list[dict[str, Any]]:
     runs = [(json.dumps(c), c, False) for c in configs]
     if forced_config is not None:
         runs.append((f"forced {json.dumps(forced_config)}", forced_config, True))
