@@ -29,8 +29,9 @@ from engine.interface import GenerationParams, Retrieval, RetrievedItem, TokenDe
 from engine.memories.kvcache import KVCacheMemory
 from engine.models import kv_select
 from research.training.corpus import fetch, split
-from research.training.evaluate import PASSKEY_QUESTION, EvalSetup, markdown, passkey_document, run_with_engine
+from research.training.evaluate import PASSKEY_QUESTION, EvalSetup, holding_key, markdown, passkey_document, run_with_engine
 
+ANSWERING = {"selection", "reselect_every", "query_pool"}  # options that leave the fed store's layout alone
 DEPTHS = (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95)
 
 
@@ -55,7 +56,7 @@ def forced(segment: int) -> Iterator[None]:
 async def ask(engine: Engine, session_id: str) -> tuple[str, tuple[RetrievedItem, ...]]:
     parts: list[str] = []
     items: tuple[RetrievedItem, ...] = ()
-    async for event in await engine.ask(session_id, PASSKEY_QUESTION, GenerationParams(max_tokens=16)):
+    async for event in await engine.ask(session_id, PASSKEY_QUESTION, GenerationParams(max_tokens=24)):
         if isinstance(event, TokenDelta):
             parts.append(event.text)
         elif isinstance(event, Retrieval):
@@ -63,13 +64,17 @@ async def ask(engine: Engine, session_id: str) -> tuple[str, tuple[RetrievedItem
     return "".join(parts), items
 
 
-def needle_layers(items: tuple[RetrievedItem, ...], at: int) -> int:
-    return max((item.layers or 0 for item in items if item.char_start <= at < item.char_end), default=0)
+def needle_layers(items: tuple[RetrievedItem, ...], document: str, key: str) -> int:
+    """In how many layers the prompt pass picked a segment holding the key (as `eval passkey` counts)."""
+    return max((item.layers or 0 for item in holding_key(items, document, key)), default=0)
 
 
 def run(
     length: int, depths: tuple[float, ...], configs: list[dict[str, Any]], forced_config: dict[str, Any] | None
 ) -> list[dict[str, Any]]:
+    for config in [*configs, forced_config or {}]:
+        if set(config) - ANSWERING:
+            raise SystemExit(f"only answering options can change on a fed session: {sorted(ANSWERING)}")
     runs = [(json.dumps(c), c, False) for c in configs]
     if forced_config is not None:
         runs.append((f"forced {json.dumps(forced_config)}", forced_config, True))
@@ -88,14 +93,14 @@ def run(
                 pass
             memory = cast(KVCacheMemory, engine.sessions.use(session.id).memory)
             selective, base = memory.selective, memory.selective.config
-            lead = memory.store.tokens - len(tokenizer(document, add_special_tokens=False)["input_ids"])  # the template's start
-            position = lead + len(tokenizer(document[:at], add_special_tokens=False)["input_ids"])
-            segment = (position - base.sinks) // base.segment_len
+            row = memory.token_at(0, at)
+            assert row is not None, "the key's digits were fed"
+            segment = (row - base.sinks) // base.segment_len if row >= base.sinks else None  # None: a sink, always attended
             for name, change, force in runs:
                 selective.config = dataclasses.replace(base, **change)
-                with forced(segment) if force else contextlib.nullcontext():
+                with forced(segment) if force and segment is not None else contextlib.nullcontext():
                     answer, items = await ask(engine, session.id)
-                tally[name].append((key in answer, needle_layers(items, at)))
+                tally[name].append((key in answer, needle_layers(items, document, key)))
                 print(f"depth {depth} {name}: {key in answer} layers {tally[name][-1][1]} {answer!r}", flush=True)
             selective.config = base
             engine.delete_session(session.id)

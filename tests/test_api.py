@@ -6,6 +6,9 @@ import json
 
 import pytest
 
+from engine.interface import GenerationParams
+from server.routes.ask import generation_params
+from server.schemas import AskRequest, ChatCompletionRequest
 from tests.helpers import TEXT, events_of, make_tiny_llama, new_session
 
 
@@ -191,3 +194,28 @@ def test_a_memory_that_cannot_keep_the_whole_document_says_so(client):
     whole = new_session(client, memory="text")
     assert client.post(f"/v1/sessions/{whole}/documents", json={"text": TEXT}).json()["warning"] is None
     assert client.get(f"/v1/sessions/{whole}/cache").json()["dropped_tokens"] == 0
+
+
+def test_both_routes_hand_the_engine_the_same_sampling_fields():
+    fields = {
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "seed": 3,
+        "stop": "x",
+        "no_repeat_ngram_size": 0,
+        "repetition_penalty": 1.2,
+        "ignore_eos": True,
+    }
+    ask = generation_params(AskRequest.model_validate({"question": "q", **fields}), 7)
+    chat = generation_params(ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "q"}], **fields}), 7)
+    expected = GenerationParams(
+        max_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        seed=3,
+        stop=("x",),
+        no_repeat_ngram_size=0,
+        repetition_penalty=1.2,
+        ignore_eos=True,
+    )
+    assert ask == chat == expected

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import FIXTURES, assert_error, fail_on_third_segment, new_session
+from tests.helpers import FIXTURES, assert_error, fail_on_third_segment, new_session, session_of
 
 TEXT = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")[:6000]
 SMALL = {"segment_len": 16, "top_k": 2, "neighbours": 3, "window": 64, "sinks": 8, "query_chunk": 16}
@@ -82,3 +82,18 @@ def test_an_empty_session_answers_from_the_question_alone(client):
     assert answer["retrieval"] == {"memory": "kvcache", "items": [], "seconds": 0.0}
     assert answer["usage"]["completion_tokens"] >= 1
     assert client.get(f"/v1/sessions/{session}/cache").json()["entries"] == 0
+
+
+def test_token_at_inverts_the_offsets_the_retrieval_items_carry(client):
+    session = new_session(client, memory="kvcache", options=SMALL)
+    client.post(f"/v1/sessions/{session}/documents", json={"text": TEXT})
+    client.post(f"/v1/sessions/{session}/documents", json={"text": "A second document."})
+    items = client.post(f"/v1/sessions/{session}/ask", json=QUESTION).json()["retrieval"]["items"]
+    memory = session_of(client, session).memory
+    sinks, length = SMALL["sinks"], SMALL["segment_len"]
+    for item in items:  # a segment's first and last characters lie in its own rows
+        for char in (item["char_start"], item["char_end"] - 1):
+            row = memory.token_at(0, char)
+            assert row is not None and (row - sinks) // length == item["chunk_id"]
+    assert memory.token_at(1, 0) > memory.token_at(0, len(TEXT) - 1)  # the second document comes after
+    assert memory.token_at(0, len(TEXT)) is None and memory.token_at(2, 0) is None

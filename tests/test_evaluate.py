@@ -55,7 +55,7 @@ def test_passkey_counts_the_answers_whose_sources_hold_the_key(tiny_dir, tmp_pat
     memories = (("kvcache", every_segment), "truncate", ("truncate", {"window_tokens": 16}))
     rows = passkey(setup, memories=memories, lengths=(300,), depths=(0.5,))
     assert [row["key in sources"] for row in rows] == [1, 1, 0]  # a 16-token window keeps the end, not the key
-    assert [row["key's layers"] for row in rows] == [2, "-", "-"]  # the tiny model's two layers both select it
+    assert [row["key's layers"] for row in rows] == ["2.0", "-", "-"]  # the tiny model's two layers both select it
 
 
 def test_closed_gate_perplexity_equals_the_window_baseline(tiny_dir, tmp_path):

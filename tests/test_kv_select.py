@@ -184,6 +184,31 @@ def test_key_scores_are_each_segments_best_logit_with_its_keys_placed_before_the
     assert not torch.allclose(selective.key_scores(store, 0, 10, q, 0), expected)  # where the keys sit matters
 
 
+def test_key_selection_places_the_keys_in_the_middle_of_the_selected_region(monkeypatch):
+    """Every selection while answering (prompt chunks and reselecting decode steps) scores the keys
+    as sitting in the middle of the selected region: `distance` from the first query row there."""
+    config = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=16, sinks=4, query_chunk=4, selection="keys")
+    selective, store, _ = fed(tiny_model(), config, random_ids(120), chunk=24)
+    answer = SelectiveAnswer(selective, store, 10)
+    seen: list[tuple[int, int]] = []  # (distance, the first row's position)
+    real = selective.key_scores
+
+    def spy(store, layer_index, eligible, q, distance):
+        seen.append((distance, answer.length))
+        return real(store, layer_index, eligible, q, distance)
+
+    monkeypatch.setattr(selective, "key_scores", spy)
+    prompt, steps = random_ids(8, seed=2), random_ids(2, seed=3)
+    answer.forward(prompt)
+    for token in steps:
+        answer.forward([token])
+    middle = (answer.sinks + answer.window_position) // 2
+    layers = len(selective.layers)
+    assert len(seen) == layers * (2 + 1)  # two prompt chunks and the first decode step (reselect_every 8)
+    assert all(distance == first_row - middle for distance, first_row in seen)
+    assert sorted({first_row for _, first_row in seen}) == [answer.length - 10, answer.length - 6, answer.length - 2]
+
+
 @pytest.mark.parametrize("storage", ["bfloat16", "int8"])
 def test_compact_storage_stays_close(storage):
     model = tiny_model()

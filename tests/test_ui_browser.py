@@ -207,17 +207,19 @@ def ignore_eos(route: Route) -> None:
 
 def test_stop_ends_the_generation_on_the_server(page, server):
     page.route("**/ask", ignore_eos)  # the model's own answer may end within a second
-    ask(page, "Retell the whole book in great detail, chapter by chapter.", 1000)
-    expect(page.locator("#answer")).not_to_be_empty(timeout=LONG)
-    assert server.metric("longdoc_queue_depth") == 1  # the answer is being generated
-    page.click("#stop")
-    expect(page.locator("#answer-status")).to_have_text("Stopped.")
-    stopped = time.monotonic()
-    # 1000 tokens take about 20 s on this model on 2 cores; a stopped answer frees the worker at once
-    while server.metric("longdoc_queue_depth") != 0:
-        assert time.monotonic() - stopped < 3, "the server went on generating after Stop"
-        time.sleep(0.2)
-    page.unroute("**/ask", ignore_eos)
+    try:
+        ask(page, "Retell the whole book in great detail, chapter by chapter.", 1000)
+        expect(page.locator("#answer")).not_to_be_empty(timeout=LONG)
+        assert server.metric("longdoc_queue_depth") == 1  # the answer is being generated
+        page.click("#stop")
+        expect(page.locator("#answer-status")).to_have_text("Stopped.")
+        stopped = time.monotonic()
+        # 1000 tokens take about 20 s on this model on 2 cores; a stopped answer frees the worker at once
+        while server.metric("longdoc_queue_depth") != 0:
+            assert time.monotonic() - stopped < 10, "the server went on generating after Stop"
+            time.sleep(0.2)
+    finally:
+        page.unroute("**/ask", ignore_eos)  # the module's later questions end as the model ends them
     page.screenshot(path=ARTIFACTS / "3-stopped.png")
     expect(page.locator("#ask")).to_be_enabled()
 

@@ -148,6 +148,14 @@ class KVCacheMemory(Memory):
             self._token_doc, self._token_spans = self._staged["arrays"]
         self._staged = None
 
+    def token_at(self, document: int, char: int) -> int | None:
+        """The store row of the token holding character `char` of the `document`-th document fed
+        (the inverse of the retrieval items' offsets), or None."""
+        rows = np.flatnonzero(
+            (self._token_doc == document) & (self._token_spans[:, 0] <= char) & (char < self._token_spans[:, 1])
+        )
+        return int(rows[0]) if len(rows) else None
+
     # ---- answering -----------------------------------------------------------------------------
 
     def retrieve(self, query: str, max_tokens: int) -> list[ContextPiece]:

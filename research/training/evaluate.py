@@ -144,7 +144,7 @@ async def _answers(
         engine.delete_session(session.id)
 
 
-def _holding(sources: tuple[RetrievedItem, ...], document: str, key: str) -> list[RetrievedItem]:
+def holding_key(sources: tuple[RetrievedItem, ...], document: str, key: str) -> list[RetrievedItem]:
     """The passages the retrieval event named that hold part of the key's digits, where the needle
     states them (for kvcache: selected segments; the local window is never named)."""
     starts = [document.index(f"The pass key is {key}") + len("The pass key is "), document.index(f"{key} is the pass key")]
@@ -220,14 +220,15 @@ def passkey(
         for run in memories:
             memory, options = (run, {}) if isinstance(run, str) else run
             for length in lengths:
-                hits, sourced, missed, layers = 0, 0, [], []
+                hits, sourced, named, missed, layers = 0, 0, False, [], []
                 for depth in depths:
                     key = str(rng.randrange(10_000, 100_000))
                     document = passkey_document(filler, length, depth, key, tokenizer)
                     answer, sources = (await _answers(engine, memory, document, [PASSKEY_QUESTION], capacity, options))[0]
                     hits += key in answer
-                    holding = _holding(sources, document, key)
+                    holding = holding_key(sources, document, key)
                     sourced += bool(holding)
+                    named = named or bool(sources)
                     layers.append(max((item.layers or 0 for item in holding), default=0))
                     if key not in answer:
                         missed.append(f"depth {depth}: key {key}, answered {_gist(answer)!r}")
@@ -236,9 +237,9 @@ def passkey(
                         "memory": f"{memory} {json.dumps(options)}" if options else memory,
                         "length": length,
                         "correct": hits,
-                        "key in sources": sourced,
+                        "key in sources": sourced if named else "-",  # neurocache names no passages
                         # kvcache: in how many layers the prompt pass selected the key's segment, mean over trials
-                        "key's layers": sum(layers) / len(layers) if memory == "kvcache" else "-",
+                        "key's layers": f"{sum(layers) / len(layers):.1f}" if memory == "kvcache" else "-",
                         "trials": len(depths),
                         "missed": "; ".join(missed) or "-",
                     }
