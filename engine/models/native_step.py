@@ -132,12 +132,17 @@ class NativeStep:
     """The C decode step over one model (see the module's docstring)."""
 
     def __init__(
-        self, lib: ctypes.CDLL, shape: CShape, layers: ctypes.Array[CLayer], head: CWeight, kept: list[torch.Tensor]
+        self,
+        lib: ctypes.CDLL,
+        shape: CShape,
+        layers: ctypes.Array[CLayer],
+        final_norm: torch.Tensor,
+        head: CWeight,
+        kept: list[torch.Tensor],
     ) -> None:
-        """`kept[0]`: the final norm's weight; `kept`: every tensor the C structures point to that
-        the model does not hold (float32 copies of a bfloat16 model's norms and biases)."""
-        self.lib, self.shape, self.layers, self.head, self.kept = lib, shape, layers, head, kept
-        self.final_norm = kept[0]
+        """`kept`: every tensor the C structures point to, held here for as long as they do (some
+        are float32 copies the model does not hold: a bfloat16 model's norms and biases)."""
+        self.lib, self.shape, self.layers, self.final_norm, self.head, self.kept = lib, shape, layers, final_norm, head, kept
         lib.decode_step_scratch.restype = ctypes.c_long
         lib.decode_step_scratch.argtypes = [ctypes.POINTER(CShape), ctypes.c_long, ctypes.c_long]
         lib.decode_step.restype = None
@@ -189,7 +194,7 @@ class NativeStep:
             return None
         if not _shapes_fit(shape, built, head):
             return None
-        return cls(lib, shape, (CLayer * len(built))(*built), head, [*norm_weights, *kept])
+        return cls(lib, shape, (CLayer * len(built))(*built), final[0], head, [*norm_weights, *kept])
 
     def __call__(
         self,
