@@ -25,11 +25,19 @@ from typing import Any, cast
 import torch
 
 from engine.engine import Engine
-from engine.interface import GenerationParams, Retrieval, RetrievedItem, TokenDelta
+from engine.interface import RetrievedItem
 from engine.memories.kvcache import KVCacheMemory
 from engine.models import kv_select
 from research.training.corpus import fetch, split
-from research.training.evaluate import PASSKEY_QUESTION, EvalSetup, holding_key, markdown, passkey_document, run_with_engine
+from research.training.evaluate import (
+    PASSKEY_QUESTION,
+    EvalSetup,
+    answer,
+    holding_key,
+    markdown,
+    passkey_document,
+    run_with_engine,
+)
 
 ANSWERING = {"selection", "reselect_every", "query_pool"}  # options that leave the fed store's layout alone
 DEPTHS = (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95)
@@ -51,17 +59,6 @@ def forced(segment: int) -> Iterator[None]:
         yield
     finally:
         kv_select.pick_segments = real
-
-
-async def ask(engine: Engine, session_id: str) -> tuple[str, tuple[RetrievedItem, ...]]:
-    parts: list[str] = []
-    items: tuple[RetrievedItem, ...] = ()
-    async for event in await engine.ask(session_id, PASSKEY_QUESTION, GenerationParams(max_tokens=24)):
-        if isinstance(event, TokenDelta):
-            parts.append(event.text)
-        elif isinstance(event, Retrieval):
-            items = event.items
-    return "".join(parts), items
 
 
 def needle_layers(items: tuple[RetrievedItem, ...], document: str, key: str) -> int:
@@ -99,9 +96,9 @@ def run(
             for name, change, force in runs:
                 selective.config = dataclasses.replace(base, **change)
                 with forced(segment) if force and segment is not None else contextlib.nullcontext():
-                    answer, items = await ask(engine, session.id)
-                tally[name].append((key in answer, needle_layers(items, document, key)))
-                print(f"depth {depth} {name}: {key in answer} layers {tally[name][-1][1]} {answer!r}", flush=True)
+                    text, items = await answer(engine, session.id, PASSKEY_QUESTION)
+                tally[name].append((key in text, needle_layers(items, document, key)))
+                print(f"depth {depth} {name}: {key in text} layers {tally[name][-1][1]} {text!r}", flush=True)
             selective.config = base
             engine.delete_session(session.id)
 

@@ -129,19 +129,21 @@ async def _answers(
     try:
         async for _ in await engine.ingest(session.id, document, "eval"):
             pass
-        answers = []
-        for question in questions:
-            parts: list[str] = []
-            sources: tuple[RetrievedItem, ...] = ()
-            async for event in await engine.ask(session.id, question, GenerationParams(max_tokens=24)):
-                if isinstance(event, TokenDelta):
-                    parts.append(event.text)
-                elif isinstance(event, Retrieval):
-                    sources = event.items
-            answers.append(("".join(parts), sources))
-        return answers
+        return [await answer(engine, session.id, question) for question in questions]
     finally:
         engine.delete_session(session.id)
+
+
+async def answer(engine: Engine, session_id: str, question: str) -> tuple[str, tuple[RetrievedItem, ...]]:
+    """A greedy answer of at most 24 tokens from the session, with the passages its retrieval event named."""
+    parts: list[str] = []
+    sources: tuple[RetrievedItem, ...] = ()
+    async for event in await engine.ask(session_id, question, GenerationParams(max_tokens=24)):
+        if isinstance(event, TokenDelta):
+            parts.append(event.text)
+        elif isinstance(event, Retrieval):
+            sources = event.items
+    return "".join(parts), sources
 
 
 def holding_key(sources: tuple[RetrievedItem, ...], document: str, key: str) -> list[RetrievedItem]:
