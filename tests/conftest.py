@@ -11,6 +11,7 @@ import torch
 from fastapi.testclient import TestClient
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engine.models import cpu_kernels
 from engine.models.loader import default_model_dir
 from engine.models.neurocache import CacheAttention, Neurocache, NeurocacheConfig
 from engine.models.neurocache_io import save_adapter
@@ -25,6 +26,18 @@ def _test_device() -> Iterator[None]:
         return
     with torch.device(TEST_DEVICE):
         yield
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def kernel_set(request):
+    """The matmuls' AVX2 versions, then their AVX-512 ones where the CPU has AVX-512."""
+    if cpu_kernels.library() is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    before = cpu_kernels.use_avx512()
+    if cpu_kernels.use_avx512(request.param == "avx512") != (request.param == "avx512"):
+        pytest.skip("no AVX-512 on this CPU")
+    yield request.param
+    cpu_kernels.use_avx512(before)
 
 
 @pytest.fixture(scope="session")

@@ -60,7 +60,7 @@ def feed(rows: list[Row], tokens: list[int]) -> None:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("mode", ["none", "bf16", "int8"])
-def test_steps_equal_the_model_over_each_whole_sequence(family, mode):
+def test_steps_equal_the_model_over_each_whole_sequence(family, mode, kernel_set):
     model = model_of(family)
     quantize_linears(model, mode)
     decoder = BatchDecoder(model)
@@ -168,7 +168,7 @@ def test_it_writes_the_keys_and_values_the_torch_step_writes(mode):
 
 
 @pytest.mark.parametrize("mode", ["none", "int8"])
-def test_a_row_gets_the_same_logits_in_any_company_without_padding(mode):
+def test_a_row_gets_the_same_logits_in_any_company_without_padding(mode, kernel_set):
     model = model_of()
     quantize_linears(model, mode)
     decoder = BatchDecoder(model)

@@ -14,7 +14,8 @@ needs it (about a second), keyed by a hash of the sources, the compiler's name (
 and its flags; a built copy is loaded without a compiler. `longdoc serve --cache-dir` does not
 move it: the directory follows the environment (`kernel_dir`). Where it cannot be built or loaded
 (no compiler, a CPU without AVX2 and FMA, `LONGDOC_CPU_KERNELS=0`), `library()` returns None and
-the caller uses torch's kernels.
+the caller uses torch's kernels. On a CPU with AVX-512 the matmuls run their AVX-512 versions
+(chosen at run time, so one build serves both; `LONGDOC_CPU_AVX512=0` keeps the AVX2 ones).
 """
 
 from __future__ import annotations
@@ -87,7 +88,19 @@ def library() -> ctypes.CDLL | None:
     for kernel in (lib.int8_matmul, lib.bf16_matmul):
         kernel.argtypes = [pointer, size, size, pointer, pointer, size, pointer]
         kernel.restype = None
+    lib.matmul_avx512.argtypes, lib.matmul_avx512.restype = [size], size
+    lib.matmul_avx512(0 if os.environ.get("LONGDOC_CPU_AVX512", "1") == "0" else 1)
     return lib
+
+
+def use_avx512(wanted: bool | None = None) -> bool:
+    """Whether the matmuls run their AVX-512 versions (csrc/weight_only.c; the default where the CPU
+    has AVX-512 F/BW/VL, unless `LONGDOC_CPU_AVX512=0`): `wanted` True turns them on where the CPU
+    has them, False off (the AVX2 ones), None only asks."""
+    lib = library()
+    if lib is None:
+        return False
+    return bool(lib.matmul_avx512(-1 if wanted is None else int(wanted)))
 
 
 def usable(weight: torch.Tensor) -> bool:

@@ -60,6 +60,52 @@ static void rotate(float *x, const float *cos, const float *sin, long d) {
     }
 }
 
+/* e^x for 8 floats (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial for e^r,
+   2^n put in the exponent), within about 2 ulp; x is clamped to [-87.3, 88], where e^x stays a
+   normal float. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+}
+
+/* s[j] = e^(s[j] - top) for j < count; returns their sum. */
+static float exp_shifted(float *s, long count, float top) {
+    __m256 shift = _mm256_set1_ps(top), sums = _mm256_setzero_ps();
+    long j = 0;
+    for (; j + 8 <= count; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift));
+        _mm256_storeu_ps(s + j, e);
+        sums = _mm256_add_ps(sums, e);
+    }
+    float total = sum8(sums), tail[8] = {0};
+    if (j < count) {
+        for (long i = j; i < count; i++) tail[i - j] = s[i];
+        _mm256_storeu_ps(tail, exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), shift)));
+        for (long i = j; i < count; i++) total += (s[i] = tail[i - j]);
+    }
+    return total;
+}
+
+/* act [n] = silu(gate) * up, n a multiple of 8. */
+static void silu_times(const float *gate, const float *up, long n, float *act) {
+    for (long i = 0; i < n; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        _mm256_storeu_ps(act + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+    }
+}
+
 static inline float dot(const float *a, const float *b, long d) {
     __m256 s0 = _mm256_setzero_ps(), s1 = s0;
     for (long i = 0; i < d; i += 16) {
@@ -73,19 +119,25 @@ static inline float dot(const float *a, const float *b, long d) {
    softmax, the weighted sum of the values into out [group, head_dim]. scores: [group, length + 1]. */
 static void attend(const float *q, const float *keys, const float *values, long length, long group, long d,
                    float scaling, float *scores, float *out) {
-    long count = length + 1;
-    for (long j = 0; j < count; j++)
+    long count = length + 1, ahead = 8 * d; /* keys and values are read ahead, 8 positions on */
+    for (long j = 0; j < count; j++) {
+        for (long i = 0; i < d; i += 16) _mm_prefetch((const char *)(keys + j * d + ahead + i), _MM_HINT_T0);
         for (long g = 0; g < group; g++) scores[g * count + j] = dot(q + g * d, keys + j * d, d) * scaling;
+    }
     for (long g = 0; g < group; g++) {
-        float *s = scores + g * count, top = s[0], total = 0.0f;
+        float *s = scores + g * count, top = s[0];
         for (long j = 1; j < count; j++) top = s[j] > top ? s[j] : top;
-        for (long j = 0; j < count; j++) total += (s[j] = expf(s[j] - top));
-        float inverse = 1.0f / total, *o = out + g * d;
-        for (long i = 0; i < d; i++) o[i] = 0.0f;
-        for (long j = 0; j < count; j++) {
-            __m256 p = _mm256_set1_ps(s[j] * inverse);
-            for (long i = 0; i < d; i += 8)
-                _mm256_storeu_ps(o + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(values + j * d + i), _mm256_loadu_ps(o + i)));
+        float inverse = 1.0f / exp_shifted(s, count, top);
+        for (long j = 0; j < count; j++) s[j] *= inverse;
+    }
+    for (long i = 0; i < group * d; i++) out[i] = 0.0f;
+    for (long j = 0; j < count; j++) { /* each value read once, for every query head of the group */
+        const float *v = values + j * d;
+        for (long i = 0; i < d; i += 16) _mm_prefetch((const char *)(v + ahead + i), _MM_HINT_T0);
+        for (long g = 0; g < group; g++) {
+            __m256 p = _mm256_set1_ps(scores[g * count + j]);
+            float *o = out + g * d;
+            for (long i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
         }
     }
 }
@@ -130,11 +182,12 @@ void decode_step(const Shape *s, const Layer *layers, const float *final_norm, c
         for (long i = 0; i < rows * s->hidden; i++) hidden[i] += delta[i];
         for (long r = 0; r < rows; r++) rms_norm(hidden + r * s->hidden, layer->post_norm, s->hidden, s->eps, x + r * s->hidden);
         weight_matmul(&layer->gate_up, x, rows, gate_up);
-        for (long r = 0; r < rows; r++)
-            for (long i = 0; i < s->intermediate; i++) {
-                float g = gate_up[r * 2 * s->intermediate + i], u = gate_up[r * 2 * s->intermediate + s->intermediate + i];
-                act[r * s->intermediate + i] = g / (1.0f + expf(-g)) * u;
-            }
+        long slices = s->intermediate / 32;  /* the MLP's width is a multiple of 32 (the down matmul's input) */
+#pragma omp parallel for schedule(static)
+        for (long at = 0; at < rows * slices; at++) {
+            const float *gate = gate_up + (at / slices) * 2 * s->intermediate + (at % slices) * 32;
+            silu_times(gate, gate + s->intermediate, 32, act + (at / slices) * s->intermediate + (at % slices) * 32);
+        }
         weight_matmul(&layer->down, act, rows, delta);
         for (long i = 0; i < rows * s->hidden; i++) hidden[i] += delta[i];
     }

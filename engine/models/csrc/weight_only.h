@@ -26,5 +26,8 @@ typedef struct {
 void int8_matmul(const float *x, long rows, long k, const int8_t *w, const float *scale, long n, float *out);
 void bf16_matmul(const float *x, long rows, long k, const uint16_t *w, const float *scale, long n, float *out);
 void f32_matmul(const float *x, long rows, long k, const float *w, const float *scale, long n, float *out);
+/* Whether the matmuls run their AVX-512 kernels: `wanted` 1 where the CPU has AVX-512 (the default),
+   0 never (the AVX2 ones), -1 only asks. Returns the choice. */
+long matmul_avx512(long wanted);
 /* out [rows, w->out] = x [rows, w->in] times the weight transposed, plus the bias */
 void weight_matmul(const Weight *w, const float *x, long rows, float *out);
