@@ -343,11 +343,20 @@ class Batcher:
             row.cancelled = True
 
     async def _run(self) -> None:
+        """Tick while there is work. The next tick is queued before this one's events are handed
+        out, so the compute thread steps again while the event loop streams them."""
         try:
-            while self._rows or self._waiting or self._prefilling is not None:
-                for row, events in await self._worker.run(self._tick):
+            ticking = self._worker.start(self._tick)
+            while True:
+                done = await ticking
+                busy = bool(self._rows or self._waiting or self._prefilling is not None)
+                if busy:
+                    ticking = self._worker.start(self._tick)
+                for row, events in done:
                     for event in events:
                         row.events.put_nowait(event)
+                if not busy:
+                    return
         except BaseException as exc:  # shutdown, or a fault of the scheduler itself: no row waits forever
             failure = exc if isinstance(exc, Exception) else RuntimeError("the model worker stopped")
             prefilling = [] if self._prefilling is None else [self._prefilling]

@@ -125,16 +125,24 @@ class SerialWorker:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run one blocking call on the compute thread, after the calls queued before it."""
+        return await self.start(fn, *args)
+
+    def start(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Queue one blocking call for the compute thread now (it may start before the caller next
+        awaits); its result, to await on the event loop."""
         if self._stopped:
             raise RuntimeError(f"worker {self.name!r} has stopped")
-        return await self._submit(fn, *args)
+        return self._queue(fn, *args)
 
-    async def _submit(self, fn: Callable[..., T], *args: Any, cancellable: bool = True) -> T:
+    def _queue(self, fn: Callable[..., T], *args: Any, cancellable: bool = True) -> asyncio.Future[T]:
         job = self._executor.submit(fn, *args)
         if cancellable:  # `shutdown` may drop it while it waits
             self._pending.add(job)
             job.add_done_callback(self._pending.discard)
-        return await asyncio.wrap_future(job)
+        return asyncio.wrap_future(job)
+
+    async def _submit(self, fn: Callable[..., T], *args: Any, cancellable: bool = True) -> T:
+        return await self._queue(fn, *args, cancellable=cancellable)
 
     async def iterate(self, steps: Iterator[T]) -> AsyncGenerator[T, None]:
         """Drive a blocking generator step by step on the worker thread; closing stops it."""
