@@ -28,10 +28,10 @@ CONTEXT = 512
 REPEATS = 24
 
 
-def filled_rows(decoder: BatchDecoder, tokenizer, count: int) -> list[Row]:
+def filled_rows(decoder: BatchDecoder, tokenizer, count: int, context: int = CONTEXT) -> list[Row]:
     rows = []
     for i in range(count):
-        row = Row(list(range(100 + i, 100 + i + CONTEXT)), GenerationParams(max_tokens=2 * REPEATS + 8))
+        row = Row(list(range(100 + i, 100 + i + context)), GenerationParams(max_tokens=2 * REPEATS + 8))
         row.state = AnswerState(tokenizer, row.prompt_ids, row.params, StopTokens(frozenset()))
         decoder.prefill(row)
         row.state.next_token = 42
