@@ -350,11 +350,13 @@ class Batcher:
             while True:
                 done = await ticking
                 busy = bool(self._rows or self._waiting or self._prefilling is not None)
-                if busy:
-                    ticking = self._worker.start(self._tick)
-                for row, events in done:
-                    for event in events:
-                        row.events.put_nowait(event)
+                try:
+                    if busy:
+                        ticking = self._worker.start(self._tick)
+                finally:  # a stopped worker fails the rows left below; those this tick ended get their events
+                    for row, events in done:
+                        for event in events:
+                            row.events.put_nowait(event)
                 if not busy:
                     return
         except BaseException as exc:  # shutdown, or a fault of the scheduler itself: no row waits forever

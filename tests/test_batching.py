@@ -271,6 +271,35 @@ def test_a_failing_forward_ends_its_rows_and_a_scheduler_fault_hangs_no_one(tiny
     assert batcher._rows == [] and not batcher._waiting  # nothing kept: no keys or values leak
 
 
+def test_an_answer_that_ends_as_the_worker_stops_still_gets_its_end(tiny_tokenizer, monkeypatch):
+    """The next step is queued before a step's events are handed out; if the worker has stopped by
+    then, the answers that step ended still get their events, and the ones left get the error."""
+    model = tiny("llama", len(tiny_tokenizer))
+    (p1, _), (p2, params2) = requests(len(tiny_tokenizer))[:2]
+    batcher = batcher_for(model, tiny_tokenizer)
+    start = batcher._worker.start
+    calls = []
+
+    def stopping(fn, *args):  # the worker stops while the first step runs
+        calls.append(fn)
+        if len(calls) == 2:
+            raise RuntimeError("worker 'test' has stopped")
+        return start(fn, *args)
+
+    monkeypatch.setattr(batcher._worker, "start", stopping)
+
+    async def run():
+        one_token = GenerationParams(max_tokens=1, temperature=0.0)  # ends in the first step
+        return await asyncio.wait_for(
+            asyncio.gather(collect(batcher, p1, one_token), collect(batcher, p2, params2), return_exceptions=True), 60
+        )
+
+    ended, stopped = asyncio.run(run())
+    assert ended[1].finish_reason == "length" and ended[1].completion_tokens == 1
+    assert isinstance(stopped, RuntimeError) and "stopped" in str(stopped)
+    assert len(calls) == 2
+
+
 def prefilled_rows(decoder: BatchDecoder, lengths: list[int]) -> list[Row]:
     """A row per length, its prompt drawn from a seed of that length, prefilled."""
     made = []

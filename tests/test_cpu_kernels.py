@@ -86,6 +86,20 @@ def test_a_row_gets_the_same_bits_in_any_company(mode, kernel_set):
     assert torch.equal(product(layer, x.flip(0)), alone.flip(0))
 
 
+def test_the_avx512_kernels_run_where_asked(kernel_set):
+    """Both sets give the product; they sum in different orders, so their bits differ somewhere:
+    proof that turning AVX-512 on or off changes which kernels run."""
+    layer = stored("bf16", out_features=256, in_features=1536)
+    x = torch.randn(4, 1536, generator=torch.Generator().manual_seed(3))
+    mine = product(layer, x)
+    cpu_kernels.use_avx512(kernel_set == "avx2")
+    if cpu_kernels.use_avx512() != (kernel_set == "avx2"):
+        pytest.skip("no AVX-512 on this CPU")
+    other = product(layer, x)
+    torch.testing.assert_close(mine, other, rtol=1e-5, atol=1e-4)
+    assert not torch.equal(mine, other)
+
+
 @pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")
 def test_a_layer_uses_them_for_decode_rows_only(monkeypatch):
     layer = stored("int8")

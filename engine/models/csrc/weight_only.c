@@ -2,8 +2,9 @@
 
    out[r, n] = sum_k x[r, k] * w[n, k]  (times scale[n] for int8), for a few rows r of float32
    activations against bfloat16, int8 or float32 weights [n, k], k a multiple of 32. A decode step is
-   bound by reading the weights: each weight row is read from memory once and converted to
-   float32 in registers (once for each pair of activation rows), and the output rows are
+   bound by reading the weights: each weight row is read from memory once (asked for ahead of use)
+   and converted to float32 in registers (AVX2: once for each pair of activation rows; AVX-512:
+   once for up to 4), and the output rows are
    shared among OpenMP's threads (the team torch's kernels use). Every output is summed in one
    fixed order whatever the number of rows, so a row's result never depends on its company. */
 
@@ -94,21 +95,20 @@ MATMUL(f32_matmul_avx2, float, dot_f32, AS_IS)
    1 rows against 2 weight rows, so each weight is converted once for up to 4 rows and each input
    loaded once for 2 outputs (the AVX2 kernel converts it once for each pair of rows: at 8 rows
    its step is bound by that work, not by the read). A row's sums are the same in any block. */
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl")
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl"))) /* a function attribute: gcc and clang both take it */
 
-static inline __m512 int8_to_float16(const int8_t *w) {
+AVX512 static inline __m512 int8_to_float16(const int8_t *w) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
 }
 
-static inline __m512 bf16_to_float16(const uint16_t *w) {
+AVX512 static inline __m512 bf16_to_float16(const uint16_t *w) {
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
 /* ROWS rows of x (k apart) against weight rows a and b: out[r] and out[ROWS + r]. */
 #define BLOCK(name, type, convert, ROWS)                                                     \
-    static inline void name##_##ROWS(const float *x, long k, const type *a, const type *b, const type *next, float *out) { \
+    AVX512 static inline void name##_##ROWS(const float *x, long k, const type *a, const type *b, const type *next, float *out) { \
         __m512 sa[ROWS][2], sb[ROWS][2];                                                    \
         for (int r = 0; r < ROWS; r++) sa[r][0] = sa[r][1] = sb[r][0] = sb[r][1] = _mm512_setzero_ps(); \
         for (long i = 0; i < k; i += 32) {                                                  \
@@ -139,7 +139,7 @@ BLOCKS(block_f32, float, FLOATS16)
 /* Outputs in pairs shared among the threads (an odd last output paired with itself), rows 4, then
    2, then 1 at a time. */
 #define MATMUL512(name, type, block, scaled)                                                 \
-    static void name(const float *x, long rows, long k, const type *w, const float *scale, long n, float *out) { \
+    AVX512 static void name(const float *x, long rows, long k, const type *w, const float *scale, long n, float *out) { \
         _Pragma("omp parallel for schedule(static)")                                        \
         for (long pair = 0; pair < (n + 1) / 2; pair++) {                                   \
             long j = 2 * pair, second = j + 1 < n ? j + 1 : j;                              \
@@ -165,9 +165,8 @@ MATMUL512(int8_matmul_avx512, int8_t, block_int8, BY_SCALE_AT)
 MATMUL512(bf16_matmul_avx512, uint16_t, block_bf16, AS_IS_AT)
 MATMUL512(f32_matmul_avx512, float, block_f32, AS_IS_AT)
 
-#pragma GCC pop_options
-
-static long avx512 = -1; /* not yet decided */
+/* Set between steps (a step that saw it change would mix the two sets); -1: not yet decided. */
+static long avx512 = -1;
 
 long matmul_avx512(long wanted) {
     if (wanted >= 0 || avx512 < 0)
