@@ -141,9 +141,6 @@ class SerialWorker:
             job.add_done_callback(self._pending.discard)
         return asyncio.wrap_future(job)
 
-    async def _submit(self, fn: Callable[..., T], *args: Any, cancellable: bool = True) -> T:
-        return await self._queue(fn, *args, cancellable=cancellable)
-
     async def iterate(self, steps: Iterator[T]) -> AsyncGenerator[T, None]:
         """Drive a blocking generator step by step on the worker thread; closing stops it."""
         try:
@@ -155,7 +152,7 @@ class SerialWorker:
         finally:
             close = getattr(steps, "close", None)
             if close is not None:  # after the step in flight, on the same thread, also once stopped
-                await asyncio.shield(self._submit(close, cancellable=False))
+                await asyncio.shield(self._queue(close, cancellable=False))
 
     def shutdown(self) -> None:
         """Refuse new calls and cancel this worker's queued ones; a call already running finishes
