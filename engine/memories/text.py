@@ -27,6 +27,7 @@ from engine.errors import BudgetExceededError
 from engine.interface import CacheInfo, RetrievedItem
 from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment, parse_options
 from engine.memories.lexical import LexicalIndex
+from engine.memories.rerank import pass_bytes, question_likelihood
 
 _CHUNK_BYTES = 2 * 8 + 4 + 4  # a chunk's span (two int64), token count and document number (int32)
 
@@ -79,6 +80,7 @@ class TextOptions:
     rrf_k: int = 60
     max_chunks: int = 200_000
     focus_tokens: int = 0  # > 0: of the chosen chunks, only their best sentences, this many tokens; 0: whole chunks
+    rerank: int = 0  # > 0: the chunks are chosen from this many best fused ones, reordered by the reader
 
     def __post_init__(self) -> None:
         if not 16 <= self.chunk_tokens <= 512:
@@ -93,6 +95,8 @@ class TextOptions:
             raise ValueError("rrf_k must be between 1 and 1000")
         if self.max_chunks < 1:
             raise ValueError("max_chunks must be positive")
+        if self.rerank and not self.top_k <= self.rerank <= 64:
+            raise ValueError("rerank must be 0 (off) or between top_k and 64")
         if not 0 <= self.focus_tokens <= 32_768:
             raise ValueError("focus_tokens must be between 0 and 32768 (0: whole chunks)")
 
@@ -173,6 +177,9 @@ class TextMemory(Memory):
         if context.embedder is None:
             raise ValueError("text memory needs an embedder")
         self._embedder: Embedder = context.embedder
+        if self.options.rerank and context.model is None:
+            raise ValueError("rerank needs the served language model, which this model does not lend its memories")
+        self._model, self._tokenizer = context.model, context.tokenizer
         self._index = faiss.IndexFlatIP(self._embedder.dim)  # the chunks' vectors live here only
         self._lexical = LexicalIndex()
         self._chunks = _Chunks.empty()
@@ -321,7 +328,10 @@ class TextMemory(Memory):
         """Chunk -> fused score, best first, within `top_k` and the token budget."""
         chosen: dict[int, float] = {}
         budget = min(max_tokens, self.options.context_tokens)
-        for row, score in self._ranked(query, query_vector):
+        ranked = self._ranked(query, query_vector)
+        if self.options.rerank:
+            ranked = self._reranked(query, ranked[: self.options.rerank])
+        for row, score in ranked:
             if len(chosen) == self.options.top_k or budget < 1:
                 break
             if self._chunks.tokens[row] <= budget:
@@ -344,6 +354,16 @@ class TextMemory(Memory):
             rankings.append([r for r in order.tolist() if lexical[r] > 0])
         return self._fused(rankings)
 
+    def _reranked(self, query: str, ranked: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        """(chunk, the reader's mean log-probability of the question after it) best first, ties by chunk number."""
+        rows = [row for row, _ in ranked]
+        texts = [
+            self._documents[d][1][a:b]
+            for d, (a, b) in zip(self._chunks.documents[rows].tolist(), self._chunks.spans[rows].tolist(), strict=True)
+        ]
+        scores = question_likelihood(self._model, self._tokenizer, texts, query)
+        return sorted(zip(rows, scores, strict=True), key=lambda pair: (-pair[1], pair[0]))
+
     def _fused(self, rankings: list[list[int]]) -> list[tuple[int, float]]:
         """Reciprocal rank fusion: (item, sum of 1 / (rrf_k + rank)) best first, ties by item number."""
         fused: dict[int, float] = {}
@@ -364,6 +384,14 @@ class TextMemory(Memory):
         score = max(scores[row] for row in run)
         item = RetrievedItem(chunk_id=run[0], document_id=document_id, char_start=start, char_end=end, score=score)
         return ContextPiece(text[start:end], item)
+
+    def answer_bytes(self, overhead: int, max_tokens: int, context_len: int, kv_bytes_per_token: int) -> tuple[int, int]:
+        """The answer's, or, when larger, the reranking pass's (it ends before the answer starts)."""
+        kept, transient = super().answer_bytes(overhead, max_tokens, context_len, kv_bytes_per_token)
+        if self.options.rerank:
+            element = next(self._model.parameters()).element_size()
+            transient = max(transient, pass_bytes(self._model.config, self.options.chunk_tokens, self.options.rerank, element))
+        return kept, transient
 
     def stats(self) -> CacheInfo:
         return CacheInfo(
