@@ -27,7 +27,7 @@ from engine.errors import BudgetExceededError
 from engine.interface import CacheInfo, RetrievedItem
 from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment, parse_options
 from engine.memories.lexical import LexicalIndex
-from engine.memories.rerank import pass_bytes, question_likelihood
+from engine.memories.rerank import QUESTION_TOKENS, frame_tokens, pass_bytes, question_ids, question_likelihood
 
 _CHUNK_BYTES = 2 * 8 + 4 + 4  # a chunk's span (two int64), token count and document number (int32)
 
@@ -96,7 +96,7 @@ class TextOptions:
         if self.max_chunks < 1:
             raise ValueError("max_chunks must be positive")
         if self.rerank and not self.top_k <= self.rerank <= 64:
-            raise ValueError("rerank must be 0 (off) or between top_k and 64")
+            raise ValueError(f"rerank must be 0 (off) or between top_k ({self.top_k}) and 64")
         if not 0 <= self.focus_tokens <= 32_768:
             raise ValueError("focus_tokens must be between 0 and 32768 (0: whole chunks)")
 
@@ -355,7 +355,10 @@ class TextMemory(Memory):
         return self._fused(rankings)
 
     def _reranked(self, query: str, ranked: list[tuple[int, float]]) -> list[tuple[int, float]]:
-        """(chunk, the reader's mean log-probability of the question after it) best first, ties by chunk number."""
+        """(chunk, the reader's mean log-probability of the question after it) best first, ties by
+        chunk number; `ranked` as it is for a question of no tokens."""
+        if not question_ids(self._tokenizer, query):
+            return ranked
         rows = [row for row, _ in ranked]
         texts = [
             self._documents[d][1][a:b]
@@ -390,7 +393,8 @@ class TextMemory(Memory):
         kept, transient = super().answer_bytes(overhead, max_tokens, context_len, kv_bytes_per_token)
         if self.options.rerank:
             element = next(self._model.parameters()).element_size()
-            transient = max(transient, pass_bytes(self._model.config, self.options.chunk_tokens, self.options.rerank, element))
+            tokens = self.options.chunk_tokens + frame_tokens(self._tokenizer) + QUESTION_TOKENS
+            transient = max(transient, pass_bytes(self._model.config, tokens, self.options.rerank, element))
         return kept, transient
 
     def stats(self) -> CacheInfo:
