@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from engine.errors import InvalidRequestError
 from engine.memories import MemoryContext, build_memory
 from engine.memories.rerank import QUESTION_TOKENS, _pair, frame_tokens, pass_bytes, question_ids, question_likelihood
-from tests.helpers import filler
+from tests.helpers import TEXT, filler, new_session
 from tests.test_memories import FACT, RARE, ingest
 
 QUESTION = "What colour is the lighthouse that guards the secret harbour of Velmora?"
@@ -90,3 +90,15 @@ def test_an_answer_reserves_the_larger_of_its_cache_and_the_pass(tiny_model, tin
     assert pass_peak > 100  # the tiny model's cache at 1 byte a token is smaller
     assert plain.answer_bytes(10, 20, 100, 1) == (0, 100)
     assert reranking.answer_bytes(10, 20, 100, 1) == (0, pass_peak)
+
+
+def test_a_reranking_session_answers_over_http(make_client):
+    """The option through REST: one excerpt, scored by the reader; a bad value is a 400."""
+    client = make_client()
+    session_id = new_session(client, memory="text", options={"rerank": 4, "top_k": 1})
+    assert client.post(f"/v1/sessions/{session_id}/documents", json={"text": TEXT}).status_code == 201
+    body = client.post(f"/v1/sessions/{session_id}/ask", json={"question": "Who ran by the river?", "max_tokens": 4}).json()
+    items = body["retrieval"]["items"]
+    assert len(items) == 1 and items[0]["score"] < 0  # a mean log-probability, not a fused score
+    refused = client.post("/v1/sessions", json={"memory": "text", "options": {"rerank": 2, "top_k": 4}})
+    assert refused.status_code == 400 and "rerank" in refused.json()["error"]["message"]
