@@ -180,6 +180,9 @@ class TextMemory(Memory):
         if self.options.rerank and context.model is None:
             raise ValueError("rerank needs the served language model, which this model does not lend its memories")
         self._model, self._tokenizer = context.model, context.tokenizer
+        self._rerank_tokens = (
+            self.options.chunk_tokens + frame_tokens(self._tokenizer) + QUESTION_TOKENS if self.options.rerank else 0
+        )
         self._index = faiss.IndexFlatIP(self._embedder.dim)  # the chunks' vectors live here only
         self._lexical = LexicalIndex()
         self._chunks = _Chunks.empty()
@@ -393,8 +396,7 @@ class TextMemory(Memory):
         kept, transient = super().answer_bytes(overhead, max_tokens, context_len, kv_bytes_per_token)
         if self.options.rerank:
             element = next(self._model.parameters()).element_size()
-            tokens = self.options.chunk_tokens + frame_tokens(self._tokenizer) + QUESTION_TOKENS
-            transient = max(transient, pass_bytes(self._model.config, tokens, self.options.rerank, element))
+            transient = max(transient, pass_bytes(self._model.config, self._rerank_tokens, self.options.rerank, element))
         return kept, transient
 
     def stats(self) -> CacheInfo:
