@@ -378,15 +378,21 @@ def eval_qa(
         ),
     ] = ["oracle", "text", "truncate"],
     limit: Annotated[int | None, typer.Option(help="ask only the first N questions of each text")] = None,
+    dev: Annotated[
+        bool, typer.Option(help="the development questions (research/evals/qa_dev.jsonl), to choose settings on")
+    ] = False,
     device: str = "auto",
     quantize: QuantizeOption = "none",
     write: Annotated[Path | None, typer.Option(help="also write the table into this Markdown file (docs/benchmarks.md)")] = None,
 ) -> None:
     """The QA benchmark: 110 questions about five held-out texts, per memory, with the oracle row."""
-    from research.evals.qa import bench, section
+    from research.evals.qa import DEV_QUESTIONS, QUESTIONS, bench, section
 
+    if dev and write:
+        raise typer.BadParameter("--write records the held-out questions' table; a --dev run is only printed")
     runs = _memory_runs(memory)
-    rows = bench(_setup(model, adapter, device, quantize), runs, limit=limit)
+    questions = DEV_QUESTIONS if dev else QUESTIONS
+    rows = bench(_setup(model, adapter, device, quantize), runs, limit=limit, questions_path=questions)
     _echo_rows(rows)
     if write:
         from research.evals.docs import write_section

@@ -8,7 +8,7 @@ import pytest
 
 from engine.interface import RetrievedItem
 from research.evals import needles, texts
-from research.evals.qa import bench, is_correct, load_questions, overlaps, wilson
+from research.evals.qa import DEV_QUESTIONS, QUESTIONS, bench, is_correct, load_questions, overlaps, wilson
 from research.training.evaluate import EvalSetup
 from tests.helpers import CACHE_DIR
 
@@ -27,12 +27,13 @@ def test_wilson_interval():
     assert wilson(110, 110)[1] == 1.0
 
 
-def test_the_shipped_questions_are_well_formed():
-    rows = [
-        json.loads(line) for line in texts.Path(__file__).parents[1].joinpath("research/evals/qa.jsonl").read_text().splitlines()
-    ]
-    assert len(rows) >= 80 and len({r["id"] for r in rows}) == len(rows)
-    assert {r["text"] for r in rows} == {t.name for t in texts.TEXTS}
+@pytest.mark.parametrize(("path", "specs", "least"), [(QUESTIONS, texts.TEXTS, 80), (DEV_QUESTIONS, texts.DEV_TEXTS, 30)])
+def test_the_shipped_questions_are_well_formed(path, specs, least):
+    """The held-out questions and the development ones, each about its own texts only."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) >= least and len({r["id"] for r in rows}) == len(rows)
+    assert {r["text"] for r in rows} == {t.name for t in specs}
+    assert all(spec.dev == (specs is texts.DEV_TEXTS) for spec in specs)
     for r in rows:
         assert r["end"] - r["start"] == len(r["passage"]) and r["answers"]
         assert is_correct(r["passage"], r["answers"]), r["id"]  # the gold passage holds an accepted answer

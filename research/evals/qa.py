@@ -29,6 +29,7 @@ from research.evals import texts
 from research.training.evaluate import EvalSetup, run_with_engine
 
 QUESTIONS = Path(__file__).with_name("qa.jsonl")
+DEV_QUESTIONS = Path(__file__).with_name("qa_dev.jsonl")  # about texts.DEV_TEXTS: settings are chosen on these
 ORACLE = "oracle"
 ANSWER_TOKENS = 48
 
