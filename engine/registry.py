@@ -16,7 +16,7 @@ from engine.generation import StopTokens
 from engine.interface import ModelInfo
 from engine.memories import MEMORIES, MemoryContext
 from engine.models.loader import LoadedModel, load_model
-from engine.models.manifest import FALLBACK_MEMORY, default_memory_of
+from engine.models.manifest import FALLBACK_MEMORY, default_memory_of, memory_options_of
 from engine.models.native_step import CACHE_DTYPE
 from engine.models.neurocache import Neurocache
 from engine.models.neurocache_io import load_adapter
@@ -38,6 +38,11 @@ class ModelRuntime:
     def manifest_memory(self) -> str:
         """The default memory the model's manifest names (read once)."""
         return default_memory_of(self.loaded.name, self.loaded.source)
+
+    @functools.cached_property
+    def manifest_options(self) -> dict[str, dict]:
+        """Per memory kind, the default options the model's manifest sets (read once)."""
+        return memory_options_of(self.loaded.name, self.loaded.source)
 
     def memory_context(self, embedder: Embedder | None) -> MemoryContext:
         loaded = self.loaded

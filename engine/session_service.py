@@ -60,6 +60,7 @@ class SessionService:
         """A new session; what its memory allocates up front is reserved against the budgets first."""
         runtime = self.models.runtime(model)
         kind = memory or self.models.default_memory(runtime)
+        options = {**runtime.manifest_options.get(kind, {}), **options}  # the model's measured defaults, then the request's
         context = self.memory_context(runtime)
         self.store.check_room()
         if self.shared:

@@ -33,6 +33,30 @@ def test_the_default_memory_is_the_one_the_model_manifest_names(make_client, ada
     )
 
 
+def test_a_manifest_sets_a_memorys_default_options_and_a_request_overrides_them(make_client, tiny_dir, tmp_path):
+    """`memory_options` in the manifest are a memory's defaults on that model, key by key under the request's."""
+    measured = tmp_path / tiny_dir.name
+    shutil.copytree(tiny_dir, measured)
+    (measured / "longdoc.json").write_text(json.dumps({"memory_options": {"text": {"top_k": 1, "rrf_k": 30}}}))
+    client = make_client(model=[str(measured)])
+    assert client.post("/v1/sessions", json={}).json()["options"] == {"top_k": 1, "rrf_k": 30}
+    chosen = client.post("/v1/sessions", json={"memory": "text", "options": {"top_k": 3}}).json()["options"]
+    assert chosen == {"top_k": 3, "rrf_k": 30}
+    assert client.post("/v1/sessions", json={"memory": "truncate"}).json()["options"] == {}  # another kind: untouched
+
+    def excerpt_chars(options: dict) -> int:
+        """Characters of the excerpts an answer was given (touching chunks are one excerpt)."""
+        session = client.post("/v1/sessions", json={"options": options}).json()["id"]
+        text = " ".join(f"Paragraph {i} tells of the harbour lamp and its keeper." for i in range(200))
+        assert client.post(f"/v1/sessions/{session}/documents", json={"text": text}).status_code == 201
+        body = {"question": "Who kept the harbour lamp?", "max_tokens": 2}
+        items = client.post(f"/v1/sessions/{session}/ask", json=body).json()["retrieval"]["items"]
+        return sum(item["char_end"] - item["char_start"] for item in items)
+
+    one, three = excerpt_chars({}), excerpt_chars({"top_k": 3})  # the manifest's top_k reaches the memory
+    assert 0 < one and 2.5 * one < three
+
+
 def test_without_adapter_neurocache_is_refused(client):
     assert "neurocache" not in client.get("/v1/models").json()["data"][0]["memories"]
     response = client.post("/v1/sessions", json={"memory": "neurocache"})

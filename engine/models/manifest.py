@@ -1,10 +1,11 @@
 """A served model's measured defaults: `engine/models/manifests/<model name>.json` for the models
 longdoc ships, or `longdoc.json` in a local model folder.
 
-    {"default_memory": "text", "chosen_by": "<the command>", "qa_accuracy": {"text": 0.41, ...}}
+    {"default_memory": "text", "memory_options": {"text": {"top_k": 1}}, "chosen_by": "<the command>", ...}
 
 The default memory of a session made without one is the manifest's, chosen on the QA benchmark
-(docs/benchmarks.md), never written into the code.
+(docs/benchmarks.md), never written into the code. `memory_options` are a memory's default options
+on this model, chosen on the development questions: a session's own options override them, key by key.
 """
 
 from __future__ import annotations
@@ -36,3 +37,11 @@ def manifest_of(name: str, source: str) -> dict:
 
 def default_memory_of(name: str, source: str) -> str:
     return str(manifest_of(name, source).get("default_memory", FALLBACK_MEMORY))
+
+
+def memory_options_of(name: str, source: str) -> dict[str, dict]:
+    """Per memory kind, the options the manifest sets on this model ({} when it sets none)."""
+    options = manifest_of(name, source).get("memory_options", {})
+    if not isinstance(options, dict):
+        return {}
+    return {kind: dict(value) for kind, value in options.items() if isinstance(value, dict)}
