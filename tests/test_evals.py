@@ -29,11 +29,11 @@ def test_wilson_interval():
 
 @pytest.mark.parametrize(("path", "specs", "least"), [(QUESTIONS, texts.TEXTS, 80), (DEV_QUESTIONS, texts.DEV_TEXTS, 30)])
 def test_the_shipped_questions_are_well_formed(path, specs, least):
-    """The held-out questions and the development ones, each about its own texts only."""
+    """The held-out questions and the development ones, each about its own texts only (the spans
+    are checked against the texts themselves when `load_questions` reads them)."""
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) >= least and len({r["id"] for r in rows}) == len(rows)
     assert {r["text"] for r in rows} == {t.name for t in specs}
-    assert all(spec.dev == (specs is texts.DEV_TEXTS) for spec in specs)
     for r in rows:
         assert r["end"] - r["start"] == len(r["passage"]) and r["answers"]
         assert is_correct(r["passage"], r["answers"]), r["id"]  # the gold passage holds an accepted answer

@@ -1,4 +1,5 @@
-"""The QA benchmark's texts: held-out public-domain books from package registries, one per genre.
+"""The QA benchmark's texts: held-out public-domain books from package registries, one per genre;
+and the development texts its settings are chosen on (DEV_TEXTS).
 
 Three come from the project corpus (research/training/corpus.py, never trained on: HELD_OUT there);
 two come from Debian packages that no training run reads. Each is cut to whole units (books,
@@ -28,7 +29,6 @@ class QaText:
     source: str  # a corpus file name, or "debian:<package>:<path inside the package>"
     start: str | None = None  # the text begins at the first line holding this (inclusive)
     end: str | None = None  # and ends before the first line after `start` holding this
-    dev: bool = False  # a development text (research/evals/qa_dev.jsonl): from the training split, tuned on
 
 
 TEXTS = (
@@ -50,11 +50,13 @@ TEXTS = (
         end=" abcdefghijklmnopqrstuvwxyz",
     ),
 )
-# Development texts: settings are chosen on their questions, never on the held-out ones above.
+# Development texts (research/evals/qa_dev.jsonl): settings are chosen on their questions, never on
+# the held-out ones above. They are in the training split (the Neurocache adapter and the research
+# models read them), so they rank settings of retrieval and prompting, not of trained models.
 DEV_TEXTS = (
-    QaText("asyoulik", "play", "asyoulik.txt", dev=True),
-    QaText("lcet10", "technical report", "lcet10.txt", dev=True),
-    QaText("genesis", "scripture", "kjv-Genesis.txt", dev=True),
+    QaText("asyoulik", "play", "asyoulik.txt"),
+    QaText("lcet10", "technical report", "lcet10.txt"),
+    QaText("genesis", "scripture", "kjv-Genesis.txt"),
 )
 BY_NAME = {t.name: t for t in TEXTS + DEV_TEXTS}
 
@@ -76,7 +78,7 @@ def _cut(text: str, start: str | None, end: str | None) -> str:
 
 def raw(spec: QaText, corpus_dir: Path = DEFAULT_DIR) -> str:
     if not spec.source.startswith("debian:"):
-        assert spec.dev or spec.source in HELD_OUT, f"{spec.source} is in the training split"
+        assert spec in DEV_TEXTS or spec.source in HELD_OUT, f"{spec.source} is in the training split"
         return (fetch(corpus_dir) / spec.source).read_text(encoding="utf-8")
     _, package, member = spec.source.split(":", 2)
     with tempfile.TemporaryDirectory() as tmp:
