@@ -15,8 +15,8 @@ from engine.errors import NotFoundError
 from engine.generation import StopTokens
 from engine.interface import ModelInfo
 from engine.memories import MEMORIES, MemoryContext
+from engine.models import manifest as manifests
 from engine.models.loader import LoadedModel, load_model
-from engine.models.manifest import FALLBACK_MEMORY, default_memory_of, memory_options_of
 from engine.models.native_step import CACHE_DTYPE
 from engine.models.neurocache import Neurocache
 from engine.models.neurocache_io import load_adapter
@@ -35,14 +35,19 @@ class ModelRuntime:
     batcher: Batcher | None = None  # None: the model's answers are decoded one request at a time
 
     @functools.cached_property
+    def manifest(self) -> dict:
+        """The model's manifest (read once)."""
+        return manifests.manifest_of(self.loaded.name, self.loaded.source)
+
+    @property
     def manifest_memory(self) -> str:
-        """The default memory the model's manifest names (read once)."""
-        return default_memory_of(self.loaded.name, self.loaded.source)
+        """The default memory the model's manifest names."""
+        return manifests.default_memory(self.manifest)
 
     @functools.cached_property
     def manifest_options(self) -> dict[str, dict]:
-        """Per memory kind, the default options the model's manifest sets (read once)."""
-        return memory_options_of(self.loaded.name, self.loaded.source)
+        """Per memory kind, the default options the model's manifest sets."""
+        return manifests.memory_options(self.manifest)
 
     def memory_context(self, embedder: Embedder | None) -> MemoryContext:
         loaded = self.loaded
@@ -150,9 +155,9 @@ class ModelRegistry:
                 "model %s: its manifest's default memory %r is not usable here; using %r",
                 runtime.loaded.name,
                 kind,
-                FALLBACK_MEMORY,
+                manifests.FALLBACK_MEMORY,
             )
-            return FALLBACK_MEMORY
+            return manifests.FALLBACK_MEMORY
         return kind
 
     def shutdown(self) -> None:

@@ -35,13 +35,15 @@ def manifest_of(name: str, source: str) -> dict:
     return {}
 
 
-def default_memory_of(name: str, source: str) -> str:
-    return str(manifest_of(name, source).get("default_memory", FALLBACK_MEMORY))
+def default_memory(manifest: dict) -> str:
+    """The memory a manifest names for sessions made without one."""
+    return str(manifest.get("default_memory", FALLBACK_MEMORY))
 
 
-def memory_options_of(name: str, source: str) -> dict[str, dict]:
-    """Per memory kind, the options the manifest sets on this model ({} when it sets none)."""
-    options = manifest_of(name, source).get("memory_options", {})
+def memory_options(manifest: dict) -> dict[str, dict]:
+    """Per memory kind, the options a manifest sets on its model ({} when it sets none)."""
+    options = manifest.get("memory_options", {})
     if not isinstance(options, dict):
+        log.warning("ignoring the model manifest's memory_options: not an object")
         return {}
     return {kind: dict(value) for kind, value in options.items() if isinstance(value, dict)}
