@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from itertools import pairwise
+from typing import Any
 
 import numpy as np
 import pytest
@@ -210,6 +211,27 @@ def test_words_find_a_rare_name_among_look_alike_chunks(context, tiny_tokenizer,
     assert any("Quennell" in p.text for p in pieces), [p.text for p in pieces]
 
 
+def test_score_fusion_at_either_end_weight_is_that_ranking_alone(context, tiny_tokenizer):
+    """Score fusion with dense_weight 1 ranks as MiniLM alone, with 0 as BM25 alone (where BM25
+    scores a chunk at all): the weights reach the two scores they name."""
+    text = filler(60) + " " + FACT + " " + filler(60) + " " + RARE + " " + filler(60)
+    question = "Who was handed the Z80 bootloader, and what colour is the Velmora lighthouse?"
+    chosen: dict[str, list[int]] = {}
+    settings: dict[str, dict[str, Any]] = {
+        "dense": {"retrieval": "dense"},
+        "lexical": {"retrieval": "lexical"},
+        "as dense": {"dense_weight": 1.0},
+        "as lexical": {"dense_weight": 0.0},
+    }
+    for name, options in settings.items():
+        memory = build_memory("text", context, {"chunk_tokens": 16, "top_k": 4, "context_tokens": 64, **options})
+        ingest(memory, tiny_tokenizer, "book", text)
+        chosen[name] = [p.item.chunk_id for p in sorted(memory.retrieve(question, 1000), key=lambda p: -(p.item.score or 0.0))]
+    assert chosen["as dense"] == chosen["dense"]
+    assert chosen["as lexical"][: len(chosen["lexical"])] == chosen["lexical"]
+    assert chosen["dense"] != chosen["lexical"]  # so the two ends do differ here
+
+
 def test_hybrid_retrieval_is_deterministic_and_merges_touching_chunks(context, tiny_tokenizer):
     text = filler(80) + " " + FACT + " " + RARE + " " + filler(80)
     runs = []
@@ -285,7 +307,14 @@ def test_a_chunks_sentences_are_bounded_and_cover_it():
 
 
 def test_bad_retrieval_options_are_user_errors(context):
-    for options in ({"retrieval": "magic"}, {"context_tokens": 8}, {"rrf_k": 0}, {"focus_tokens": 40_000}):
+    for options in (
+        {"retrieval": "magic"},
+        {"context_tokens": 8},
+        {"rrf_k": 0},
+        {"focus_tokens": 40_000},
+        {"fusion": "max"},
+        {"dense_weight": 1.5},
+    ):
         with pytest.raises(InvalidRequestError):
             build_memory("text", context, options)
 

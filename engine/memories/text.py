@@ -1,8 +1,10 @@
 """Text retrieval: a session's documents cut into chunks, found by meaning and by words.
 
 Each chunk has a MiniLM vector (a per-session FAISS inner-product index) and BM25 terms
-(engine/memories/lexical.py). A question ranks the chunks both ways; the two rankings are fused by
-reciprocal rank fusion (score = sum of 1 / (rrf_k + rank)), the prompt is filled in fused order up
+(engine/memories/lexical.py). A question scores every chunk both ways; the two scores are fused
+(`fusion`): by default each is standardized over the session's chunks (z-scores) and they are
+summed with weights `dense_weight` and 1 - `dense_weight`; "rank" fuses the two rankings instead
+(reciprocal rank fusion, score = sum of 1 / (rrf_k + rank)). The prompt is filled in fused order up
 to `context_tokens`, chunks that touch are merged, and the excerpts are placed in document order.
 Ties break by chunk number, so the same documents and question always give the same excerpts.
 With `focus_tokens`, the chosen chunks are cut down to their sentences closest to the question:
@@ -33,6 +35,7 @@ _CHUNK_BYTES = 2 * 8 + 4 + 4  # a chunk's span (two int64), token count and docu
 
 
 RETRIEVALS = ("hybrid", "dense", "lexical")
+FUSIONS = ("score", "rank")
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+|\n\s*\n")
 _CHARS_PER_TOKEN = 4
 _MIN_SENTENCE_CHARS = 40
@@ -60,6 +63,12 @@ def chunk_sentences(text: str, limit: int = MAX_SENTENCES) -> list[tuple[int, in
     return [(spans[a][0], spans[b - 1][1]) for a, b in pairwise(bounds)]
 
 
+def _standardized(scores: np.ndarray) -> np.ndarray:
+    """Scores as z-scores over their own set (all zero where they are all equal)."""
+    spread = float(scores.std())
+    return (scores - scores.mean()) / spread if spread > 0 else np.zeros_like(scores)
+
+
 def _runs(items: list[int], joins: Callable[[int, int], bool]) -> list[list[int]]:
     """Sorted `items` cut into runs: each item joins the run before it when `joins(last, item)`."""
     runs: list[list[int]] = []
@@ -77,7 +86,9 @@ class TextOptions:
     top_k: int = 4  # at most this many chunks
     context_tokens: int = 512  # and at most this many tokens of them (needles: docs/benchmarks.md)
     retrieval: str = "hybrid"
-    rrf_k: int = 60
+    fusion: str = "score"  # hybrid: "score" (weighted z-scores) or "rank" (reciprocal rank fusion)
+    dense_weight: float = 0.3  # score fusion: MiniLM's weight, BM25's is 1 - this (docs/benchmarks.md)
+    rrf_k: int = 60  # rank fusion
     max_chunks: int = 200_000
     focus_tokens: int = 0  # > 0: of the chosen chunks, only their best sentences, this many tokens; 0: whole chunks
     rerank: int = 0  # > 0: the chunks are chosen from this many best fused ones, reordered by the reader
@@ -91,6 +102,10 @@ class TextOptions:
             raise ValueError("context_tokens must be between chunk_tokens and 32768")
         if self.retrieval not in RETRIEVALS:
             raise ValueError(f"retrieval must be one of {list(RETRIEVALS)}")
+        if self.fusion not in FUSIONS:
+            raise ValueError(f"fusion must be one of {list(FUSIONS)}")
+        if not 0.0 <= self.dense_weight <= 1.0:
+            raise ValueError("dense_weight must be between 0 and 1")
         if not 1 <= self.rrf_k <= 1000:
             raise ValueError("rrf_k must be between 1 and 1000")
         if self.max_chunks < 1:
@@ -346,6 +361,9 @@ class TextMemory(Memory):
         """(chunk, score) best first: fused ranks, or one ranking alone (options.retrieval)."""
         n, retrieval = self._index.ntotal, self.options.retrieval
         depth = min(n, max(50, 4 * self.options.top_k))
+        if retrieval == "hybrid" and self.options.fusion == "score":
+            assert query_vector is not None
+            return self._score_fused(query, query_vector, depth)
         rankings: list[list[int]] = []
         if retrieval in ("hybrid", "dense"):
             assert query_vector is not None
@@ -356,6 +374,17 @@ class TextMemory(Memory):
             order = np.argsort(-lexical, kind="stable")[:depth]
             rankings.append([r for r in order.tolist() if lexical[r] > 0])
         return self._fused(rankings)
+
+    def _score_fused(self, query: str, query_vector: np.ndarray, depth: int) -> list[tuple[int, float]]:
+        """(chunk, weighted sum of its standardized MiniLM and BM25 scores), the best `depth`, ties by
+        chunk number. Every chunk is scored: the vectors are read in place, one float a chunk each way."""
+        vectors = faiss.rev_swig_ptr(self._index.get_xb(), self._index.ntotal * self._index.d)  # a view, no copy
+        dense = vectors.reshape(self._index.ntotal, self._index.d) @ query_vector
+        weight = self.options.dense_weight
+        fused = weight * _standardized(dense) + (1.0 - weight) * _standardized(self._lexical.scores(query))
+        best = np.argpartition(-fused, depth - 1)[:depth]
+        best = best[np.lexsort((best, -fused[best]))]
+        return [(int(row), float(fused[row])) for row in best]
 
     def _reranked(self, query: str, ranked: list[tuple[int, float]]) -> list[tuple[int, float]]:
         """(chunk, the reader's mean log-probability of the question after it) best first, ties by
