@@ -11,10 +11,10 @@ from pathlib import Path
 from engine.batching import BatchDecoder, Batcher, native_step
 from engine.config import EngineConfig
 from engine.embedder import Embedder
-from engine.errors import NotFoundError
+from engine.errors import InvalidRequestError, NotFoundError
 from engine.generation import StopTokens
 from engine.interface import ModelInfo
-from engine.memories import MEMORIES, MemoryContext
+from engine.memories import MEMORIES, MemoryContext, check_options
 from engine.models import manifest as manifests
 from engine.models.loader import LoadedModel, load_model
 from engine.models.native_step import CACHE_DTYPE
@@ -46,8 +46,17 @@ class ModelRuntime:
 
     @functools.cached_property
     def manifest_options(self) -> dict[str, dict]:
-        """Per memory kind, the default options the model's manifest sets."""
-        return manifests.memory_options(self.manifest)
+        """Per memory kind, the default options the model's manifest sets; those of a memory this
+        server does not have, or that the memory refuses, are logged and left out."""
+        kept: dict[str, dict] = {}
+        for kind, options in manifests.memory_options(self.manifest).items():
+            try:
+                check_options(kind, options)
+            except InvalidRequestError as exc:
+                log.warning("model %s: ignoring its manifest's options for memory %r: %s", self.loaded.name, kind, exc)
+                continue
+            kept[kind] = options
+        return kept
 
     def memory_context(self, embedder: Embedder | None) -> MemoryContext:
         loaded = self.loaded
@@ -100,7 +109,10 @@ class ModelRegistry:
                 if native_step(loaded.model) is not None:  # its answers keep float32 keys and values
                     loaded.cache_dtype = CACHE_DTYPE
             stop = StopTokens.of(loaded.model, loaded.tokenizer)
-            self._runtimes[loaded.name] = ModelRuntime(loaded, worker, stop, neurocache, self._batcher(loaded, worker, stop))
+            runtime = ModelRuntime(loaded, worker, stop, neurocache, self._batcher(loaded, worker, stop))
+            if runtime.manifest_options:  # read and checked now, so a bad manifest is logged at startup
+                log.info("model %s: its manifest's memory options %s", loaded.name, runtime.manifest_options)
+            self._runtimes[loaded.name] = runtime
             log.info(
                 "loaded model %s (%s, %s, quantize %s, on %s)",
                 loaded.name,

@@ -57,6 +57,22 @@ def test_a_manifest_sets_a_memorys_default_options_and_a_request_overrides_them(
     assert 0 < one and 2.5 * one < three
 
 
+def test_a_manifests_bad_memory_options_are_logged_at_startup_and_left_out(make_client, tiny_dir, tmp_path, caplog):
+    """Options a memory refuses, or for a memory the server lacks, are named in the log when the
+    model loads; sessions get the code's defaults for that memory, and the manifest's good options."""
+    measured = tmp_path / tiny_dir.name
+    shutil.copytree(tiny_dir, measured)
+    bad = {"text": {"top_k": 0}, "truncate": {"window_tokens": 512}, "nosuch": {"x": 1}}
+    (measured / "longdoc.json").write_text(json.dumps({"memory_options": bad}))
+    with caplog.at_level("WARNING", logger="engine.registry"):
+        client = make_client(model=[str(measured)])
+    logged = " ".join(r.getMessage() for r in caplog.records if r.name == "engine.registry")
+    assert "options for memory 'text'" in logged and "top_k" in logged and "'nosuch'" in logged
+    assert "memory 'truncate'" not in logged
+    assert client.post("/v1/sessions", json={}).json()["options"] == {}
+    assert client.post("/v1/sessions", json={"memory": "truncate"}).json()["options"] == {"window_tokens": 512}
+
+
 def test_without_adapter_neurocache_is_refused(client):
     assert "neurocache" not in client.get("/v1/models").json()["data"][0]["memories"]
     response = client.post("/v1/sessions", json={"memory": "neurocache"})

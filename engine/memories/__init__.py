@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import InvalidRequestError
-from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment
+from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment, parse_options
 from engine.memories.kvcache import KVCacheMemory
 from engine.memories.neurocache import NeurocacheMemory
 from engine.memories.text import TextMemory
@@ -35,6 +35,16 @@ def memory_type(kind: str) -> type[Memory]:
     return MEMORIES[kind]
 
 
+def check_options(kind: str, options: dict[str, Any]) -> None:
+    """Raises InvalidRequestError unless `options` are valid options of memory `kind`."""
+    options_type = memory_type(kind).options_type
+    if options_type is not None:
+        try:
+            parse_options(options_type, options)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+
+
 def build_memory(kind: str, context: MemoryContext, options: dict[str, Any]) -> Memory:
     try:
         return memory_type(kind)(context, options)  # type: ignore[call-arg]
@@ -49,6 +59,7 @@ __all__ = [
     "MemoryContext",
     "Segment",
     "build_memory",
+    "check_options",
     "memory_type",
     "register_memory",
     "saved_kind",

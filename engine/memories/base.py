@@ -112,6 +112,7 @@ def validation_message(exc: ValidationError) -> str:
 
 class Memory(ABC):
     kind: ClassVar[str]
+    options_type: ClassVar[type | None] = None  # the dataclass its options are read into (None: not declared)
     runs_on_model: ClassVar[bool] = False  # ingestion needs the language model's worker
     answer_holds_write_lock: ClassVar[bool] = False  # answering reads state ingestion writes: hold the session's write lock
     # what the ingestion warning advises when a document pushed older text out of the memory

@@ -70,6 +70,7 @@ class KVCacheOptions:
 
 class KVCacheMemory(Memory):
     kind = "kvcache"
+    options_type = KVCacheOptions
     runs_on_model = True
     answer_holds_write_lock = True  # the answer reads the store an ingestion appends to
 

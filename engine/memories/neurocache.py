@@ -38,6 +38,7 @@ class NeurocacheOptions:
 
 class NeurocacheMemory(Memory):
     kind = "neurocache"
+    options_type = NeurocacheOptions
     runs_on_model = True
 
     def __init__(self, context: MemoryContext, options: dict[str, Any]) -> None:

@@ -186,6 +186,7 @@ class _Staged:
 
 class TextMemory(Memory):
     kind = "text"
+    options_type = TextOptions
 
     def __init__(self, context: MemoryContext, options: dict[str, Any]) -> None:
         self.options: TextOptions = parse_options(TextOptions, options)

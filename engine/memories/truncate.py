@@ -24,6 +24,7 @@ class TruncateOptions:
 
 class TruncateMemory(Memory):
     kind = "truncate"
+    options_type = TruncateOptions
 
     def __init__(self, context: MemoryContext, options: dict[str, Any]) -> None:
         self.options: TruncateOptions = parse_options(TruncateOptions, options)

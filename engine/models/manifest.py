@@ -6,6 +6,8 @@ longdoc ships, or `longdoc.json` in a local model folder.
 The default memory of a session made without one is the manifest's, chosen on the QA benchmark
 (docs/benchmarks.md), never written into the code. `memory_options` are a memory's default options
 on this model, chosen on the development questions: a session's own options override them, key by key.
+They are checked when the model loads: options a memory refuses, or those of a memory the server
+does not have, are logged and left out (engine/registry.py).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ class StateOptions:
 
 class StateMemory(Memory):
     kind = "state"
+    options_type = StateOptions
     runs_on_model = True
     answer_holds_write_lock = True  # answering feeds the state (and rolls it back)
     dropped_advice = "This model's own state reaches no further back; a longer text is read through its most recent part."
