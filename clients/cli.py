@@ -418,6 +418,29 @@ def eval_needles(
     _echo_rows(rows)
 
 
+@eval_app.command("ranks")
+def eval_ranks(
+    model: str = DEFAULT_MODEL,
+    memory: Annotated[list[str], typer.Option(help='text, maybe with its JSON options: \'text {"fusion": "rank"}\'')] = ["text"],
+    dev: Annotated[bool, typer.Option(help="the development questions, not the held-out QA ones")] = False,
+    needles: Annotated[int | None, typer.Option(help="the fact needles in documents of this many tokens, not questions")] = None,
+    seeds: Annotated[int, typer.Option(help="needle documents, each with six needles")] = 3,
+    device: str = "auto",
+) -> None:
+    """Where the gold passage ranks in text retrieval, no answers generated: recall@1-16 per setting."""
+    from research.evals.qa import DEV_QUESTIONS, QUESTIONS, table
+    from research.evals.ranks import bench
+
+    runs = _memory_runs(memory)
+    if any(kind != "text" for kind, _ in runs):
+        raise typer.BadParameter("ranks measures the text memory only")
+    questions = None if needles else DEV_QUESTIONS if dev else QUESTIONS
+    rows = bench(
+        _setup(model, None, device), [options for _, options in runs], questions_path=questions, length=needles or 0, seeds=seeds
+    )
+    typer.echo(table(rows))
+
+
 @eval_app.command("lm")
 def eval_lm(
     checkpoint: Annotated[Path, typer.Argument(help="a checkpoint folder (config.json + model.safetensors)")],

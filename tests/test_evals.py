@@ -7,7 +7,7 @@ import json
 import pytest
 
 from engine.interface import RetrievedItem
-from research.evals import needles, texts
+from research.evals import needles, ranks, texts
 from research.evals.qa import DEV_QUESTIONS, QUESTIONS, bench, is_correct, load_questions, overlaps, wilson
 from research.training.evaluate import EvalSetup
 from tests.helpers import CACHE_DIR
@@ -87,6 +87,19 @@ def test_the_benchmark_runs_every_memory_and_the_oracle_on_the_tiny_model(tiny_d
     assert text.ingest_tokens > 0 and len(text.ttfts) == 1
     assert len(text.missed) == 1 - text.correct  # a random tiny model: whatever it missed is listed
     assert text.summary()["accuracy"].startswith(f"{text.correct}/1 = ")
+
+
+def test_ranks_place_the_gold_passage_among_the_chunks_retrieval_takes(tiny_dir, tmp_path):
+    """recall@k from the place of the first chunk that meets the gold span; BM25 puts the rare name first."""
+    assert ranks.gold_rank([(0, 10), (50, 60), (95, 120)], 100, 200) == 2
+    assert ranks.gold_rank([(0, 100), (200, 300)], 100, 200) is None  # touching is not meeting
+    qa_dir, path, _ = _tiny_set(tmp_path)
+    setup = EvalSetup(model=str(tiny_dir), cache_dir=CACHE_DIR, device="cpu")
+    rows = ranks.bench(setup, [{}, {"retrieval": "lexical", "chunk_tokens": 32}], questions_path=path, qa_dir=qa_dir)
+    assert [r.ranks for r in rows] == [[0], [0]] and len(rows[0].seconds) == 1
+    summary = rows[1].summary()
+    assert summary["memory"] == 'text {"retrieval": "lexical", "chunk_tokens": 32}' and summary["recall@1"] == "1.00"
+    assert ranks.RankRow("text", {}, ranks=[0, 3, None, 20]).summary()["recall@4"] == "0.50"
 
 
 def test_needles_are_placed_once_each_at_spread_depths(tiny_tokenizer, tmp_path):

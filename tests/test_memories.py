@@ -232,6 +232,22 @@ def test_score_fusion_at_either_end_weight_is_that_ranking_alone(context, tiny_t
     assert chosen["dense"] != chosen["lexical"]  # so the two ends do differ here
 
 
+@pytest.mark.parametrize("options", [{}, {"fusion": "rank"}, {"retrieval": "dense"}])
+def test_ranked_spans_are_the_order_retrieval_takes_chunks_in(context, tiny_tokenizer, options):
+    """`retrieve` with top_k k holds exactly the first k of `ranked_spans` (merged where they touch)."""
+    text = filler(60) + " " + FACT + " " + filler(60) + " " + RARE + " " + filler(60)
+    memory = build_memory("text", context, {"chunk_tokens": 16, "top_k": 3, "context_tokens": 1000, **options})
+    ingest(memory, tiny_tokenizer, "book", text)
+    question = "Who was handed the Z80 bootloader, and what colour is the Velmora lighthouse?"
+    ranked = memory.ranked_spans(question)
+    assert len(ranked) >= 50 and len(set(ranked)) == len(ranked) and {d for d, _, _ in ranked} == {"book"}
+    pieces = memory.retrieve(question, 1000)
+    first = ranked[:3]
+    assert all(any(p.item.char_start <= a and b <= p.item.char_end for p in pieces) for _, a, b in first)
+    covered = sum(p.item.char_end - p.item.char_start for p in pieces)
+    assert covered <= sum(b - a for _, a, b in first) + 2 * len(first)  # nothing else (gaps of a space at most)
+
+
 def test_hybrid_retrieval_is_deterministic_and_merges_touching_chunks(context, tiny_tokenizer):
     text = filler(80) + " " + FACT + " " + RARE + " " + filler(80)
     runs = []

@@ -286,13 +286,27 @@ class TextMemory(Memory):
     def retrieve(self, query: str, max_tokens: int) -> list[ContextPiece]:
         if self._index.ntotal == 0:
             return []
-        dense = self.options.retrieval != "lexical" or self.options.focus_tokens > 0
-        query_vector = self._embedder.encode([query])[0] if dense else None  # one MiniLM pass a question
+        query_vector = self._query_vector(query)
         chosen = self._chosen_chunks(query, query_vector, max_tokens)
         if self.options.focus_tokens:
             assert query_vector is not None
             return self._focus(query, query_vector, chosen, min(max_tokens, self.options.focus_tokens))
         return self._whole_chunks(chosen)
+
+    def _query_vector(self, query: str) -> np.ndarray | None:
+        """The question's MiniLM vector (one pass), where retrieval or focus uses one."""
+        dense = self.options.retrieval != "lexical" or self.options.focus_tokens > 0
+        return self._embedder.encode([query])[0] if dense else None
+
+    def ranked_spans(self, query: str) -> list[tuple[str, int, int]]:
+        """(document id, start, end) of the chunks in the order `retrieve` takes them for `query`,
+        before `top_k` and the token budget cut it (the first max(50, 4·top_k)); to measure where a
+        passage ranks (`longdoc eval ranks`)."""
+        if self._index.ntotal == 0:
+            return []
+        rows = [row for row, _ in self._ordered(query, self._query_vector(query))]
+        documents, spans = self._chunks.documents[rows].tolist(), self._chunks.spans[rows].tolist()
+        return [(self._documents[d][0], a, b) for d, (a, b) in zip(documents, spans, strict=True)]
 
     def _focus(self, query: str, query_vector: np.ndarray, chosen: dict[int, float], budget: int) -> list[ContextPiece]:
         """The sentences of the chosen chunks closest to the question (their vectors from
@@ -347,16 +361,19 @@ class TextMemory(Memory):
         """Chunk -> fused score, best first, within `top_k` and the token budget."""
         chosen: dict[int, float] = {}
         budget = min(max_tokens, self.options.context_tokens)
-        ranked = self._ranked(query, query_vector)
-        if self.options.rerank:
-            ranked = self._reranked(query, ranked[: self.options.rerank])
-        for row, score in ranked:
+        for row, score in self._ordered(query, query_vector):
             if len(chosen) == self.options.top_k or budget < 1:
                 break
             if self._chunks.tokens[row] <= budget:
                 chosen[row] = score
                 budget -= int(self._chunks.tokens[row])
         return chosen
+
+    def _ordered(self, query: str, query_vector: np.ndarray | None) -> list[tuple[int, float]]:
+        """(chunk, score) in the order chunks are taken: fused, or with `rerank` the reader's
+        order of the first `rerank` (the rest are not taken)."""
+        ranked = self._ranked(query, query_vector)
+        return self._reranked(query, ranked[: self.options.rerank]) if self.options.rerank else ranked
 
     def _ranked(self, query: str, query_vector: np.ndarray | None) -> list[tuple[int, float]]:
         """(chunk, score) best first: fused ranks, or one ranking alone (options.retrieval)."""

@@ -16,10 +16,10 @@ import math
 import re
 import statistics
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from engine.engine import Engine
 from engine.interface import GenerationDone, GenerationEvent, GenerationParams, IngestDone, Retrieval, RetrievedItem, TokenDelta
@@ -199,7 +199,11 @@ def bench(
     return run_with_engine(setup, 200_000, body)
 
 
-def table(rows: list[Row]) -> str:
+class Summarized(Protocol):
+    def summary(self) -> dict[str, Any]: ...
+
+
+def table(rows: Sequence[Summarized]) -> str:
     summaries = [row.summary() for row in rows]
     keys = list(summaries[0])
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
