@@ -13,7 +13,7 @@ from engine.errors import BudgetExceededError, InvalidRequestError, TooLargeErro
 from engine.ingest import ingest_steps, piece_bounds, tokenize_document
 from engine.interface import DocumentInfo, IngestDone
 from engine.memories import MemoryContext, build_memory
-from engine.memories.text import chunk_sentences
+from engine.memories.text import TextMemory, chunk_sentences
 from tests.helpers import filler
 
 FACT = "The secret harbour of Velmora is guarded by a lighthouse painted violet."
@@ -35,6 +35,12 @@ def ingest(memory, tokenizer, doc_id: str, text: str, *, segment_len: int = 64, 
     events = list(ingest_steps(memory, document, segment_len=segment_len, reserve=limit_to(budget), on_commit=committed.append))
     assert isinstance(events[-1], IngestDone)
     return committed
+
+
+def text_memory(context: MemoryContext, options: dict[str, Any]) -> TextMemory:
+    memory = build_memory("text", context, options)
+    assert isinstance(memory, TextMemory)
+    return memory
 
 
 @pytest.fixture
@@ -232,11 +238,39 @@ def test_score_fusion_at_either_end_weight_is_that_ranking_alone(context, tiny_t
     assert chosen["dense"] != chosen["lexical"]  # so the two ends do differ here
 
 
+def test_score_fusion_is_the_weighted_sum_of_both_scores_standardized(context, tiny_tokenizer, embedder):
+    """Each chunk's fused score is w·z(cosine) + (1 - w)·z(BM25) over all the session's chunks,
+    best first; summed raw, BM25's larger numbers would decide alone. A question with no indexed
+    word ranks by MiniLM; a session of one chunk still answers with it."""
+    text = filler(60) + " " + FACT + " " + filler(60) + " " + RARE + " " + filler(60)
+    memory = text_memory(context, {"chunk_tokens": 16, "dense_weight": 0.5})
+    ingest(memory, tiny_tokenizer, "book", text)
+    question = "Who was handed the Z80 bootloader, and what colour is the Velmora lighthouse?"
+    vector = embedder.encode([question])[0]
+    dense = memory._index.reconstruct_n(0, memory._index.ntotal) @ vector  # the chunks' cosines (unit vectors)
+    lexical = memory._lexical.scores(question)
+    standard = lambda a: (a - a.mean()) / a.std()  # noqa: E731
+    expected = 0.5 * standard(dense) + 0.5 * standard(lexical)
+    ordered = memory._ordered(question, vector)
+    scores = [score for _, score in ordered]
+    assert scores == sorted(scores, reverse=True) and scores[0] == pytest.approx(expected.max(), abs=1e-4)
+    assert scores == pytest.approx(expected[[row for row, _ in ordered]], abs=1e-4)
+    assert float(dense.max() - dense.min()) < 1 < float(lexical.max())  # summed raw, BM25 would decide
+    vectors = memory._index.reconstruct_n(0, memory._index.ntotal)
+    unworded = embedder.encode(["zzqx"])[0]
+    by_meaning = np.argsort(-(vectors @ unworded), kind="stable")[:5].tolist()
+    assert [row for row, _ in memory._ordered("zzqx", unworded)][:5] == by_meaning
+    alone = build_memory("text", context, {"chunk_tokens": 64})
+    ingest(alone, tiny_tokenizer, "note", FACT)
+    assert alone.stats().entries == 1
+    assert [p.text for p in alone.retrieve(question, 1000)] == [FACT]
+
+
 @pytest.mark.parametrize("options", [{}, {"fusion": "rank"}, {"retrieval": "dense"}])
 def test_ranked_spans_are_the_order_retrieval_takes_chunks_in(context, tiny_tokenizer, options):
     """`retrieve` with top_k k holds exactly the first k of `ranked_spans` (merged where they touch)."""
     text = filler(60) + " " + FACT + " " + filler(60) + " " + RARE + " " + filler(60)
-    memory = build_memory("text", context, {"chunk_tokens": 16, "top_k": 3, "context_tokens": 1000, **options})
+    memory = text_memory(context, {"chunk_tokens": 16, "top_k": 3, "context_tokens": 1000, **options})
     ingest(memory, tiny_tokenizer, "book", text)
     question = "Who was handed the Z80 bootloader, and what colour is the Velmora lighthouse?"
     ranked = memory.ranked_spans(question)

@@ -36,13 +36,12 @@ def memory_type(kind: str) -> type[Memory]:
 
 
 def check_options(kind: str, options: dict[str, Any]) -> None:
-    """Raises InvalidRequestError unless `options` are valid options of memory `kind`."""
+    """Raises InvalidRequestError unless `options` are valid options of memory `kind`: known
+    names, JSON types, ranges. What a memory checks only when it is built against a model (such as
+    `rerank` needing the served model) is not checked here."""
     options_type = memory_type(kind).options_type
-    if options_type is not None:
-        try:
-            parse_options(options_type, options)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from exc
+    if options_type is not None:  # every memory of the engine's, and `state`, declares it
+        parse_options(options_type, options)
 
 
 def build_memory(kind: str, context: MemoryContext, options: dict[str, Any]) -> Memory:

@@ -300,8 +300,10 @@ class TextMemory(Memory):
 
     def ranked_spans(self, query: str) -> list[tuple[str, int, int]]:
         """(document id, start, end) of the chunks in the order `retrieve` takes them for `query`,
-        before `top_k` and the token budget cut it (the first max(50, 4·top_k)); to measure where a
-        passage ranks (`longdoc eval ranks`)."""
+        before `top_k` and the token budget cut it; to measure where a passage ranks (`longdoc eval
+        ranks`). Not every chunk: the best max(50, 4·top_k) of each ranking (with rank fusion, the
+        union of two; BM25 alone, only chunks that hold a word of the question), with `rerank` the
+        first `rerank` in the reader's order."""
         if self._index.ntotal == 0:
             return []
         rows = [row for row, _ in self._ordered(query, self._query_vector(query))]
@@ -376,7 +378,7 @@ class TextMemory(Memory):
         return self._reranked(query, ranked[: self.options.rerank]) if self.options.rerank else ranked
 
     def _ranked(self, query: str, query_vector: np.ndarray | None) -> list[tuple[int, float]]:
-        """(chunk, score) best first: fused ranks, or one ranking alone (options.retrieval)."""
+        """(chunk, score) best first: fused scores or ranks (options.fusion), or one ranking alone (options.retrieval)."""
         n, retrieval = self._index.ntotal, self.options.retrieval
         depth = min(n, max(50, 4 * self.options.top_k))
         if retrieval == "hybrid" and self.options.fusion == "score":

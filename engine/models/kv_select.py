@@ -40,6 +40,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 from transformers import PretrainedConfig
 
 from engine.models.kv_store import KVStore, StoreShape
@@ -117,7 +118,7 @@ class SelectiveModel:
         self.answer_dtype = CACHE_DTYPE if native is not None else self.dtype
         # cos, sin of the selected region, kept while it stays where it is: (window position, width, dtype) -> them
         self._selected_rope: tuple[tuple[int, int, torch.dtype | None], tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._mask: torch.Tensor | None = None  # the last causal mask (`_causal_mask`)
+        self._mask: torch.Tensor | None = None  # CPU: a pass's causal mask, shared by its layers (`_causal_mask`)
 
     @property
     def _backbone(self) -> Backbone:
@@ -233,15 +234,21 @@ class SelectiveModel:
         out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True)[0]
         return out.transpose(0, 1).reshape(T, -1)
 
-    def _causal_mask(self, rows: int, keys: int, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask [rows, keys] in `dtype`: row i sees the keys up to keys - rows + i (causal,
-        aligned to the lower right). The last one is kept, so a chunk's layers share one: built in
-        each layer it cost about 8% of a document's feeding (bf16, 2 cores)."""
+    def _causal_mask(self, rows: int, keys: int, dtype: torch.dtype) -> torch.Tensor | CausalBias:
+        """Row i sees the keys up to keys - rows + i (causal, aligned to the lower right). On CPU an
+        additive mask [rows, keys] in `dtype`, kept until the pass ends (`_end_pass`) so its layers
+        share one: built in each layer it cost about 8% of a document's feeding (bf16, 2 cores).
+        Elsewhere torch's lower-right bias, which CUDA kernels apply without a mask in memory."""
+        if self.device.type != "cpu":
+            return causal_lower_right(rows, keys)
         cached = self._mask
         if cached is None or cached.shape != (rows, keys) or cached.dtype != dtype:
             visible = torch.ones(rows, keys, dtype=torch.bool, device=self.device).tril(keys - rows)
             cached = self._mask = torch.zeros(rows, keys, dtype=dtype, device=self.device).masked_fill(~visible, float("-inf"))
         return cached
+
+    def _end_pass(self) -> None:
+        self._mask = None  # a session keeps its model between passes: not the mask
 
     def _finish_layer(self, layer: Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         x = x + layer.self_attn.o_proj(attended)
@@ -303,6 +310,7 @@ class SelectiveModel:
             means.append(mean)
             x = self._finish_layer(layer, x, attended)
         store.advance(T, means)
+        self._end_pass()
         return self._lm_head(self._backbone.norm(x)) if logits else None
 
 
@@ -411,6 +419,7 @@ class SelectiveAnswer:
             self._v[i][:, start:end] = v.transpose(0, 1)
             keys, values = self._k[i][:, :end].to(q.dtype), self._v[i][:, :end].to(q.dtype)  # float32 buffers for the C step
             x = m._finish_layer(layer, x, m._attend(rotate(q, cos, sin), keys, values))
+        m._end_pass()
         self._length = end
         return m.logits(x)
 

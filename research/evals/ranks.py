@@ -61,8 +61,8 @@ async def _rank(engine: Engine, row: RankRow, options: dict[str, Any], text: str
         session = engine.sessions.peek(session_id)
         assert session is not None and isinstance(session.memory, TextMemory)
         for gold in golds:
-            started = time.perf_counter()
-            spans = session.memory.ranked_spans(gold.question)
+            started = time.perf_counter()  # on the memory's worker, where the server retrieves
+            spans = await engine.session_service.memory_worker(session).run(session.memory.ranked_spans, gold.question)
             row.seconds.append(time.perf_counter() - started)
             row.ranks.append(gold_rank(((a, b) for _, a, b in spans), gold.start, gold.end))
 
