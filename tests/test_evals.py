@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -100,6 +101,19 @@ def test_ranks_place_the_gold_passage_among_the_chunks_retrieval_takes(tiny_dir,
     summary = rows[1].summary()
     assert summary["memory"] == 'text {"retrieval": "lexical", "chunk_tokens": 32}' and summary["recall@1"] == "1.00"
     assert ranks.RankRow("text", {}, ranks=[0, 3, None, 20]).summary()["recall@4"] == "0.50"
+
+
+def test_a_row_names_the_options_its_sessions_were_made_with(tiny_dir, tmp_path):
+    """The model manifest's options under the run's own, as the session merged them."""
+    qa_dir, path, _ = _tiny_set(tmp_path)
+    measured = tmp_path / tiny_dir.name
+    shutil.copytree(tiny_dir, measured)
+    (measured / "longdoc.json").write_text(json.dumps({"memory_options": {"text": {"top_k": 2, "chunk_tokens": 64}}}))
+    setup = EvalSetup(model=str(measured), cache_dir=CACHE_DIR, device="cpu")
+    (row,) = bench(setup, [("text", {"chunk_tokens": 32})], qa_dir=qa_dir, questions_path=path)
+    assert row.options == {"top_k": 2, "chunk_tokens": 32}
+    (ranked,) = ranks.bench(setup, [{"chunk_tokens": 32}], questions_path=path, qa_dir=qa_dir)
+    assert ranked.summary()["memory"] == 'text {"top_k": 2, "chunk_tokens": 32}'
 
 
 def test_needles_are_placed_once_each_at_spread_depths(tiny_tokenizer, tmp_path):

@@ -149,8 +149,10 @@ async def _ask(engine: Engine, row: Row, question: Question, session_id: str | N
 
 @contextlib.asynccontextmanager
 async def ingested(engine: Engine, row: Row, memory: str, options: dict[str, Any], text: str, name: str) -> AsyncIterator[str]:
-    """A new session holding `text`, its ingestion timed into `row`; deleted afterwards."""
+    """A new session holding `text`, its ingestion timed into `row`; deleted afterwards. The row
+    names the options the session was made with: the model manifest's under the run's own."""
     session = engine.create_session(None, memory, options)
+    row.options = dict(session.options)
     try:
         started = time.perf_counter()
         async for event in await engine.ingest(session.id, text, name):

@@ -57,7 +57,9 @@ def gold_rank(spans: Iterable[tuple[int, int]], start: int, end: int) -> int | N
 
 
 async def _rank(engine: Engine, row: RankRow, options: dict[str, Any], text: str, golds: list[Gold]) -> None:
-    async with ingested(engine, Row("text", options), "text", options, text, "document") as session_id:
+    ingesting = Row("text", options)
+    async with ingested(engine, ingesting, "text", options, text, "document") as session_id:
+        row.options = ingesting.options  # as the session was made: the manifest's under the run's
         session = engine.sessions.peek(session_id)
         assert session is not None and isinstance(session.memory, TextMemory)
         for gold in golds:
