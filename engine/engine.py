@@ -105,6 +105,10 @@ class Engine:
         """The tokenizer of a loaded model (the first by default)."""
         return self.models.runtime(model).loaded.tokenizer
 
+    def generation_defaults(self, model: str | None) -> dict[str, float]:
+        """The sampling a model's manifest sets for OpenAI requests that leave it out (the first model's by default)."""
+        return self.models.runtime(model).generation_defaults
+
     def list_models(self) -> list[ModelInfo]:
         return [runtime.info() for runtime in self.models.runtimes()]
 

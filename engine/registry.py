@@ -58,6 +58,11 @@ class ModelRuntime:
             kept[kind] = options
         return kept
 
+    @functools.cached_property
+    def generation_defaults(self) -> dict[str, float]:
+        """The sampling the model's manifest sets for requests that leave it out."""
+        return manifests.generation_defaults(self.manifest)
+
     def memory_context(self, embedder: Embedder | None) -> MemoryContext:
         loaded = self.loaded
         return MemoryContext(
@@ -110,8 +115,10 @@ class ModelRegistry:
                     loaded.cache_dtype = CACHE_DTYPE
             stop = StopTokens.of(loaded.model, loaded.tokenizer)
             runtime = ModelRuntime(loaded, worker, stop, neurocache, self._batcher(loaded, worker, stop))
-            if runtime.manifest_options:  # read and checked now, so a bad manifest is logged at startup
-                log.info("model %s: its manifest's memory options %s", loaded.name, runtime.manifest_options)
+            if (
+                runtime.manifest_options or runtime.generation_defaults
+            ):  # read and checked now: a bad manifest is logged at startup
+                log.info("model %s: manifest %s %s", loaded.name, runtime.manifest_options, runtime.generation_defaults)
             self._runtimes[loaded.name] = runtime
             log.info(
                 "loaded model %s (%s, %s, quantize %s, on %s)",

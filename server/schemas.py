@@ -193,8 +193,8 @@ class ChatCompletionRequest(BaseModel):
     )
     max_tokens: TokenCount | None = None
     max_completion_tokens: TokenCount | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
+    temperature: Temperature | None = Field(None, description="left out: the model manifest's, else 1 (OpenAI's)")
+    top_p: TopP | None = Field(None, description="left out: the model manifest's, else 1")
     seed: Seed | None = None
     stop: Stop | None = None
     no_repeat_ngram_size: NoRepeatNgram = Field(

@@ -73,6 +73,31 @@ def test_a_manifests_bad_memory_options_are_logged_at_startup_and_left_out(make_
     assert client.post("/v1/sessions", json={"memory": "truncate"}).json()["options"] == {"window_tokens": 512}
 
 
+def test_openai_requests_without_temperature_get_the_manifests_else_openais(make_client, tiny_dir, tmp_path, caplog):
+    """`generation` in the manifest is the sampling of chat requests that leave it out (as vLLM's
+    generation config); without one they sample at OpenAI's temperature 1; a request's own wins."""
+    body = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 8}
+
+    def answers(client, **fields) -> list[str]:
+        return [
+            client.post("/v1/chat/completions", json={**body, **fields, "seed": seed}).json()["choices"][0]["message"]["content"]
+            for seed in (1, 2, 3)
+        ]
+
+    unmeasured = make_client()
+    assert len(set(answers(unmeasured))) > 1  # sampled: the seeds differ
+    greedy = answers(unmeasured, temperature=0)
+    assert len(set(greedy)) == 1
+    measured = tmp_path / tiny_dir.name
+    shutil.copytree(tiny_dir, measured)
+    (measured / "longdoc.json").write_text(json.dumps({"generation": {"temperature": 0, "top_k": 5}}))
+    with caplog.at_level("WARNING", logger="engine.models.manifest"):
+        client = make_client(model=[str(measured)])
+    assert answers(client) == greedy  # the manifest's greedy, whatever the seed
+    assert len(set(answers(client, temperature=1.0))) > 1  # the request's own temperature wins
+    assert "generation top_k" in caplog.text  # a key it does not know is named and left out
+
+
 def test_without_adapter_neurocache_is_refused(client):
     assert "neurocache" not in client.get("/v1/models").json()["data"][0]["memories"]
     response = client.post("/v1/sessions", json={"memory": "neurocache"})

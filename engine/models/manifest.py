@@ -6,7 +6,8 @@ longdoc ships, or `longdoc.json` in a local model folder.
 The default memory of a session made without one is the manifest's, chosen on the QA benchmark
 (docs/benchmarks.md), never written into the code. `memory_options` are a memory's default options
 on this model, chosen on the development questions: a session's own options override them, key by key.
-They are checked when the model loads: options a memory refuses, or those of a memory the server
+`generation` is the sampling OpenAI chat requests get when they leave it out (`temperature`,
+`top_p`): the decoding the model's figures were measured with. They are checked when the model loads: options a memory refuses, or those of a memory the server
 does not have, are logged and left out (engine/registry.py).
 """
 
@@ -40,6 +41,27 @@ def manifest_of(name: str, source: str) -> dict:
 def default_memory(manifest: dict) -> str:
     """The memory a manifest names for sessions made without one."""
     return str(manifest.get("default_memory", FALLBACK_MEMORY))
+
+
+SAMPLING_RANGES = {"temperature": (0.0, 2.0), "top_p": (1e-6, 1.0)}
+
+
+def generation_defaults(manifest: dict) -> dict[str, float]:
+    """The sampling a manifest sets for OpenAI requests that leave it out (`temperature`, `top_p`),
+    as vLLM takes a model's generation config; a value out of range or not a number is logged and
+    left out."""
+    values = manifest.get("generation", {})
+    if not isinstance(values, dict):
+        log.warning("ignoring the model manifest's generation: not an object")
+        return {}
+    kept = {}
+    for key, value in values.items():
+        low, high = SAMPLING_RANGES.get(key, (1.0, 0.0))  # an unknown key has no range: left out
+        if isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high:
+            kept[key] = float(value)
+        else:
+            log.warning("ignoring the model manifest's generation %s=%r", key, value)
+    return kept
 
 
 def memory_options(manifest: dict) -> dict[str, dict]:

@@ -26,12 +26,16 @@ def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-def generation_params(body: AskRequest | ChatCompletionRequest, max_tokens: int) -> GenerationParams:
-    """The sampling fields both request bodies share, as the engine takes them."""
+def generation_params(
+    body: AskRequest | ChatCompletionRequest, max_tokens: int, defaults: dict[str, float] | None = None
+) -> GenerationParams:
+    """The sampling fields both request bodies share, as the engine takes them; a field an OpenAI
+    request leaves out is the model's default (`defaults`, from its manifest), else OpenAI's, 1."""
+    defaults = defaults or {}
     return GenerationParams(
         max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
+        temperature=body.temperature if body.temperature is not None else defaults.get("temperature", 1.0),
+        top_p=body.top_p if body.top_p is not None else defaults.get("top_p", 1.0),
         seed=body.seed,
         stop=stop_tuple(body.stop),
         no_repeat_ngram_size=body.no_repeat_ngram_size,

@@ -51,7 +51,8 @@ async def chat_completions(
 ) -> EventSourceResponse | dict[str, Any]:
     session = visible_session(engine, body.session_id, caller) if body.session_id else None
     timer = GenerationTimer(metrics, ENDPOINT)
-    params = generation_params(body, body.max_completion_tokens or body.max_tokens or settings.default_max_tokens)
+    defaults = engine.generation_defaults(body.model or (session.model if session else None))
+    params = generation_params(body, body.max_completion_tokens or body.max_tokens or settings.default_max_tokens, defaults)
     messages = [m.model_dump() for m in body.messages]
     events = await engine.chat(messages, params, body.model, body.session_id)
     model = body.model or (session.model if session else engine.list_models()[0].name)
