@@ -106,7 +106,10 @@ class Engine:
         return self.models.runtime(model).loaded.tokenizer
 
     def generation_defaults(self, model: str | None) -> dict[str, float]:
-        """The sampling a model's manifest sets for OpenAI requests that leave it out (the first model's by default)."""
+        """The sampling a model's manifest sets for OpenAI requests that leave it out (the first
+        model's by default; none for a model not served, which `chat` then refuses in its order)."""
+        if model is not None and not self.models.serves(model):
+            return {}
         return self.models.runtime(model).generation_defaults
 
     def list_models(self) -> list[ModelInfo]:

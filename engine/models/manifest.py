@@ -17,6 +17,8 @@ import json
 import logging
 from pathlib import Path
 
+from engine.interface import MAX_TEMPERATURE
+
 log = logging.getLogger(__name__)
 
 SHIPPED_MANIFESTS = Path(__file__).resolve().parent / "manifests"
@@ -43,7 +45,13 @@ def default_memory(manifest: dict) -> str:
     return str(manifest.get("default_memory", FALLBACK_MEMORY))
 
 
-SAMPLING_RANGES = {"temperature": (0.0, 2.0), "top_p": (1e-6, 1.0)}
+def _sampling_ok(key: str, value: object) -> bool:
+    """The API's own bounds: 0 <= temperature <= MAX_TEMPERATURE, 0 < top_p <= 1."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    if key == "temperature":
+        return 0.0 <= value <= MAX_TEMPERATURE
+    return key == "top_p" and 0.0 < value <= 1.0
 
 
 def generation_defaults(manifest: dict) -> dict[str, float]:
@@ -56,8 +64,7 @@ def generation_defaults(manifest: dict) -> dict[str, float]:
         return {}
     kept = {}
     for key, value in values.items():
-        low, high = SAMPLING_RANGES.get(key, (1.0, 0.0))  # an unknown key has no range: left out
-        if isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high:
+        if _sampling_ok(key, value):  # an unknown key is never ok
             kept[key] = float(value)
         else:
             log.warning("ignoring the model manifest's generation %s=%r", key, value)
