@@ -98,6 +98,14 @@ def test_openai_requests_without_temperature_get_the_manifests_else_openais(make
     assert "generation top_k" in caplog.text  # a key it does not know is named and left out
 
 
+def test_the_default_models_manifest_decodes_greedily_as_it_was_measured():
+    from engine.models import manifest as manifests
+
+    shipped = manifests.manifest_of("smollm2-135m-instruct", "/nonexistent")
+    assert manifests.generation_defaults(shipped) == {"temperature": 0.0}
+    assert manifests.memory_options(shipped) == {"text": {"top_k": 1}}
+
+
 def test_without_adapter_neurocache_is_refused(client):
     assert "neurocache" not in client.get("/v1/models").json()["data"][0]["memories"]
     response = client.post("/v1/sessions", json={"memory": "neurocache"})
