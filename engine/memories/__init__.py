@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import InvalidRequestError
-from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment, parse_options
+from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment
 from engine.memories.kvcache import KVCacheMemory
 from engine.memories.neurocache import NeurocacheMemory
 from engine.memories.text import TextMemory
@@ -39,9 +39,9 @@ def check_options(kind: str, options: dict[str, Any]) -> None:
     """Raises InvalidRequestError unless `options` are valid options of memory `kind`: known
     names, JSON types, ranges. What a memory checks only when it is built against a model (such as
     `rerank` needing the served model) is not checked here."""
-    options_type = memory_type(kind).options_type
-    if options_type is not None:  # every memory of the engine's, and `state`, declares it
-        parse_options(options_type, options)
+    memory = memory_type(kind)
+    if memory.options_type is not None:  # every memory of the engine's, and `state`, declares it
+        memory.read_options(options)
 
 
 def build_memory(kind: str, context: MemoryContext, options: dict[str, Any]) -> Memory:

@@ -120,6 +120,12 @@ class Memory(ABC):
         "Make the session with a larger capacity, or with memory 'text', which keeps every document whole."
     )
 
+    @classmethod
+    def read_options(cls, options: dict[str, Any]) -> Any:
+        """`options` read into the memory's `options_type`; unknown or bad values are user errors."""
+        assert cls.options_type is not None, f"memory {cls.kind!r} declares no options_type"
+        return parse_options(cls.options_type, options)
+
     @abstractmethod
     def begin_document(self, document_id: str, text: str, tokens: int) -> None:
         """Start staging a document of `tokens` tokens; only one may be staged at a time."""

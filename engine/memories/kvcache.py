@@ -18,7 +18,7 @@ import torch
 from engine.batching import native_step
 from engine.generation import decode_steps
 from engine.interface import CacheInfo, GenerationEvent, Retrieval, RetrievedItem
-from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, MemoryWrite, Segment, parse_options
+from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, MemoryWrite, Segment
 from engine.models.kv_select import ARCHITECTURES, SelectConfig, SelectiveAnswer, SelectiveModel
 from engine.models.kv_store import KVStore
 from engine.prompts import after_document, document_frame
@@ -75,7 +75,7 @@ class KVCacheMemory(Memory):
     answer_holds_write_lock = True  # the answer reads the store an ingestion appends to
 
     def __init__(self, context: MemoryContext, options: dict[str, Any]) -> None:
-        self.options: KVCacheOptions = parse_options(KVCacheOptions, options)
+        self.options: KVCacheOptions = self.read_options(options)
         if not self.available(context):
             raise ValueError(f"memory 'kvcache' needs a served Llama-family model ({', '.join(ARCHITECTURES)})")
         self.selective = SelectiveModel(context.model, self.options.select_config(), native_step(context.model))

@@ -19,7 +19,7 @@ import torch
 
 from engine.generation import generate_steps
 from engine.interface import CacheInfo, GenerationDone, GenerationEvent, Retrieval
-from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, MemoryWrite, Segment, parse_options
+from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, MemoryWrite, Segment
 from engine.models.neurocache import CacheBinding
 from engine.prompts import history_tokens, render
 
@@ -42,7 +42,7 @@ class NeurocacheMemory(Memory):
     runs_on_model = True
 
     def __init__(self, context: MemoryContext, options: dict[str, Any]) -> None:
-        self.options: NeurocacheOptions = parse_options(NeurocacheOptions, options)
+        self.options: NeurocacheOptions = self.read_options(options)
         if context.neurocache is None:
             raise ValueError("this model has no Neurocache adapter")
         self.neurocache = context.neurocache
@@ -61,7 +61,7 @@ class NeurocacheMemory(Memory):
     def initial_bytes(cls, context: MemoryContext, options: dict[str, Any]) -> int:
         if context.neurocache is None:
             return 0  # refused when made
-        return context.neurocache.cache_bytes(parse_options(NeurocacheOptions, options).capacity)
+        return context.neurocache.cache_bytes(cls.read_options(options).capacity)
 
     def begin_document(self, document_id: str, text: str, tokens: int) -> None:
         self.cache.begin()

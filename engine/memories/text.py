@@ -27,7 +27,7 @@ import numpy as np
 from engine.embedder import Embedder
 from engine.errors import BudgetExceededError
 from engine.interface import CacheInfo, RetrievedItem
-from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment, parse_options
+from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment
 from engine.memories.lexical import LexicalIndex
 from engine.memories.rerank import QUESTION_TOKENS, frame_tokens, pass_bytes, question_ids, question_likelihood
 
@@ -189,7 +189,7 @@ class TextMemory(Memory):
     options_type = TextOptions
 
     def __init__(self, context: MemoryContext, options: dict[str, Any]) -> None:
-        self.options: TextOptions = parse_options(TextOptions, options)
+        self.options: TextOptions = self.read_options(options)
         if context.embedder is None:
             raise ValueError("text memory needs an embedder")
         self._embedder: Embedder = context.embedder
@@ -271,9 +271,12 @@ class TextMemory(Memory):
         self._text_bytes += sys.getsizeof(staged.text)
         self._staged, self._lexical = None, lexical
 
-    def _chunk_texts(self) -> list[str]:
+    def _chunk_texts(self, rows: list[int] | None = None) -> list[str]:
+        """The texts of chunks `rows` (every chunk's by default)."""
+        chosen: slice | list[int] = slice(None) if rows is None else rows
         texts = [text for _, text in self._documents]
-        return [texts[d][a:b] for d, (a, b) in zip(self._chunks.documents.tolist(), self._chunks.spans.tolist(), strict=True)]
+        documents, spans = self._chunks.documents[chosen].tolist(), self._chunks.spans[chosen].tolist()
+        return [texts[d][a:b] for d, (a, b) in zip(documents, spans, strict=True)]
 
     def abort_document(self) -> None:
         self._staged = None
@@ -412,11 +415,7 @@ class TextMemory(Memory):
         if not question_ids(self._tokenizer, query):
             return ranked
         rows = [row for row, _ in ranked]
-        texts = [
-            self._documents[d][1][a:b]
-            for d, (a, b) in zip(self._chunks.documents[rows].tolist(), self._chunks.spans[rows].tolist(), strict=True)
-        ]
-        scores = question_likelihood(self._model, self._tokenizer, texts, query)
+        scores = question_likelihood(self._model, self._tokenizer, self._chunk_texts(rows), query)
         return sorted(zip(rows, scores, strict=True), key=lambda pair: (-pair[1], pair[0]))
 
     def _fused(self, rankings: list[list[int]]) -> list[tuple[int, float]]:

@@ -8,7 +8,7 @@ from typing import Any, cast
 import numpy as np
 
 from engine.interface import CacheInfo, RetrievedItem
-from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment, parse_options
+from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment
 
 _BYTES_PER_TOKEN = 4 + 8  # int32 id + two int32 character offsets
 
@@ -27,7 +27,7 @@ class TruncateMemory(Memory):
     options_type = TruncateOptions
 
     def __init__(self, context: MemoryContext, options: dict[str, Any]) -> None:
-        self.options: TruncateOptions = parse_options(TruncateOptions, options)
+        self.options: TruncateOptions = self.read_options(options)
         self._tokenizer = context.tokenizer
         self._doc_ids: list[str] = []  # committed documents, in order
         self._tail: list[tuple[str, np.ndarray, np.ndarray]] = []  # (document id, ids [n], spans [n, 2])

@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.generation import decode_steps
 from engine.interface import CacheInfo, GenerationEvent, Retrieval
-from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, MemoryWrite, Segment, parse_options
+from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, MemoryWrite, Segment
 from engine.prompts import render
 from research.lms.feeders import feeder_for
 
@@ -36,7 +36,7 @@ class StateMemory(Memory):
     dropped_advice = "This model's own state reaches no further back; a longer text is read through its most recent part."
 
     def __init__(self, context: MemoryContext, options: dict[str, Any]) -> None:
-        self.options: StateOptions = parse_options(StateOptions, options)
+        self.options: StateOptions = self.read_options(options)
         if context.state_model is None:
             raise ValueError(
                 "memory 'state' needs a from-scratch LM checkpoint (transformer, Long-Short, CacheFormer, ...) as the session's model"
