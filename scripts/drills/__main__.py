@@ -1,6 +1,6 @@
 """`make drills`: reliability drills against a real `longdoc serve` on the default model.
 
-    python -m scripts.drills [--only sweep,load,rss,fuzz] [--sessions 16] [--out results.json]
+    python -m scripts.drills [--only sweep,load,rss,fuzz,first] [--sessions 16] [--starts 10] [--out results.json]
 
 Prints each drill's figures as JSON and exits non-zero if any drill failed.
 """
@@ -14,14 +14,16 @@ import sys
 import tempfile
 from pathlib import Path
 
+from research.training.corpus import fetch
 from scripts.drills.crash import crash_passed, run_crash
+from scripts.drills.first import first_passed, run_first
 from scripts.drills.fuzz import fuzz_passed, run_fuzz
 from scripts.drills.load import BOOK, load_passed, run_load
 from scripts.drills.rss import rss_passed, run_rss
 from scripts.drills.server import Server
 from scripts.drills.sweep import run_sweep, sweep_passed
 
-DRILLS = ("sweep", "load", "rss", "crash", "fuzz")
+DRILLS = ("sweep", "load", "rss", "crash", "fuzz", "first")
 LEAK_TOLERANCE = 0.05
 MAX_DOCUMENT_BYTES = 2_000_000
 # Bounded so a drill measures the server's handling, not minutes of decoding on 2 cores.
@@ -47,6 +49,7 @@ def main() -> int:
     parser.add_argument("--keys", type=int, default=4, help="API keys the load drill's sessions are spread over")
     parser.add_argument("--fuzz-examples", type=int, default=20)
     parser.add_argument("--fuzz-seconds", type=int, default=900)
+    parser.add_argument("--starts", type=int, default=10, help="server starts in the first-answer drill")
     parser.add_argument("--out", type=Path, help="also write the results here as JSON")
     args = parser.parse_args()
     chosen = [d for d in args.only.split(",") if d]
@@ -97,6 +100,10 @@ def main() -> int:
         results["crash"] = run_crash(SERVER_ARGS, book, memory=None)
         passed["crash"] = crash_passed(results["crash"])
         report("crash", results["crash"])
+    if "first" in chosen:
+        results["first"] = run_first(SERVER_ARGS, (fetch() / "plrabn12.txt").read_text(encoding="utf-8"), args.starts)
+        passed["first"] = first_passed(results["first"])
+        report("first", results["first"])
     for name in chosen:
         print(f"{name}: {'PASS' if passed[name] else 'FAIL'}")
     if args.out:

@@ -1,0 +1,34 @@
+"""A freshly started server's first greedy answer against the same request's later answers: the
+server is started `starts` times, and each time a default session takes Paradise Lost (132K tokens)
+and is asked one question twice. Passes when every start answered the same, first and second."""
+
+from __future__ import annotations
+
+import collections
+
+import httpx
+
+from scripts.drills.server import Server
+
+QUESTION = {"question": "Which angel did Heaven's King send to converse with Adam and warn him?", "max_tokens": 32}
+
+
+def run_first(server_args: list[str], book: str, starts: int) -> dict:
+    firsts: collections.Counter[str] = collections.Counter()
+    changed = 0
+    for _ in range(starts):
+        server = Server(server_args).start()
+        try:
+            client = httpx.Client(base_url=server.url, timeout=600)
+            session_id = client.post("/v1/sessions", json={}).json()["id"]
+            client.post(f"/v1/sessions/{session_id}/documents", json={"text": book}).raise_for_status()
+            first, second = (client.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).json()["answer"] for _ in range(2))
+        finally:
+            server.stop()
+        firsts[first] += 1
+        changed += first != second
+    return {"starts": starts, "first_answers": dict(firsts), "first_differs_from_second": changed}
+
+
+def first_passed(result: dict) -> bool:
+    return len(result["first_answers"]) == 1 and result["first_differs_from_second"] == 0
