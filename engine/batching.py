@@ -325,6 +325,15 @@ class Batcher:
         """Answers in the batch now (admitted, not yet finished)."""
         return len(self._rows)
 
+    @torch.inference_mode()
+    def warm_up(self, prompt_ids: list[int]) -> None:
+        """On the worker thread, before the first request: one answer's prefill and decode step,
+        thrown away (engine/registry.py's `warm_up` says why)."""
+        row = Row(list(prompt_ids), GenerationParams(max_tokens=2, ignore_eos=True))
+        row.state = AnswerState(self._tokenizer, row.prompt_ids, row.params, self._stop_tokens)
+        row.state.take(self._decoder.prefill(row))
+        row.state.take(self._decoder.step([row])[0])
+
     async def generate(self, prompt_ids: list[int], params: GenerationParams) -> AsyncGenerator[GenerationEvent, None]:
         """Text deltas, then done; leaving early cancels the row before its next step."""
         row = Row(list(prompt_ids), params)

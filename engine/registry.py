@@ -12,8 +12,8 @@ from engine.batching import BatchDecoder, Batcher, native_step
 from engine.config import EngineConfig
 from engine.embedder import Embedder
 from engine.errors import InvalidRequestError, NotFoundError
-from engine.generation import StopTokens
-from engine.interface import ModelInfo
+from engine.generation import StopTokens, generate_steps
+from engine.interface import GenerationParams, ModelInfo
 from engine.memories import MEMORIES, MemoryContext, check_options
 from engine.models import manifest as manifests
 from engine.models.loader import LoadedModel, load_model
@@ -24,6 +24,10 @@ from engine.models.quantize import quantize_linears
 from engine.worker import SerialWorker
 
 log = logging.getLogger(__name__)
+
+
+# A prompt of about 60 tokens: long enough that its passes split their work among the threads
+WARM_UP_TEXT = " ".join(["A short passage read once before the first request, and thrown away."] * 5)
 
 
 @dataclass
@@ -115,6 +119,7 @@ class ModelRegistry:
                     loaded.cache_dtype = CACHE_DTYPE
             stop = StopTokens.of(loaded.model, loaded.tokenizer)
             runtime = ModelRuntime(loaded, worker, stop, neurocache, self._batcher(loaded, worker, stop))
+            warm_up(runtime)
             if (
                 runtime.manifest_options or runtime.generation_defaults
             ):  # read and checked now: a bad manifest is logged at startup
@@ -182,3 +187,22 @@ class ModelRegistry:
     def shutdown(self) -> None:
         for runtime in self._runtimes.values():
             runtime.worker.shutdown()
+
+
+def warm_up(runtime: ModelRuntime) -> None:
+    """Answer a short prompt once, on the compute thread, before the first request. A process's
+    first pass through the model does not always compute the bits later passes do: in the first
+    prefill of a freshly started server, some of the rotary embedding's cosines came out one
+    bfloat16 step apart now and then, and changed that server's first greedy answer; later requests
+    never differed. With this pass first, the first answer is the later ones' (docs/reliability.md,
+    "first"). A model that answers through its own memory is left alone."""
+    loaded = runtime.loaded
+    if loaded.own_memory is not None:
+        return
+    ids = list(loaded.tokenizer(WARM_UP_TEXT, add_special_tokens=False)["input_ids"])[: max(1, loaded.context_len - 2)]
+    if runtime.batcher is not None:
+        runtime.batcher.warm_up(ids)
+        return
+    params = GenerationParams(max_tokens=2, ignore_eos=True)
+    for _ in generate_steps(loaded.model, loaded.tokenizer, ids, params, runtime.stop_tokens):
+        pass
