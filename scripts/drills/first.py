@@ -19,10 +19,10 @@ def run_first(server_args: list[str], book: str, starts: int) -> dict:
     for _ in range(starts):
         server = Server(server_args).start()
         try:
-            client = httpx.Client(base_url=server.url, timeout=600)
-            session_id = client.post("/v1/sessions", json={}).json()["id"]
-            client.post(f"/v1/sessions/{session_id}/documents", json={"text": book}).raise_for_status()
-            first, second = (client.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).json()["answer"] for _ in range(2))
+            with httpx.Client(base_url=server.url, timeout=600) as client:
+                session_id = client.post("/v1/sessions", json={}).json()["id"]
+                client.post(f"/v1/sessions/{session_id}/documents", json={"text": book}).raise_for_status()
+                first, second = (client.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).json()["answer"] for _ in range(2))
         finally:
             server.stop()
         firsts[first] += 1
