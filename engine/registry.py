@@ -26,7 +26,7 @@ from engine.worker import SerialWorker
 log = logging.getLogger(__name__)
 
 
-# 70 tokens on SmolLM2: a prompt long enough that its passes split their work among the threads
+# 70 tokens on SmolLM2: a short prompt, as a question with its excerpt is
 WARM_UP_TEXT = " ".join(["A short passage read once before the first request, and thrown away."] * 5)
 
 
