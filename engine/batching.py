@@ -326,10 +326,10 @@ class Batcher:
         return len(self._rows)
 
     @torch.inference_mode()
-    def warm_up(self, prompt_ids: list[int]) -> None:
-        """On the worker thread, before the first request: one answer's prefill and decode step,
-        thrown away (engine/registry.py's `warm_up` says why)."""
-        row = Row(list(prompt_ids), GenerationParams(max_tokens=2, ignore_eos=True))
+    def warm_up(self, prompt_ids: list[int], params: GenerationParams) -> None:
+        """One answer's prefill and decode step, thrown away, called directly (not through the
+        worker) on the compute thread before the first tick (engine/registry.py's `warm_up` says why)."""
+        row = Row(list(prompt_ids), params)
         row.state = AnswerState(self._tokenizer, row.prompt_ids, row.params, self._stop_tokens)
         row.state.take(self._decoder.prefill(row))
         row.state.take(self._decoder.step([row])[0])

@@ -26,7 +26,7 @@ from engine.worker import SerialWorker
 log = logging.getLogger(__name__)
 
 
-# 70 tokens on SmolLM2: a short prompt, as a question with its excerpt is
+# 70 tokens on SmolLM2: a prefill, a decode step and the repetition guard's vocabulary scan, on the model's own path
 WARM_UP_TEXT = " ".join(["A short passage read once before the first request, and thrown away."] * 5)
 
 
@@ -190,19 +190,21 @@ class ModelRegistry:
 
 
 def warm_up(runtime: ModelRuntime) -> None:
-    """Answer a short prompt once, on the compute thread, before the first request. A process's
-    first pass through the model does not always compute the bits later passes do: in the first
-    prefill of a freshly started server, some of the rotary embedding's cosines came out one
-    bfloat16 step apart now and then, and changed that server's first greedy answer; later requests
-    never differed. With this pass first, the first answer is the later ones' (docs/reliability.md,
-    "first"). A model that answers through its own memory is left alone."""
+    """Answer a short prompt once before the first request (the registry loads on the compute
+    thread, before any request). In the first prefill of a freshly started server, some of the
+    rotary embedding's cosines now and then came out one bfloat16 step apart, and changed that
+    server's first greedy answer; later requests never differed. The cause was not found; with this
+    pass first, no start has shown it so far (docs/reliability.md, "first", has the counts). A model
+    that answers through its own memory (a plugin) runs none of these paths and is skipped. A
+    failure here stops the server from starting, as a failing load does."""
     loaded = runtime.loaded
     if loaded.own_memory is not None:
         return
-    ids = list(loaded.tokenizer(WARM_UP_TEXT, add_special_tokens=False)["input_ids"])[: max(1, loaded.context_len - 2)]
-    if runtime.batcher is not None:
-        runtime.batcher.warm_up(ids)
-        return
     params = GenerationParams(max_tokens=2, ignore_eos=True)
+    ids = list(loaded.tokenizer(WARM_UP_TEXT, add_special_tokens=False)["input_ids"])
+    ids = ids[: max(1, loaded.context_len - params.max_tokens)]
+    if runtime.batcher is not None:
+        runtime.batcher.warm_up(ids, params)
+        return
     for _ in generate_steps(loaded.model, loaded.tokenizer, ids, params, runtime.stop_tokens):
         pass

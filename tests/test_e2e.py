@@ -97,16 +97,15 @@ def first_events(server, session):
 
 
 def test_streamed_answer_about_the_middle_of_the_book(first_events):
-    events = first_events
-    assert events[0].event == "retrieval"
-    deltas = [e.data["text"] for e in events if e.event == "delta"]
+    assert first_events[0].event == "retrieval"
+    deltas = [e.data["text"] for e in first_events if e.event == "delta"]
     assert len(deltas) > 3  # it really streamed, token by token
     answer = "".join(deltas)
     assert names_the_sisters(answer), answer
     book = BOOK.read_text(encoding="utf-8")
-    spans = [book[i["char_start"] : i["char_end"]] for i in events[0].data["items"]]
+    spans = [book[i["char_start"] : i["char_end"]] for i in first_events[0].data["items"]]
     assert any(all(name in span for name in ANSWER_NAMES) for span in spans)
-    assert events[-1].event == "done" and events[-1].data["timings"]["ttft_seconds"] > 0
+    assert first_events[-1].event == "done" and first_events[-1].data["timings"]["ttft_seconds"] > 0
 
 
 def test_openai_sdk_streams_the_answer(server, session, first_events):
