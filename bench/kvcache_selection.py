@@ -1,4 +1,4 @@
-"""kvcache's selection against perfect selection, on pass keys (the default model, through the engine).
+"""kvcache's selection against perfect selection, on pass keys or QA questions (the default model, through the engine).
 
 Each pass-key document (`longdoc eval passkey`'s, one per depth) is fed once into a kvcache
 session; the question is then asked under each answering config (swapped on the session's
@@ -9,7 +9,13 @@ documents and keys, so a miss that the forced row shares is the model's reading,
 Prints, per config: pass keys answered, and the mean number of layers (of the model's) whose
 prompt pass picked the needle's segment (a needle in the local window counts 0).
 
+With `--qa TEXT`, the QA benchmark's development questions about one text instead: the text is fed
+once (with the options of `--session`), and each question is asked with the session's selection
+and with every segment that meets its gold passage forced into every pick, scored as
+`longdoc eval qa` scores.
+
     .venv/bin/python -m bench.kvcache_selection --length 8192 --configs '{}' '{"selection": "keys", "reselect_every": 1}' --forced '{"selection": "keys"}'
+    .venv/bin/python -m bench.kvcache_selection --qa asyoulik --session '{"top_k": 1, "window": 128}'
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ from typing import Any, cast
 import torch
 
 from engine.engine import Engine
-from engine.interface import RetrievedItem
+from engine.interface import GenerationParams, RetrievedItem, TokenDelta
 from engine.memories.kvcache import KVCacheMemory
 from engine.models import kv_select
+from research.evals import qa
+from research.evals import texts as qa_texts
 from research.training.corpus import fetch, split
 from research.training.evaluate import (
     PASSKEY_QUESTION,
@@ -44,14 +52,15 @@ DEPTHS = (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95)
 
 
 @contextlib.contextmanager
-def forced(segment: int) -> Iterator[None]:
-    """Every selection picks `segment` first: its score is +inf whatever the scoring."""
+def forced(*segments: int) -> Iterator[None]:
+    """Every selection picks `segments` first: their scores are +inf whatever the scoring."""
     real = kv_select.pick_segments
 
     def pick(scores: torch.Tensor, eligible: int, top_k: int, neighbours: int) -> list[list[int]]:
-        if segment < eligible:
-            scores = scores.clone()
-            scores[:, segment] = float("inf")
+        scores = scores.clone()
+        for segment in segments:
+            if segment < eligible:
+                scores[:, segment] = float("inf")
         return real(scores, eligible, top_k, neighbours)
 
     kv_select.pick_segments = pick
@@ -115,13 +124,55 @@ def run(
     ]
 
 
+def run_qa(text: str, options: dict[str, Any]) -> list[dict[str, Any]]:
+    """Development questions about `text`: the session's selection, then the gold segments forced."""
+    questions = [q for q in qa.load_questions(qa.DEV_QUESTIONS) if q.text == text]
+    if not questions:
+        raise SystemExit(f"no development question is about {text!r}")
+    correct = {"selected": 0, "gold forced": 0}
+
+    async def ask(engine: Engine, session_id: str, question: str) -> str:
+        parts = []
+        async for event in await engine.ask(session_id, question, GenerationParams(max_tokens=qa.ANSWER_TOKENS)):
+            if isinstance(event, TokenDelta):
+                parts.append(event.text)
+        return "".join(parts)
+
+    async def body(engine: Engine) -> None:
+        session = engine.create_session(None, "kvcache", options)
+        async for _ in await engine.ingest(session.id, qa_texts.load(text), text):
+            pass
+        memory = cast(KVCacheMemory, engine.sessions.use(session.id).memory)
+        config = memory.selective.config
+        for question in questions:
+            rows = (memory.token_at(0, char) for char in range(question.start, question.end))
+            gold = sorted({(r - config.sinks) // config.segment_len for r in rows if r is not None and r >= config.sinks})
+            for name in correct:
+                with forced(*gold) if name == "gold forced" else contextlib.nullcontext():
+                    answer_text = await ask(engine, session.id, question.question)
+                hit = qa.is_correct(answer_text, question.answers)
+                correct[name] += hit
+                print(f"{question.id} {name} (segments {gold}): {hit} {' '.join(answer_text.split())[:80]!r}", flush=True)
+
+    run_with_engine(EvalSetup(device="cpu"), 200_000, body)
+    label = f"kvcache {json.dumps(options)}" if options else "kvcache"
+    return [
+        {"memory": label, "text": text, "picks": name, "correct": n, "questions": len(questions)} for name, n in correct.items()
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=8192, help="document tokens")
     parser.add_argument("--configs", nargs="+", default=["{}"], help="answering options, JSON, one run each")
     parser.add_argument("--depth", type=float, action="append", help=f"where the key is, 0..1 (default: {DEPTHS})")
     parser.add_argument("--forced", default=None, help="options of the forced run, JSON (none: no forced run)")
+    parser.add_argument("--qa", default=None, help="a development text's name: its QA questions in place of pass keys")
+    parser.add_argument("--session", default="{}", help="with --qa: the kvcache session's options, JSON")
     args = parser.parse_args()
+    if args.qa is not None:
+        print(markdown(run_qa(args.qa, json.loads(args.session))))
+        return
     forced_config = json.loads(args.forced) if args.forced is not None else None
     rows = run(args.length, tuple(args.depth or DEPTHS), [json.loads(c) for c in args.configs], forced_config)
     print(markdown(rows))
