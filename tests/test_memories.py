@@ -13,7 +13,7 @@ from engine.errors import BudgetExceededError, InvalidRequestError, TooLargeErro
 from engine.ingest import ingest_steps, piece_bounds, tokenize_document
 from engine.interface import DocumentInfo, IngestDone
 from engine.memories import MemoryContext, build_memory
-from engine.memories.text import TextMemory, chunk_sentences
+from engine.memories.text import TextMemory, chunk_sentences, sentence_bounds
 from tests.helpers import filler
 
 FACT = "The secret harbour of Velmora is guarded by a lighthouse painted violet."
@@ -268,9 +268,10 @@ def test_score_fusion_is_the_weighted_sum_of_both_scores_standardized(context, t
 
 @pytest.mark.parametrize("options", [{}, {"fusion": "rank"}, {"retrieval": "dense"}])
 def test_ranked_spans_are_the_order_retrieval_takes_chunks_in(context, tiny_tokenizer, options):
-    """`retrieve` with top_k k holds exactly the first k of `ranked_spans` (merged where they touch)."""
+    """`retrieve` with top_k k holds exactly the first k of `ranked_spans` (merged where they touch),
+    excerpts as their chunks end (`sentence_tokens` 0)."""
     text = filler(60) + " " + FACT + " " + filler(60) + " " + RARE + " " + filler(60)
-    memory = text_memory(context, {"chunk_tokens": 16, "top_k": 3, "context_tokens": 1000, **options})
+    memory = text_memory(context, {"chunk_tokens": 16, "top_k": 3, "context_tokens": 1000, "sentence_tokens": 0, **options})
     ingest(memory, tiny_tokenizer, "book", text)
     question = "Who was handed the Z80 bootloader, and what colour is the Velmora lighthouse?"
     ranked = memory.ranked_spans(question)
@@ -356,6 +357,49 @@ def test_a_chunks_sentences_are_bounded_and_cover_it():
     assert chunk_sentences("One. Two. Three.") == [(0, 4), (5, 9), (10, 16)]
 
 
+def test_sentence_bounds_widen_to_the_nearest_boundaries_in_reach():
+    text = "Alpha one. Beta two three four. Gamma five six."
+    beta = text.index("Beta")
+    assert sentence_bounds(text, beta + 3, beta + 12, 40, 0, len(text)) == (beta, text.index(" Gamma"))
+    assert sentence_bounds(text, beta + 3, beta + 12, 2, 0, len(text)) == (beta + 3, beta + 12)  # none in reach
+    assert sentence_bounds(text, beta, text.index(" Gamma"), 40, 0, len(text)) == (beta, text.index(" Gamma"))  # whole
+    assert sentence_bounds(text, 3, len(text) - 4, 8, 0, len(text)) == (0, len(text))  # the text's own ends
+    assert sentence_bounds(text, beta + 3, beta + 12, 40, beta + 1, beta + 14) == (beta + 3, beta + 12)  # kept inside
+    assert sentence_bounds('He said "go." Then', 4, 10, 20, 0, 18) == (0, 13)  # the closing quote goes with it
+
+
+def test_excerpts_are_widened_to_whole_sentences_within_the_budget(context, tiny_tokenizer):
+    fact = FACT[:-1] + ", which the old keepers of the northern coast repainted every spring before the boats came home."
+    text = filler(40) + " " + fact + " " + filler(40)
+    question = "What colour is the lighthouse of Velmora?"
+    cut = text_memory(context, {"chunk_tokens": 16, "top_k": 1, "sentence_tokens": 0})
+    whole = text_memory(context, {"chunk_tokens": 16, "top_k": 1})
+    for memory in (cut, whole):
+        ingest(memory, tiny_tokenizer, "book", text)
+    [chunk] = cut.retrieve(question, 1000)
+    assert fact not in chunk.text and "Velmora" in chunk.text  # part of the fact's sentence
+    [piece] = whole.retrieve(question, 1000)
+    assert piece.text == fact and text[piece.item.char_start : piece.item.char_end] == fact
+    budget = len(tiny_tokenizer(chunk.text, add_special_tokens=False)["input_ids"]) + 2
+    [tight] = whole.retrieve(question, budget)  # no room to widen: the chunk as it was cut
+    assert tight.text == chunk.text
+
+
+def test_widened_excerpts_never_overlap(context, tiny_tokenizer):
+    """Two chosen chunks of one long sentence, a chunk apart: each widens towards the sentence's
+    ends, and stops where the other begins."""
+    sentence = "Velmora velmora opens it, " + "then a plain stretch of common words, " * 6 + "and velmora velmora ends it."
+    text = filler(30) + " " + sentence + " " + filler(30)
+    memory = text_memory(context, {"chunk_tokens": 16, "top_k": 2, "sentence_tokens": 256})
+    ingest(memory, tiny_tokenizer, "book", text)
+    pieces = memory.retrieve("velmora", 1000)
+    spans = [(p.item.char_start, p.item.char_end) for p in pieces]
+    at = text.index(sentence)
+    assert len(pieces) == 2 and spans[0][0] <= at and spans[1][1] == at + len(sentence)  # widened to the sentence's ends
+    assert spans == sorted(spans) and all(a_end <= b_start for (_, a_end), (b_start, _) in pairwise(spans))
+    assert all(text[a:b] == p.text for (a, b), p in zip(spans, pieces, strict=True))
+
+
 def test_bad_retrieval_options_are_user_errors(context):
     for options in (
         {"retrieval": "magic"},
@@ -364,6 +408,7 @@ def test_bad_retrieval_options_are_user_errors(context):
         {"focus_tokens": 40_000},
         {"fusion": "max"},
         {"dense_weight": 1.5},
+        {"sentence_tokens": 600},
     ):
         with pytest.raises(InvalidRequestError):
             build_memory("text", context, options)

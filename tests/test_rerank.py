@@ -57,7 +57,7 @@ def test_rerank_chooses_the_chunks_the_reader_scores_best(tiny_model, tiny_token
     text = filler(120) + " " + FACT + " " + filler(60) + " " + RARE + " " + filler(120)
     runs = []
     for _ in range(2):
-        memory = build_memory("text", context, {"chunk_tokens": 32, "top_k": 2, "rerank": 6})
+        memory = build_memory("text", context, {"chunk_tokens": 32, "top_k": 2, "rerank": 6, "sentence_tokens": 0})
         ingest(memory, tiny_tokenizer, "book", text)
         runs.append(memory.retrieve(QUESTION, max_tokens=1000))
     assert runs[0] == runs[1]  # deterministic

@@ -54,6 +54,23 @@ def _sentences(text: str) -> list[tuple[int, int]]:
     return spans
 
 
+def sentence_bounds(text: str, start: int, end: int, reach: int, low: int, high: int) -> tuple[int, int]:
+    """[start, end) widened to the nearest sentence boundaries at most `reach` characters out, and
+    never past [low, high); an end with no boundary in reach stays where it is (the document's own
+    start counts as a boundary)."""
+    ends = list(_SENTENCE_END.finditer(text, max(low, start - reach), start))
+    if ends:
+        start = ends[-1].end()
+    elif low == 0 and start <= reach:
+        start = 0
+    after = _SENTENCE_END.search(text, end, min(high, end + reach))
+    if after is not None:
+        end = after.start() + len(after.group().rstrip())  # closing quotes and brackets included
+    elif end + reach >= len(text) and high == len(text):
+        end = len(text)
+    return start, end
+
+
 def chunk_sentences(text: str, limit: int = MAX_SENTENCES) -> list[tuple[int, int]]:
     """(start, end) of a chunk's sentences; past `limit` sentences, runs of neighbours are grouped."""
     spans = _sentences(text)
@@ -92,6 +109,9 @@ class TextOptions:
     max_chunks: int = 200_000
     focus_tokens: int = 0  # > 0: of the chosen chunks, only their best sentences, this many tokens; 0: whole chunks
     rerank: int = 0  # > 0: the chunks are chosen from this many best fused ones, reordered by the reader
+    sentence_tokens: int = (
+        50  # whole chunks: up to about this many tokens added at each end of an excerpt to end it on a sentence boundary
+    )
 
     def __post_init__(self) -> None:
         if not 16 <= self.chunk_tokens <= 512:
@@ -114,6 +134,8 @@ class TextOptions:
             raise ValueError(f"rerank must be 0 (off) or between top_k ({self.top_k}) and 64")
         if not 0 <= self.focus_tokens <= 32_768:
             raise ValueError("focus_tokens must be between 0 and 32768 (0: whole chunks)")
+        if not 0 <= self.sentence_tokens <= 512:
+            raise ValueError("sentence_tokens must be between 0 and 512 (0: excerpts end where their chunks do)")
 
 
 @dataclass
@@ -294,7 +316,8 @@ class TextMemory(Memory):
         if self.options.focus_tokens:
             assert query_vector is not None
             return self._focus(query, query_vector, chosen, min(max_tokens, self.options.focus_tokens))
-        return self._whole_chunks(chosen)
+        room = min(max_tokens, self.options.context_tokens) - int(self._chunks.tokens[list(chosen)].sum())
+        return self._whole_chunks(chosen, room)
 
     def _query_vector(self, query: str) -> np.ndarray | None:
         """The question's MiniLM vector (one pass), where retrieval or focus uses one."""
@@ -426,15 +449,42 @@ class TextMemory(Memory):
                 fused[item] = fused.get(item, 0.0) + 1.0 / (self.options.rrf_k + rank + 1)
         return sorted(fused.items(), key=lambda pair: (-pair[1], pair[0]))
 
-    def _whole_chunks(self, chosen: dict[int, float]) -> list[ContextPiece]:
-        """The chosen chunks in document order, consecutive chunks of one document as one excerpt."""
-        documents = self._chunks.documents
+    def _whole_chunks(self, chosen: dict[int, float], room: int = 0) -> list[ContextPiece]:
+        """The chosen chunks in document order, consecutive chunks of one document as one excerpt;
+        with `room` tokens to spare, excerpts widened to whole sentences (`_widened`)."""
+        documents, spans = self._chunks.documents, self._chunks.spans
         runs = _runs(sorted(chosen), lambda a, b: b == a + 1 and documents[a] == documents[b])
-        return [self._piece(run, chosen) for run in runs]
+        excerpts = [(int(documents[run[0]]), int(spans[run[0]][0]), int(spans[run[-1]][1])) for run in runs]
+        if self.options.sentence_tokens and room > 0:
+            excerpts = self._widened(excerpts, room)
+        return [self._piece(run, excerpt, chosen) for run, excerpt in zip(runs, excerpts, strict=True)]
 
-    def _piece(self, run: list[int], scores: dict[int, float]) -> ContextPiece:
-        document_id, text = self._documents[self._chunks.documents[run[0]]]
-        start, end = int(self._chunks.spans[run[0]][0]), int(self._chunks.spans[run[-1]][1])
+    def _widened(self, excerpts: list[tuple[int, int, int]], room: int) -> list[tuple[int, int, int]]:
+        """Excerpts (document, start, end), in document order, each moved out to the sentence
+        boundaries within `sentence_tokens` of its ends while what it adds fits in `room` tokens;
+        an excerpt never grows into the next or the one before. A chunk is cut at a token count,
+        often mid-sentence; the reader answers more often from whole sentences (docs/benchmarks.md)."""
+        reach = self.options.sentence_tokens * _CHARS_PER_TOKEN
+        widened: list[tuple[int, int, int]] = []
+        for i, (document, start, end) in enumerate(excerpts):
+            text = self._documents[document][1]
+            low = widened[-1][2] if widened and widened[-1][0] == document else 0
+            following = excerpts[i + 1] if i + 1 < len(excerpts) else None
+            high = following[1] if following is not None and following[0] == document else len(text)
+            first, last = sentence_bounds(text, start, end, reach, low, high)
+            added = self._token_count(text[first:start]) + self._token_count(text[end:last])
+            if added <= room:
+                room -= added
+                start, end = first, last
+            widened.append((document, start, end))
+        return widened
+
+    def _token_count(self, text: str) -> int:
+        return len(self._tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
+
+    def _piece(self, run: list[int], excerpt: tuple[int, int, int], scores: dict[int, float]) -> ContextPiece:
+        document, start, end = excerpt
+        document_id, text = self._documents[document]
         score = max(scores[row] for row in run)
         item = RetrievedItem(chunk_id=run[0], document_id=document_id, char_start=start, char_end=end, score=score)
         return ContextPiece(text[start:end], item)
