@@ -13,7 +13,7 @@ from engine.errors import BudgetExceededError, InvalidRequestError, TooLargeErro
 from engine.ingest import ingest_steps, piece_bounds, tokenize_document
 from engine.interface import DocumentInfo, IngestDone
 from engine.memories import MemoryContext, build_memory
-from engine.memories.text import TextMemory, chunk_sentences, sentence_bounds
+from engine.memories.text import TextMemory, chunk_sentences, sentence_end, sentence_start
 from tests.helpers import filler
 
 FACT = "The secret harbour of Velmora is guarded by a lighthouse painted violet."
@@ -357,15 +357,30 @@ def test_a_chunks_sentences_are_bounded_and_cover_it():
     assert chunk_sentences("One. Two. Three.") == [(0, 4), (5, 9), (10, 16)]
 
 
-def test_sentence_bounds_widen_to_the_nearest_boundaries_in_reach():
-    text = "Alpha one. Beta two three four. Gamma five six."
-    beta = text.index("Beta")
-    assert sentence_bounds(text, beta + 3, beta + 12, 40, 0, len(text)) == (beta, text.index(" Gamma"))
-    assert sentence_bounds(text, beta + 3, beta + 12, 2, 0, len(text)) == (beta + 3, beta + 12)  # none in reach
-    assert sentence_bounds(text, beta, text.index(" Gamma"), 40, 0, len(text)) == (beta, text.index(" Gamma"))  # whole
-    assert sentence_bounds(text, 3, len(text) - 4, 8, 0, len(text)) == (0, len(text))  # the text's own ends
-    assert sentence_bounds(text, beta + 3, beta + 12, 40, beta + 1, beta + 14) == (beta + 3, beta + 12)  # kept inside
-    assert sentence_bounds('He said "go." Then', 4, 10, 20, 0, 18) == (0, 13)  # the closing quote goes with it
+def test_an_excerpt_widens_to_the_nearest_sentence_boundaries_in_reach():
+    text = "Alpha one. Beta two three four.\nGamma five six."
+    beta, gamma = text.index("Beta"), text.index("Gamma")
+    whole = len(text) + 1
+    assert sentence_start(text, beta + 3, reach=40, low=0) == beta
+    assert sentence_end(text, beta + 3, reach=40, high=whole - 1) == gamma - 1  # up to the full stop
+    assert sentence_start(text, beta + 3, reach=2, low=0) == beta + 3  # none in reach: as it was
+    assert sentence_end(text, beta + 3, reach=2, high=whole - 1) == beta + 3
+    assert sentence_start(text, 3, reach=8, low=0) == 0  # the text's own ends are boundaries
+    assert sentence_end(text, len(text) - 4, reach=8, high=len(text)) == len(text)
+    assert sentence_start(text, beta + 3, reach=40, low=beta + 1) == beta + 3  # never before the excerpt before
+    assert sentence_end(text, beta + 3, reach=40, high=beta + 14) == beta + 3  # nor into the one after
+    assert sentence_end('He said "go." Then', 10, reach=20, high=18) == 13  # the closing quote goes with it
+
+
+def test_an_excerpt_on_sentence_boundaries_stays_as_it_is():
+    """A token's span holds its leading space: a chunk that starts a sentence starts on the space
+    before it, and one that ends a sentence may end after its line break. Neither takes in a
+    neighbouring sentence."""
+    text = "One two three four five. Six seven eight nine ten.\nEleven twelve."
+    six, eleven = text.index(" Six"), text.index("Eleven")
+    assert sentence_start(text, six, reach=200, low=0) == six + 1  # "Six", not "One"
+    assert sentence_end(text, eleven, reach=200, high=len(text)) == eleven  # after the line break: not "Eleven twelve."
+    assert sentence_end(text, eleven - 1, reach=200, high=len(text)) == eleven - 1  # at the full stop
 
 
 def test_excerpts_are_widened_to_whole_sentences_within_the_budget(context, tiny_tokenizer):
@@ -380,9 +395,11 @@ def test_excerpts_are_widened_to_whole_sentences_within_the_budget(context, tiny
     assert fact not in chunk.text and "Velmora" in chunk.text  # part of the fact's sentence
     [piece] = whole.retrieve(question, 1000)
     assert piece.text == fact and text[piece.item.char_start : piece.item.char_end] == fact
-    budget = len(tiny_tokenizer(chunk.text, add_special_tokens=False)["input_ids"]) + 2
-    [tight] = whole.retrieve(question, budget)  # no room to widen: the chunk as it was cut
+    chunk_tokens = len(tiny_tokenizer(chunk.text, add_special_tokens=False)["input_ids"])
+    [tight] = whole.retrieve(question, chunk_tokens)  # no room to widen: the chunk as it was cut
     assert tight.text == chunk.text
+    [start_only] = whole.retrieve(question, chunk_tokens + 3)  # room for the sentence's first words, not its end
+    assert start_only.text.startswith("The secret harbour") and start_only.text.endswith(chunk.text.rstrip())
 
 
 def test_widened_excerpts_never_overlap(context, tiny_tokenizer):
@@ -395,7 +412,7 @@ def test_widened_excerpts_never_overlap(context, tiny_tokenizer):
     pieces = memory.retrieve("velmora", 1000)
     spans = [(p.item.char_start, p.item.char_end) for p in pieces]
     at = text.index(sentence)
-    assert len(pieces) == 2 and spans[0][0] <= at and spans[1][1] == at + len(sentence)  # widened to the sentence's ends
+    assert len(pieces) == 2 and spans[0][0] == at and spans[1][1] == at + len(sentence)  # widened to the sentence's ends
     assert spans == sorted(spans) and all(a_end <= b_start for (_, a_end), (b_start, _) in pairwise(spans))
     assert all(text[a:b] == p.text for (a, b), p in zip(spans, pieces, strict=True))
 

@@ -54,21 +54,32 @@ def _sentences(text: str) -> list[tuple[int, int]]:
     return spans
 
 
-def sentence_bounds(text: str, start: int, end: int, reach: int, low: int, high: int) -> tuple[int, int]:
-    """[start, end) widened to the nearest sentence boundaries at most `reach` characters out, and
-    never past [low, high); an end with no boundary in reach stays where it is (the document's own
-    start counts as a boundary)."""
-    ends = list(_SENTENCE_END.finditer(text, max(low, start - reach), start))
+def sentence_start(text: str, start: int, *, reach: int, low: int) -> int:
+    """Where the sentence holding text[start] begins, when that is at most `reach` characters back
+    and not before `low` (the end of the excerpt before; 0 when there is none, and then the text's
+    own start counts as a boundary); else `start`. Whitespace at `start` is stepped over first: a
+    token's span holds its leading space, so a chunk that starts a sentence starts on the space."""
+    first = start
+    while first < min(len(text), start + reach) and text[first].isspace():
+        first += 1
+    ends = list(_SENTENCE_END.finditer(text, max(low, first - reach), first))
     if ends:
-        start = ends[-1].end()
-    elif low == 0 and start <= reach:
-        start = 0
-    after = _SENTENCE_END.search(text, end, min(high, end + reach))
+        return ends[-1].end()
+    return 0 if low == 0 and first <= reach else start
+
+
+def sentence_end(text: str, end: int, *, reach: int, high: int) -> int:
+    """Where the sentence holding text[end - 1] ends, closing quotes and brackets included, when
+    that is at most `reach` characters on and not past `high` (the start of the excerpt after, or
+    the text's length, whose end then counts as a boundary); else `end`. Whitespace before `end` is
+    stepped back over first, so a chunk that ends a sentence with its line break stays as it is."""
+    last = end
+    while last > max(0, end - reach) and text[last - 1].isspace():
+        last -= 1
+    after = _SENTENCE_END.search(text, last, min(high, end + reach))
     if after is not None:
-        end = after.start() + len(after.group().rstrip())  # closing quotes and brackets included
-    elif end + reach >= len(text) and high == len(text):
-        end = len(text)
-    return start, end
+        return max(end, after.start() + len(after.group().rstrip()))
+    return len(text) if high == len(text) and len(text) - end <= reach else end
 
 
 def chunk_sentences(text: str, limit: int = MAX_SENTENCES) -> list[tuple[int, int]]:
@@ -460,9 +471,9 @@ class TextMemory(Memory):
         return [self._piece(run, excerpt, chosen) for run, excerpt in zip(runs, excerpts, strict=True)]
 
     def _widened(self, excerpts: list[tuple[int, int, int]], room: int) -> list[tuple[int, int, int]]:
-        """Excerpts (document, start, end), in document order, each moved out to the sentence
-        boundaries within `sentence_tokens` of its ends while what it adds fits in `room` tokens;
-        an excerpt never grows into the next or the one before. A chunk is cut at a token count,
+        """Excerpts (document, start, end), in document order, each end moved out to the sentence
+        boundary within `sentence_tokens` of it while what it adds fits in `room` tokens (the
+        start first); an excerpt never grows into the next or the one before. A chunk is cut at a token count,
         often mid-sentence; the reader answers more often from whole sentences (docs/benchmarks.md)."""
         reach = self.options.sentence_tokens * _CHARS_PER_TOKEN
         widened: list[tuple[int, int, int]] = []
@@ -471,11 +482,12 @@ class TextMemory(Memory):
             low = widened[-1][2] if widened and widened[-1][0] == document else 0
             following = excerpts[i + 1] if i + 1 < len(excerpts) else None
             high = following[1] if following is not None and following[0] == document else len(text)
-            first, last = sentence_bounds(text, start, end, reach, low, high)
-            added = self._token_count(text[first:start]) + self._token_count(text[end:last])
-            if added <= room:
-                room -= added
-                start, end = first, last
+            first = sentence_start(text, start, reach=reach, low=low)
+            if (added := self._token_count(text[first:start])) <= room:
+                room, start = room - added, first
+            last = sentence_end(text, end, reach=reach, high=high)
+            if (added := self._token_count(text[end:last])) <= room:
+                room, end = room - added, last
             widened.append((document, start, end))
         return widened
 
