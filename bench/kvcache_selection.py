@@ -53,14 +53,16 @@ DEPTHS = (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95)
 
 @contextlib.contextmanager
 def forced(*segments: int) -> Iterator[None]:
-    """Every selection picks `segments` first: their scores are +inf whatever the scoring."""
+    """Every selection picks `segments` first, in that order, whatever the scoring: the first
+    scores +inf, the others just below it and above every real score."""
     real = kv_select.pick_segments
 
     def pick(scores: torch.Tensor, eligible: int, top_k: int, neighbours: int) -> list[list[int]]:
         scores = scores.clone()
-        for segment in segments:
+        above = scores[:, :eligible].max() + len(segments) if eligible else 0.0
+        for place, segment in enumerate(segments):
             if segment < eligible:
-                scores[:, segment] = float("inf")
+                scores[:, segment] = float("inf") if place == 0 else above - place
         return real(scores, eligible, top_k, neighbours)
 
     kv_select.pick_segments = pick
@@ -147,8 +149,11 @@ def run_qa(text: str, options: dict[str, Any]) -> list[dict[str, Any]]:
         for question in questions:
             rows = (memory.token_at(0, char) for char in range(question.start, question.end))
             gold = sorted({(r - config.sinks) // config.segment_len for r in rows if r is not None and r >= config.sinks})
-            for name in correct:
-                with forced(*gold) if name == "gold forced" else contextlib.nullcontext():
+            middle_first = (
+                gold[len(gold) // 2 : len(gold) // 2 + 1] + [g for g in gold if g != gold[len(gold) // 2]] if gold else []
+            )
+            for name in correct:  # the middle gold segment first: its neighbours are the others when top_k is 1
+                with forced(*middle_first) if name == "gold forced" else contextlib.nullcontext():
                     answer_text = await ask(engine, session.id, question.question)
                 hit = qa.is_correct(answer_text, question.answers)
                 correct[name] += hit
