@@ -417,6 +417,22 @@ def test_widened_excerpts_never_overlap(context, tiny_tokenizer):
     assert all(text[a:b] == p.text for (a, b), p in zip(spans, pieces, strict=True))
 
 
+def test_excerpts_of_two_documents_widen_each_in_its_own(context, tiny_tokenizer):
+    """The excerpt before or after bounds widening only within one document."""
+    memory = text_memory(context, {"chunk_tokens": 16, "top_k": 2})
+    sentence = "Velmora velmora starts this long sentence, " + "and a plain stretch of common words runs on, " * 3 + "to its end."
+    texts = {name: filler(20) + " " + sentence + " " + filler(20) for name in ("first", "second")}
+    for name, text in texts.items():
+        ingest(memory, tiny_tokenizer, name, text)
+    pieces = memory.retrieve("velmora", 1000)
+    assert [p.item.document_id for p in pieces] == ["first", "second"]
+    for piece in pieces:
+        text = texts[piece.item.document_id]
+        start, end = piece.item.char_start, piece.item.char_end
+        assert text[start:end] == piece.text and start <= text.index(sentence) < end
+        assert text[start - 2 : start] == ". " and piece.text.endswith(".")  # whole sentences, in each document
+
+
 def test_bad_retrieval_options_are_user_errors(context):
     for options in (
         {"retrieval": "magic"},
