@@ -103,7 +103,7 @@ def test_the_default_models_manifest_decodes_greedily_as_it_was_measured():
 
     shipped = manifests.manifest_of("smollm2-135m-instruct", "/nonexistent")
     assert manifests.generation_defaults(shipped) == {"temperature": 0.0}
-    assert manifests.memory_options(shipped) == {"text": {"top_k": 1}}
+    assert manifests.memory_options(shipped) == {"text": {"top_k": 1, "sentence_tokens": 50}}
 
 
 def test_without_adapter_neurocache_is_refused(client):
