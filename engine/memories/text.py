@@ -120,9 +120,7 @@ class TextOptions:
     max_chunks: int = 200_000
     focus_tokens: int = 0  # > 0: of the chosen chunks, only their best sentences, this many tokens; 0: whole chunks
     rerank: int = 0  # > 0: the chunks are chosen from this many best fused ones, reordered by the reader
-    sentence_tokens: int = (
-        50  # whole chunks: up to about this many tokens added at each end of an excerpt to end it on a sentence boundary
-    )
+    sentence_tokens: int = 50  # whole chunks: at most about this many tokens added at each end, to whole sentences
 
     def __post_init__(self) -> None:
         if not 16 <= self.chunk_tokens <= 512:
@@ -472,9 +470,10 @@ class TextMemory(Memory):
 
     def _widened(self, excerpts: list[tuple[int, int, int]], room: int) -> list[tuple[int, int, int]]:
         """Excerpts (document, start, end), in document order, each end moved out to the sentence
-        boundary within `sentence_tokens` of it while what it adds fits in `room` tokens (the
-        start first); an excerpt never grows into the next or the one before. A chunk is cut at a token count,
-        often mid-sentence; the reader answers more often from whole sentences (docs/benchmarks.md)."""
+        boundary within `sentence_tokens` of it while what it adds fits in `room` tokens (the start
+        first); an excerpt never grows into the next or the one before. A chunk is cut at a token
+        count, often mid-sentence; the reader answers more often from whole sentences
+        (docs/benchmarks.md#whole-sentences)."""
         reach = self.options.sentence_tokens * _CHARS_PER_TOKEN
         widened: list[tuple[int, int, int]] = []
         for i, (document, start, end) in enumerate(excerpts):
