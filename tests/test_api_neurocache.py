@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 
+from engine.models.manifest import SHIPPED_MANIFESTS
 from tests.helpers import FIXTURES, fail_on_third_segment
 
 TEXT = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")[:6000]
@@ -104,6 +106,20 @@ def test_the_default_models_manifest_decodes_greedily_as_it_was_measured():
     shipped = manifests.manifest_of("smollm2-135m-instruct", "/nonexistent")
     assert manifests.generation_defaults(shipped) == {"temperature": 0.0}
     assert manifests.memory_options(shipped) == {"text": {"top_k": 1, "sentence_tokens": 50}}
+
+
+@pytest.mark.parametrize("name", sorted(path.stem for path in SHIPPED_MANIFESTS.glob("*.json")))
+def test_each_shipped_manifest_names_a_memory_and_options_it_takes(name):
+    """A shipped manifest's mistakes would only be logged at startup: here they fail."""
+    from engine.memories import check_options, memory_type
+    from engine.models import manifest as manifests
+
+    shipped = manifests.manifest_of(name, "/nonexistent")
+    memory_type(manifests.default_memory(shipped))  # raises on a memory the server does not have
+    assert manifests.memory_options(shipped), name
+    for kind, options in manifests.memory_options(shipped).items():
+        check_options(kind, options)  # raises on an option the memory refuses
+    assert 0 < shipped["qa_accuracy"]["text"] <= shipped["qa_accuracy"]["oracle"] <= 1
 
 
 def test_without_adapter_neurocache_is_refused(client):
