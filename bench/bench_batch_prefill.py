@@ -14,7 +14,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
 from engine.models.loader import load_model
 from engine.worker import compute_executor, single_threaded_torch
 
@@ -22,7 +22,7 @@ PROMPT = 560  # the batching benchmark's prompts (bench/bench_batching.py)
 
 
 def main() -> None:
-    model = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu", dtype="float32").model
+    model = load_model(SMALL_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu", dtype="float32").model
     torch.manual_seed(0)
 
     @torch.inference_mode()

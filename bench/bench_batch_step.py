@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from engine.batching import BatchDecoder, Row, _rows_alone
-from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
 from engine.generation import AnswerState, StopTokens
 from engine.interface import GenerationParams
 from engine.models.loader import load_model
@@ -126,7 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quantize", default="none", help="none, bf16 or int8 (weight-only, as longdoc serve --quantize)")
     args = parser.parse_args()
-    loaded = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu", dtype="float32")
+    loaded = load_model(SMALL_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu", dtype="float32")
     quantize_linears(loaded.model, args.quantize)
     print(
         f"torch threads: {torch.get_num_threads()}, context {CONTEXT} tokens, medians of {REPEATS}, --quantize {args.quantize}\n"

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from clients.client import LongdocClient
-from engine.config import DEFAULT_MODEL
+from engine.config import SMALL_MODEL
 from scripts.drills.server import Server
 
 BOOK = Path("tests/fixtures/alice29.txt")
@@ -68,7 +68,7 @@ def streams_at_once(url: str, sessions: list[str], max_tokens: int) -> tuple[flo
 def bench(
     env: dict[str, str], stream_counts: list[int], max_tokens: int, window: int
 ) -> list[tuple[int, float, float, float, list[int]]]:
-    server = Server(["--model", DEFAULT_MODEL, "--device", "cpu", "--dtype", "float32"], env=env).start()
+    server = Server(["--model", SMALL_MODEL, "--device", "cpu", "--dtype", "float32"], env=env).start()
     try:
         client = LongdocClient(server.url)
         book = BOOK.read_text(encoding="utf-8")

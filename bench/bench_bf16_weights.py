@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.config import DEFAULT_CACHE_DIR
-from engine.models.loader import default_model_dir
+from engine.models.loader import small_model_dir
 
 BOOK = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "alice29.txt"
 
@@ -34,9 +34,9 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
     args = parser.parse_args()
-    whole_dir = default_model_dir(args.cache_dir)
+    whole_dir = small_model_dir(args.cache_dir)
     with tempfile.TemporaryDirectory(prefix="longdoc-bf16-") as scratch:
-        whole, half = load(whole_dir), load(default_model_dir(Path(scratch), dtype=torch.bfloat16))
+        whole, half = load(whole_dir), load(small_model_dir(Path(scratch), dtype=torch.bfloat16))
     params = list(whole.state_dict().values())
     exact = sum((p == p.to(torch.bfloat16).float()).sum().item() for p in params) / sum(p.numel() for p in params)
     ids = AutoTokenizer.from_pretrained(whole_dir)(BOOK.read_text(encoding="utf-8")).input_ids

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
-from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
 
 STEPS = 128
 PROMPT = 512
@@ -54,7 +54,7 @@ def static(model, ids: torch.Tensor, step) -> float:
 
 
 def main() -> None:
-    folder = Path(os.environ.get("LONGDOC_CACHE_DIR", DEFAULT_CACHE_DIR)) / "models" / DEFAULT_MODEL
+    folder = Path(os.environ.get("LONGDOC_CACHE_DIR", DEFAULT_CACHE_DIR)) / "models" / SMALL_MODEL
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()  # type: ignore[call-arg]  # transformers' @wraps(nn.Module.cuda) hides the bound self from mypy
     prompt = torch.randint(100, 40000, (1, PROMPT), device="cuda")
 

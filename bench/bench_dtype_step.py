@@ -15,7 +15,7 @@ import statistics
 import time
 
 from engine.batching import BatchDecoder, Row
-from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
 from engine.generation import AnswerState, StopTokens
 from engine.interface import GenerationParams
 from engine.models.loader import load_model
@@ -28,7 +28,7 @@ PREFILLS = 3
 
 def measure(dtype: str) -> tuple[str, float, float]:
     """(step kind, prefill tok/s, decode tok/s), medians."""
-    loaded = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu", dtype=dtype)
+    loaded = load_model(SMALL_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu", dtype=dtype)
     decoder = BatchDecoder(loaded.model)
 
     def prefilled() -> tuple[Row, float, AnswerState]:

@@ -1,4 +1,4 @@
-"""kvcache speed against the plain model, in process, on the default model (2 CPU cores here).
+"""kvcache speed against the plain model, in process, on SmolLM2-135M (2 CPU cores here).
 
 - ingestion: tokens/s feeding a held-out text through the selective model, against the plain
   model's forward over chunks of the window's size (the issue's yardstick);
@@ -24,7 +24,7 @@ import torch
 
 from bench.bench_neurocache import median_time
 from engine.batching import BatchDecoder, Row, native_step
-from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
 from engine.generation import AnswerState, StopTokens
 from engine.interface import GenerationParams
 from engine.memories.kvcache import KVCacheOptions
@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--torch-steps", action="store_true", help="kvcache decode steps in torch only (no C step)")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
-    loaded = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu")
+    loaded = load_model(SMALL_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu")
     model, tokenizer = loaded.model, loaded.tokenizer
     options = KVCacheOptions(**json.loads(args.options))
     selective = SelectiveModel(model, options.select_config(), None if args.torch_steps else native_step(model))

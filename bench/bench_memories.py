@@ -1,4 +1,4 @@
-"""Serving benchmark per memory mode on the default model, through the real HTTP server.
+"""Serving benchmark per memory mode on SmolLM2-135M, through the real HTTP server.
 
 For a long document (default: Paradise Lost, ~132k tokens) and each memory mode: ingestion
 tokens/s, then warm questions streamed over SSE: time to first token, decode tokens/s
@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from clients.client import LongdocClient
+from engine.config import SMALL_MODEL
 from research.evals.docs import write_section
 from research.training.corpus import fetch
 
@@ -60,7 +61,7 @@ def free_port() -> int:
 
 
 def start_server(port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "clients.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "clients.cli", "serve", "--port", str(port), "--log-level", "warning", "--model", SMALL_MODEL]
     process = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -199,7 +200,7 @@ def main() -> None:
     command = "make bench  # .venv/bin/python -m bench.bench_memories " + " ".join(sys.argv[1:])
     machine, where = machine_description()
     section = (
-        f"## Memory modes on the default model (SmolLM2-135M-Instruct){where}\n\n"
+        f"## Memory modes on SmolLM2-135M-Instruct{where}\n\n"
         f"Document: `{document.name}`. Machine: {machine}. Command:\n\n```\n{command.strip()}\n```\n\n"
         f"{result}\n\nTTFT is measured by the client from sending the question to the first streamed text; "
         "decode tokens/s = (output tokens - 1) / (E2E - TTFT). Medians over warm runs (one warm-up "

@@ -1,4 +1,4 @@
-"""Neurocache benchmark on the default model, every figure a ratio measured in the same run.
+"""Neurocache benchmark on SmolLM2-135M, every figure a ratio measured in the same run.
 
 1. Ingestion tokens/s: the base model's forward pass over each segment (what ingesting costs
    without Neurocache) against Neurocache's ingestion (base up to layer r + W_p + append), and
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
 from engine.generation import StopTokens, generate_steps
 from engine.interface import GenerationParams
 from engine.models.loader import load_model
@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--decode-sizes", type=int, nargs="*", default=[131_072], help="also decode with caches this large")
     args = parser.parse_args()
     torch.manual_seed(0)
-    loaded = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR)
+    loaded = load_model(SMALL_MODEL, cache_dir=DEFAULT_CACHE_DIR)
     model, tokenizer = loaded.model, loaded.tokenizer
     if args.adapter:
         neurocache = load_adapter(model, tokenizer, args.adapter)
@@ -166,7 +166,7 @@ def main() -> None:
     )
     cache_bytes = filled.nbytes / filled.capacity
 
-    print(f"model {DEFAULT_MODEL}, {loaded.dtype}, {torch.get_num_threads()} threads; adapter: {args.adapter or 'fresh'}")
+    print(f"model {SMALL_MODEL}, {loaded.dtype}, {torch.get_num_threads()} threads; adapter: {args.adapter or 'fresh'}")
     print(f"k={config.top_k} w={config.window} c={config.context} r={config.retrieval_layer} d={neurocache.compressed_dim}\n")
     print(f"| ingestion ({len(tokens)} tokens, n={args.segment_len}) | tokens/s | vs base |\n|---|---|---|")
     for name, tps in ingest.items():

@@ -16,7 +16,7 @@ import statistics
 import time
 
 from engine.batching import BatchDecoder, Batcher
-from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
 from engine.generation import StopTokens
 from engine.interface import GenerationParams
 from engine.models.loader import load_model
@@ -52,7 +52,7 @@ def main() -> None:
     args = parser.parse_args()
     single_threaded_torch()  # this thread starts no OpenMP team: the compute thread's owns the cores
     run = compute_executor().submit
-    loaded = run(lambda: load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu", dtype="float32")).result()
+    loaded = run(lambda: load_model(SMALL_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu", dtype="float32")).result()
     decoder = run(lambda: BatchDecoder(loaded.model)).result()
     print("| prefill_chunk | long prompt's TTFT s | decoding answer's longest wait s | its median wait s |")
     print("|---|---|---|---|")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.config import DEFAULT_MODEL
+from engine.config import SMALL_MODEL
 from scripts.drills.server import Server
 
 BOOK = Path("tests/fixtures/alice29.txt")
@@ -79,7 +79,7 @@ def answers_per_minute(url: str, sessions: list[str], seconds: float, max_tokens
 
 
 def bench(command: str, args: list[str], clients: int, seconds: float, max_tokens: int) -> tuple[float, float, float]:
-    server = Server(["--model", DEFAULT_MODEL, *args], command=command, log=Path(f"/tmp/longdoc-bench-{command}.log"))
+    server = Server(["--model", SMALL_MODEL, *args], command=command, log=Path(f"/tmp/longdoc-bench-{command}.log"))
     server.start()
     try:
         sessions = make_sessions(server.url, clients)

@@ -13,7 +13,7 @@ import time
 
 from bench.bench_batch_step import filled_rows
 from engine.batching import BatchDecoder
-from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
 from engine.models import cpu_kernels
 from engine.models.loader import load_model
 from engine.worker import compute_executor, single_threaded_torch
@@ -23,7 +23,7 @@ KERNELS = {"AVX2": False, "AVX-512": True}
 
 
 def main() -> None:
-    loaded = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu", dtype="auto")
+    loaded = load_model(SMALL_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu", dtype="auto")
     decoder = BatchDecoder(loaded.model)
     assert decoder.native is not None, "the C step cannot run here"
     assert cpu_kernels.use_avx512(True), "no AVX-512 on this CPU"

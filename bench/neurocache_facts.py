@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL, SHIPPED_ADAPTERS
+from engine.config import DEFAULT_CACHE_DIR, SHIPPED_ADAPTERS, SMALL_MODEL
 from engine.generation import StopTokens, generate_steps
 from engine.interface import GenerationParams
 from engine.models.loader import load_model
@@ -49,12 +49,12 @@ def expected_words(fact: Fact) -> set[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--adapter", type=Path, default=SHIPPED_ADAPTERS / DEFAULT_MODEL)
+    parser.add_argument("--adapter", type=Path, default=SHIPPED_ADAPTERS / SMALL_MODEL)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--seed", type=int, default=123)
     args = parser.parse_args()
-    loaded = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR)
+    loaded = load_model(SMALL_MODEL, cache_dir=DEFAULT_CACHE_DIR)
     model, tokenizer = loaded.model, loaded.tokenizer
     neurocache = load_adapter(model, tokenizer, args.adapter)
     _, held_out = split(fetch(DEFAULT_DIR))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
 from engine.models.loader import load_model
 from engine.models.neurocache_io import load_adapter
 from engine.prompts import render
@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--depths", default="0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,0.95")
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
-    loaded = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR, dtype=args.dtype)
+    loaded = load_model(SMALL_MODEL, cache_dir=DEFAULT_CACHE_DIR, dtype=args.dtype)
     model, tokenizer = loaded.model, loaded.tokenizer
     neurocache = load_adapter(model, tokenizer, args.adapter)
     _, held_out = split(fetch(DEFAULT_DIR))

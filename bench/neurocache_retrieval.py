@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
 from engine.models.loader import load_model
 from engine.models.neurocache import Neurocache, NeurocacheConfig
 from engine.models.neurocache_io import load_adapter
@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--n-segments", type=int, default=3)
     args = parser.parse_args()
     torch.manual_seed(0)
-    loaded = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR, dtype="float32")
+    loaded = load_model(SMALL_MODEL, cache_dir=DEFAULT_CACHE_DIR, dtype="float32")
     model, tokenizer = loaded.model, loaded.tokenizer
     if args.adapter:
         neurocache = load_adapter(model, tokenizer, args.adapter)

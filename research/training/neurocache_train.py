@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
 from engine.models.loader import load_model
 from engine.models.neurocache import CacheAttention, Neurocache, NeurocacheConfig
 from engine.models.neurocache_io import load_adapter, read_meta, save_adapter
@@ -33,7 +33,7 @@ from research.training.schedule import lr_factor
 
 @dataclass
 class TrainConfig:
-    model: str = DEFAULT_MODEL
+    model: str = SMALL_MODEL
     out: Path = Path("runs/neurocache")
     corpus_dir: Path = DEFAULT_DIR
     cache_dir: Path = DEFAULT_CACHE_DIR

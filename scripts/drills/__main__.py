@@ -1,4 +1,4 @@
-"""`make drills`: reliability drills against a real `longdoc serve` on the default model.
+"""`make drills`: reliability drills against a real `longdoc serve` on the small model (SmolLM2-135M; scripts/drills/server.py).
 
     python -m scripts.drills [--only sweep,load,rss,fuzz,first] [--sessions 16] [--starts 10] [--out results.json]
 
@@ -96,7 +96,7 @@ def main() -> int:
                 and last <= first * (1 + LEAK_TOLERANCE)
             )
             report("load", results["load"])
-    if "crash" in chosen:  # the default model and its default memory (neurocache)
+    if "crash" in chosen:  # the small model and its default memory (its manifest's)
         results["crash"] = run_crash(SERVER_ARGS, book, memory=None)
         passed["crash"] = crash_passed(results["crash"])
         report("crash", results["crash"])

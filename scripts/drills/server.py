@@ -15,6 +15,8 @@ from pathlib import Path
 
 import httpx
 
+from engine.config import SMALL_MODEL
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -41,7 +43,10 @@ def wait_until_up(process: subprocess.Popen, url: str, name: str, log: Path, tim
 
 @dataclass
 class Server:
-    """`longdoc <command> ARGS` (`serve`, or `serve-ray`); `start` waits until /readyz answers 200."""
+    """`longdoc <command> ARGS` (`serve`, or `serve-ray`); `start` waits until /readyz answers 200.
+
+    The model is the small one (SmolLM2-135M, what the drills' figures are measured on) unless ARGS
+    or LONGDOC_MODEL name another."""
 
     args: list[str]
     command: str = "serve"
@@ -57,7 +62,13 @@ class Server:
 
     def start(self, timeout: float = 600.0) -> Server:
         cmd = [sys.executable, "-m", "clients.cli", self.command, "--port", str(self.port), "--log-level", "warning", *self.args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "LONGDOC_DATA_DIR": str(self.data_dir), **self.env}
+        env = {
+            "LONGDOC_MODEL": SMALL_MODEL,
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "LONGDOC_DATA_DIR": str(self.data_dir),
+            **self.env,
+        }
         self.process = subprocess.Popen(
             cmd, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=self.command != "serve"
         )

@@ -3,7 +3,7 @@
 #   bash scripts/gpu/check.sh tests   # CUDA-vs-CPU tests, then the whole suite with CUDA as default device
 #   bash scripts/gpu/check.sh bench   # serving speed per memory on a 100K+ token book
 #   bash scripts/gpu/check.sh kvcache # the kvcache memory's tests on CUDA (CUDA as default device)
-#   bash scripts/gpu/check.sh longdoc eval needles ...   # any longdoc command (the evals need data/qa carried)
+#   bash scripts/gpu/check.sh longdoc eval needles --model smollm2-135m-instruct ...   # any longdoc command (the evals need data/qa carried; the staged model is the small one)
 # Logs and the benchmark table go to $OUT (what the device tool brings back).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
