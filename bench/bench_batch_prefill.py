@@ -1,4 +1,4 @@
-"""Prefill throughput against batch size: the default model (float32) runs 1, 2, 4 and 8 prompts
+"""Prefill throughput against batch size: SmolLM2-135M (float32) runs 1, 2, 4 and 8 prompts
 of 560 tokens in one forward pass each, on the compute thread (medians of 3). Whether batching
 prefills could bring the TTFT of 8 streams arriving together near a lone stream's (issue 16):
 only if a batch prefills far faster per token than one prompt does.

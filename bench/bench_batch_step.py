@@ -1,4 +1,4 @@
-"""One batched decode step of the default model in process (rows at 512 tokens) for 1, 2, 3, 4
+"""One batched decode step of SmolLM2-135M in process (rows at 512 tokens) for 1, 2, 3, 4
 and 8 answers, the decoders alternating: the default (the C step, engine/models/native_step.py),
 and the torch step it replaces: unpadded (every count steps as itself), padded (2-3 answers padded
 to 4, the float32 rule), its default (padded, unless the projections compute each row alone:

@@ -1,6 +1,6 @@
-"""What storing the default model in bf16 (as the image does) changes, served in float32.
+"""What storing SmolLM2-135M in bf16 (as the image does) changes, served in float32.
 
-The default model is dequantized from a Q4_1 GGUF; its float32 values are not all bf16 values, so
+SmolLM2-135M is dequantized from a Q4_1 GGUF; its float32 values are not all bf16 values, so
 the image's bf16 copy is a rounding of them. Over windows of a held-out text (Alice, the test
 fixture), this prints the share of weights bf16 keeps exactly, the top-1 agreement of next-token
 predictions, the mean KL divergence and the perplexity of both.

@@ -1,4 +1,4 @@
-"""Decode steps of the default model stepped by hand on CUDA, bf16, a 512-token prompt, 128 greedy
+"""Decode steps of SmolLM2-135M stepped by hand on CUDA, bf16, a 512-token prompt, 128 greedy
 steps (medians of three): eager with a dynamic cache, eager with a static cache, and the static-cache
 step under `torch.compile(mode="reduce-overhead")` (CUDA graphs), at batch 1 and 8. What a compiled
 decode path could reach (issue 16); run on the GPU machine (docs/gpu.md):

@@ -1,4 +1,4 @@
-"""The default model's prefill and decode speed in float32 and in bfloat16, on the compute thread
+"""SmolLM2-135M's prefill and decode speed in float32 and in bfloat16, on the compute thread
 (as the server runs them): a 512-token prompt's prefill (`BatchDecoder.prefill`) and a lone
 answer's decode step at 512 tokens of context. Both decode with the C step
 (engine/models/native_step.py), which reads a bfloat16 model's weights in bfloat16; the prefill

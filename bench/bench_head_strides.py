@@ -1,5 +1,5 @@
 """Why the output head's input gets plain strides (engine/models/loader.py's `_plain_strides`):
-the default model's head (49,152 x 576) applied to the last row of a 512-token pass, as
+SmolLM2-135M's head (49,152 x 576) applied to the last row of a 512-token pass, as
 `logits_to_keep=1` hands it over (a [1, 1, d] view whose first stride is still 512·d) and with the
 strides of a fresh [1, 1, d] tensor, its weight frozen (as a Neurocache adapter leaves the served
 model) or needing gradients, in float32 and bfloat16, on the compute thread. Milliseconds a call,

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from engine.worker import single_threaded_torch
 
 CASES = ("alone", "other thread's torch work", "other thread's torch work, single-threaded")
-LINEARS = 60  # two layers' worth of the default model's projections
+LINEARS = 60  # two layers' worth of SmolLM2-135M's projections
 
 
 def other_thread_work(guarded: bool, ready: threading.Event, done: threading.Event) -> None:

@@ -1,6 +1,6 @@
 """How long an answer being decoded waits while a long prompt joins the batch, by `prefill_chunk`.
 
-In process, the default model in float32 on the server's one compute thread: one answer decodes
+In process, SmolLM2-135M in float32 on the server's one compute thread: one answer decodes
 after a 512-token prompt; after its 5th token an 8,000-token prompt arrives. Printed per chunk
 size: the long prompt's time to its first token, and the decoding answer's longest and median
 wait between tokens until then.

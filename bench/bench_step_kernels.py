@@ -1,4 +1,4 @@
-"""One C decode step (engine/models/native_step.py) of the default model in its default dtype, at
+"""One C decode step (engine/models/native_step.py) of SmolLM2-135M in its default dtype, at
 512 and 2,048 tokens of context for 1, 2, 4 and 8 answers, with the matmuls' AVX2 kernels against
 their AVX-512 ones (csrc/weight_only.c), alternating in one process, on the compute thread as the
 server runs it. Needs a CPU with AVX-512 (F, BW, VL).

@@ -1,4 +1,4 @@
-"""kvcache's selection against perfect selection, on pass keys or QA questions (the default model, through the engine).
+"""kvcache's selection against perfect selection, on pass keys or QA questions (SmolLM2-135M, through the engine).
 
 Each pass-key document (`longdoc eval passkey`'s, one per depth) is fed once into a kvcache
 session; the question is then asked under each answering config (swapped on the session's

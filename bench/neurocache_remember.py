@@ -1,11 +1,11 @@
 """Does a remembered turn help a later question? Measured through a running server's REST API.
 
-For each key, two default (neurocache) sessions take the same book, then two turns: first "The
+For each key, two neurocache sessions (SmolLM2-135M, the adapter's model) take the same book, then two turns: first "The
 pass key is NNNNN. Remember it. Say OK.", then, as a new question, "What is the pass key?". One
 session is made with `{"options": {"remember": true}}`, so its first turn is written into its
 cache; the other only reads its cache. The second answer counts when it holds the key. Greedy.
 
-    make serve ARGS="--port 8126" &
+    make serve ARGS="--port 8126 --model smollm2-135m-instruct" &
     .venv/bin/python -m bench.neurocache_remember --url http://127.0.0.1:8126 [--keys 48213 73906 ...]
 """
 
@@ -21,7 +21,7 @@ BOOK = ROOT / "tests" / "fixtures" / "alice29.txt"
 
 
 def second_answer(client: httpx.Client, book: str, key: str, remember: bool) -> str:
-    session = client.post("/v1/sessions", json={"options": {"remember": remember}}).json()["id"]
+    session = client.post("/v1/sessions", json={"memory": "neurocache", "options": {"remember": remember}}).json()["id"]
     try:
         client.post(f"/v1/sessions/{session}/documents", json={"text": book, "name": "book"}).raise_for_status()
         greedy = {"max_tokens": 20, "temperature": 0}

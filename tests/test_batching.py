@@ -152,7 +152,7 @@ def test_each_request_gets_the_answer_it_gets_alone(family, max_rows, tiny_token
 
 
 def test_a_neurocache_wrapped_model_batches_as_it_answers_alone(tiny_tokenizer):
-    """The default model is served with its Neurocache adapter attached; with no cache bound (a
+    """SmolLM2-135M is served with its Neurocache adapter attached; with no cache bound (a
     text or truncate session) the batched path runs the same layers, LoRA included."""
     model = tiny("llama", len(tiny_tokenizer))
     neurocache = Neurocache(model, NeurocacheConfig(top_k=4, capacity=64, lora_rank=4))

