@@ -159,7 +159,12 @@ def test_serve_pull_pulls_the_served_models_before_the_server_starts(monkeypatch
 
     calls: list[tuple[str, object]] = []
     monkeypatch.setattr(cli, "_pull_missing", lambda sources, cache_dir: calls.append(("pull", list(sources))))
-    monkeypatch.setattr(server.app, "create_app", lambda settings: calls.append(("app", settings.model)) or "app")
+
+    def create_app(settings):
+        calls.append(("app", settings.model))
+        return "app"
+
+    monkeypatch.setattr(server.app, "create_app", create_app)
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append(("run", app)))
     flagged = CliRunner().invoke(cli.app, ["serve", "--pull", "--model", SMALL_MODEL])
     assert flagged.exit_code == 0, flagged.output
