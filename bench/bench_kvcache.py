@@ -1,4 +1,4 @@
-"""kvcache speed against the plain model, in process, on SmolLM2-135M (2 CPU cores here).
+"""kvcache speed against the plain model, in process, on SmolLM2-135M unless --model names another (2 CPU cores here).
 
 - ingestion: tokens/s feeding a held-out text through the selective model, against the plain
   model's forward over chunks of the window's size (the issue's yardstick);
@@ -10,7 +10,7 @@
 
 Medians over warm repeats. Prints a Markdown table.
 
-    .venv/bin/python -m bench.bench_kvcache --tokens 16384 [--options '{"ingest_selection": false}'] [--torch-steps]
+    .venv/bin/python -m bench.bench_kvcache --tokens 16384 [--options '{"ingest_selection": false}'] [--torch-steps] [--model NAME]
 """
 
 from __future__ import annotations
@@ -55,9 +55,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--torch-steps", action="store_true", help="kvcache decode steps in torch only (no C step)")
+    parser.add_argument("--model", default=SMALL_MODEL, help="a model by name or a local folder")
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
-    loaded = load_model(SMALL_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu")
+    loaded = load_model(args.model, cache_dir=DEFAULT_CACHE_DIR, device="cpu")
     model, tokenizer = loaded.model, loaded.tokenizer
     options = KVCacheOptions(**json.loads(args.options))
     selective = SelectiveModel(model, options.select_config(), None if args.torch_steps else native_step(model))
