@@ -31,7 +31,7 @@ class ModelSpec:
     sources: tuple[str, ...] = (DEFAULT_MODEL,)
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
-    quantize: str = "none"  # "none" | "bf16" | "int8": weight-only, for float32 models on CPU (engine/models/quantize.py)
+    quantize: str = "none"  # "none" | "bf16" | "int8": weight-only, on CPU (engine/models/quantize.py)
     cache_dir: Path = DEFAULT_CACHE_DIR
     adapter_dirs: tuple[Path, ...] = (SHIPPED_ADAPTERS,)  # searched for <model name>/adapter.json
 
@@ -41,14 +41,21 @@ class ModelSpec:
         _require(
             self.quantize in QUANTIZE_MODES, f"unknown quantize {self.quantize!r}; choose one of {', '.join(QUANTIZE_MODES)}"
         )
+        if self.quantize == "bf16":
+            _require(self.dtype in ("auto", "float32"), "quantize bf16 converts a float32 model: use --dtype float32 (or auto)")
+        if self.quantize == "int8":
+            _require(
+                self.dtype in ("auto", "float32", "bfloat16"),
+                "quantize int8 converts a float32 or bfloat16 model: use --dtype float32, bfloat16 (or auto)",
+            )
         if self.quantize != "none":
-            _require(self.dtype in ("auto", "float32"), "quantize converts a float32 model: use --dtype float32 (or auto)")
             _require(self.device in ("auto", "cpu"), "quantize is for CPU: use --device cpu (or auto on a machine without a GPU)")
 
     @property
     def load_dtype(self) -> str:
-        """The dtype models are loaded in: float32 under weight-only quantization."""
-        return "float32" if self.quantize != "none" else self.dtype
+        """The dtype models are loaded in: float32 under `quantize bf16`; otherwise the one asked for
+        (`auto`: bfloat16 on a CPU with fast bfloat16, whose prompts `int8` then runs in it)."""
+        return "float32" if self.quantize == "bf16" else self.dtype
 
 
 def machine_memory_bytes() -> int:

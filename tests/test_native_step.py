@@ -100,6 +100,30 @@ def test_a_bfloat16_model_steps_as_its_weights_widened_to_float32(family):
         torch.testing.assert_close(b.keys[:, :, : b.length], a.keys[:, :, : a.length], rtol=1e-5, atol=1e-5)
 
 
+def test_int8_over_a_bfloat16_model_prefills_in_bfloat16_and_steps_from_int8():
+    """`--quantize int8` on a bf16 model: its prompt runs through the bf16 weights (the row's keys
+    are the plain bf16 model's), and its steps are those of a float32 model holding the same int8
+    weights (int8 of a bf16 weight is int8 of it widened)."""
+    bf16 = model_of(attention_bias=True).to(torch.bfloat16)
+    plain = copy.deepcopy(bf16)
+    widened = copy.deepcopy(bf16).to(torch.float32)
+    quantize_linears(bf16, "int8")
+    quantize_linears(widened, "int8")
+    low, wide = BatchDecoder(bf16), BatchDecoder(widened)
+    assert low.native is not None and low.rows_alone
+    (prefilled,) = rows_of(low, [21])
+    with torch.no_grad():
+        cache = plain(input_ids=torch.tensor([prefilled.prompt_ids]), use_cache=True).past_key_values
+    assert prefilled.keys is not None
+    torch.testing.assert_close(prefilled.keys[0, :, :21], cache.layers[0].keys[0].float(), rtol=0, atol=0)
+    rows = rows_of(wide, [13, 5])
+    twins = copy.deepcopy(rows)
+    for token in (9, 51, 2):
+        feed(rows, [token, token])
+        feed(twins, [token, token])
+        torch.testing.assert_close(low.step(twins), wide.step(rows), rtol=1e-4, atol=1e-4)
+
+
 def test_a_bfloat16_model_prefills_in_bfloat16_and_keeps_float32_keys():
     """Its prompt runs through the bf16 modules; the row's keys and values are theirs, widened,
     and the first step's logits are the bf16 model's over the whole sequence, up to bf16 rounding."""

@@ -121,24 +121,49 @@ def test_a_model_quantized_keeps_its_predictions(mode, tiny_dir):
     assert quantize_linears(model, "none") == 0
 
 
-def test_a_bfloat16_model_is_refused(tiny_dir):
+def test_a_bfloat16_model_prefills_with_its_own_weights_and_decodes_from_int8(decode_kernel):
+    """int8 over a bfloat16 layer keeps the bfloat16 weight for passes over many rows (exactly the
+    plain layer's matmul there) and decodes from the int8 copy, within its rounding."""
+    torch.manual_seed(0)
+    plain = nn.Linear(96, 160, bias=True).to(torch.bfloat16)
+    quantized = WeightOnlyLinear(plain, "int8")
+    assert quantized.weight_full is not None and quantized.weight_full.data_ptr() == plain.weight.data_ptr()  # not a copy
+    many, few = torch.randn(DECODE_ROWS + 1, 96).to(torch.bfloat16), torch.randn(3, 96).to(torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(quantized(many), plain(many), rtol=0, atol=0)
+        got, want = quantized(few), F.linear(few.float(), plain.weight.float(), plain.bias.float())
+    assert got.dtype == torch.bfloat16
+    bound = few.float().abs() @ weight_tolerance(plain.weight.float(), "int8").T + want.abs() * 2**-7 + 1e-2
+    assert ((got.float() - want).abs() <= bound).all()
+
+
+def test_only_int8_takes_a_bfloat16_model(tiny_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="float32 models on CPU"):
-        quantize_linears(model, "int8")
+    with pytest.raises(ValueError, match="bf16 weight-only quantization is for float32 models on CPU"):
+        quantize_linears(model, "bf16")
+    assert all(type(m) is nn.Linear for name, m in model.named_modules() if name.endswith(("_proj", "lm_head")))  # untouched
+    assert quantize_linears(model, "int8") == 7 * 2 + 1
+    half = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float16)
+    with pytest.raises(ValueError, match="int8 weight-only quantization is for float32 or bfloat16 models"):
+        quantize_linears(half, "int8")
 
 
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
         ({"quantize": "int4"}, "unknown quantize"),
-        ({"quantize": "int8", "dtype": "bfloat16"}, "converts a float32 model"),
+        ({"quantize": "bf16", "dtype": "bfloat16"}, "converts a float32 model"),
+        ({"quantize": "int8", "dtype": "float16"}, "converts a float32 or bfloat16 model"),
         ({"quantize": "bf16", "device": "cuda"}, "quantize is for CPU"),
     ],
 )
 def test_the_spec_refuses_what_it_cannot_run(flags, message):
     with pytest.raises(ValueError, match=message):
         ModelSpec(**flags)
-    assert ModelSpec(quantize="int8").load_dtype == "float32" and ModelSpec().load_dtype == "auto"
+    assert ModelSpec(quantize="bf16").load_dtype == "float32" and ModelSpec().load_dtype == "auto"
+    assert (
+        ModelSpec(quantize="int8").load_dtype == "auto" and ModelSpec(quantize="int8", dtype="bfloat16").load_dtype == "bfloat16"
+    )
 
 
 def test_the_server_flag_is_validated(tiny_dir):

@@ -53,7 +53,7 @@ def _fuse(parts: Sequence[nn.Module | None]) -> nn.Module | None:
         if len(modes) != 1:
             return None
         fused = WeightOnlyLinear.shell(modes.pop(), linears[0].in_features, out_features)
-        names = ("weight_low", "scales", "scales_low", "bias")
+        names = ("weight_low", "scales", "scales_low", "weight_full", "bias")
     for name in names:
         _share(linears, fused, name)
     return fused

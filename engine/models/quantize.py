@@ -12,10 +12,14 @@ times faster than bfloat16 attention. The speed-up needs one OpenMP team on the 
 - `bf16`: weights kept in bfloat16 (half the bytes).
 - `int8`: weights kept in int8 with one float scale per output row (a quarter of the bytes).
 
-A pass over many rows (a prompt's prefill) is compute-bound, not memory-bound: it widens the
-weights back to float32 for that pass and runs the float32 matmul. The decoder layers' projections
-and the output head are converted; the embedding stays float32 (a lookup reads a row). What each
-mode costs in answers is measured on the QA benchmark (docs/benchmarks.md).
+A pass over many rows (a prompt's prefill) is compute-bound, not memory-bound. A float32 model's
+layers widen the stored weights back to float32 for that pass and run the float32 matmul. A
+bfloat16 model (`int8` only: on a CPU with fast bfloat16 matmuls, where `dtype auto` loads one)
+keeps its bfloat16 weights beside the int8 ones and prefills with them, so its prompts keep the
+bfloat16 matmuls' speed: half as many bytes again as the bfloat16 weights, for decode steps that
+read half of them. The decoder layers' projections and the output head are converted; the embedding
+stays as it is (a lookup reads a row). What each mode costs in answers is measured on the QA
+benchmark (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ DECODE_ROWS = 16  # passes of at most this many rows use the low-precision kerne
 # torch's int8 decode kernel gets rows of a multiple of this many inputs only: on an AVX-512 CPU
 # (torch 2.13) it gave garbage or NaN for 8, 24 and 40 inputs, and was right for 16, 32, 48, 64, 96, 576
 INT8PACK_ALIGN = 16
+QUANTIZED_DTYPES = {"bf16": (torch.float32,), "int8": (torch.float32, torch.bfloat16)}  # the models each mode takes
+QUANTIZED_DTYPE_NAMES = {"bf16": "float32", "int8": "float32 or bfloat16"}
 LINEAR_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"})
 
 
@@ -40,6 +46,7 @@ class WeightOnlyLinear(nn.Module):
     weight_low: torch.Tensor  # [out, in], bfloat16 or int8
     scales: torch.Tensor  # [out] float32 (int8), empty (bf16)
     scales_low: torch.Tensor  # the scales in bfloat16
+    weight_full: torch.Tensor | None  # a bfloat16 model's own weight, for passes over many rows
     bias: nn.Parameter | None
 
     def __init__(self, linear: nn.Linear, mode: str) -> None:
@@ -47,6 +54,10 @@ class WeightOnlyLinear(nn.Module):
         if mode not in QUANTIZE_MODES[1:]:
             raise ValueError(f"unknown quantize mode {mode!r}; choose one of {QUANTIZE_MODES[1:]}")
         self.mode, self.in_features, self.out_features = mode, linear.in_features, linear.out_features
+        keeps_full = linear.weight.dtype == torch.bfloat16
+        if keeps_full and mode != "int8":
+            raise ValueError("a bfloat16 model already decodes from bfloat16 weights: quantize it to int8, or none")
+        self.register_buffer("weight_full", linear.weight.detach() if keeps_full else None)
         weight = linear.weight.detach().float()
         if mode == "bf16":
             self.register_buffer("weight_low", weight.to(torch.bfloat16).contiguous())
@@ -64,6 +75,7 @@ class WeightOnlyLinear(nn.Module):
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.mode, layer.in_features, layer.out_features = mode, in_features, out_features
+        layer.register_buffer("weight_full", None)
         return layer
 
     def dequantized(self) -> torch.Tensor:
@@ -73,9 +85,11 @@ class WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > DECODE_ROWS:
-            out = F.linear(rows, self.dequantized().to(x.dtype))
-        elif not torch.is_grad_enabled() and cpu_kernels.usable(self.weight_low):  # the C kernel keeps no gradient
+        if rows.shape[0] > DECODE_ROWS:  # the plain layer's matmul, its bias added as nn.Linear adds it
+            weight = self.weight_full if self.weight_full is not None else self.dequantized()
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(rows, weight.to(x.dtype), bias).view(*x.shape[:-1], self.out_features)
+        if not torch.is_grad_enabled() and cpu_kernels.usable(self.weight_low):  # the C kernel keeps no gradient
             out = cpu_kernels.matmul(rows, self.weight_low, self.scales if self.mode == "int8" else None).to(x.dtype)
         elif self.mode == "bf16":
             out = F.linear(rows.to(torch.bfloat16), self.weight_low).to(x.dtype)
@@ -103,13 +117,14 @@ def quantize_linears(model: nn.Module, mode: str) -> int:
         raise ValueError(f"unknown quantize mode {mode!r}; choose one of {QUANTIZE_MODES}")
     if mode == "none":
         return 0
-    replaced = []
+    replaced: list[tuple[nn.Module, str, nn.Linear]] = []
     for parent in model.modules():
         for name, child in parent.named_children():
             if name in LINEAR_NAMES and type(child) is nn.Linear:
                 replaced.append((parent, name, child))
+    for _, _, child in replaced:
+        if child.weight.dtype not in QUANTIZED_DTYPES[mode] or child.weight.device.type != "cpu":
+            raise ValueError(f"{mode} weight-only quantization is for {QUANTIZED_DTYPE_NAMES[mode]} models on CPU")
     for parent, name, child in replaced:
-        if child.weight.dtype != torch.float32 or child.weight.device.type != "cpu":
-            raise ValueError("weight-only quantization is for float32 models on CPU (use --dtype float32 --device cpu)")
         setattr(parent, name, WeightOnlyLinear(child, mode))
     return len(replaced)
