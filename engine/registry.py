@@ -113,7 +113,7 @@ class ModelRegistry:
                 raise ValueError(f"two models are named {loaded.name!r}; serve each folder once")
             worker = SerialWorker(f"model:{loaded.name}", self.config.generation.max_queue)
             neurocache = None if loaded.own_memory is not None else self._find_adapter(loaded)
-            if loaded.own_memory is None:  # after the adapter: the layers it wraps stay float32
+            if loaded.own_memory is None:  # after the adapter: the layers it wraps stay in the model's dtype
                 loaded.quantize = spec.quantize if quantize_linears(loaded.model, spec.quantize) else "none"
                 if native_step(loaded.model) is not None:  # its answers keep float32 keys and values
                     loaded.cache_dtype = CACHE_DTYPE

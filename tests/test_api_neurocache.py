@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+from engine.config import DEFAULT_MODEL, SMALL_MODEL
 from engine.models.manifest import SHIPPED_MANIFESTS
 from tests.helpers import FIXTURES, fail_on_third_segment
 
@@ -100,12 +101,12 @@ def test_openai_requests_without_temperature_get_the_manifests_else_openais(make
     assert "generation top_k" in caplog.text  # a key it does not know is named and left out
 
 
-def test_the_default_models_manifest_decodes_greedily_as_it_was_measured():
+@pytest.mark.parametrize("name", [DEFAULT_MODEL, SMALL_MODEL])
+def test_the_shipped_models_manifests_decode_greedily_as_they_were_measured(name):
     from engine.models import manifest as manifests
 
-    shipped = manifests.manifest_of("smollm2-135m-instruct", "/nonexistent")
+    shipped = manifests.manifest_of(name, "/nonexistent")
     assert manifests.generation_defaults(shipped) == {"temperature": 0.0}
-    assert manifests.memory_options(shipped) == {"text": {"top_k": 1, "sentence_tokens": 50}}
 
 
 @pytest.mark.parametrize("name", sorted(path.stem for path in SHIPPED_MANIFESTS.glob("*.json")))

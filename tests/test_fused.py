@@ -54,6 +54,24 @@ def test_the_parts_weights_become_views_of_the_fused_weight(mode):
         assert {storage(layer.scales) for layer in layers} == {storage(fused.scales)}
 
 
+def test_int8_over_bfloat16_parts_share_their_own_weights_too():
+    """Fused int8 parts of a bf16 model: passes over many rows give each part's output from one
+    matmul over the parts' bf16 weights, which become views of the fused one."""
+    torch.manual_seed(0)
+    layers = [WeightOnlyLinear(nn.Linear(32, n, bias=True).to(torch.bfloat16), "int8") for n in (16, 8, 8)]
+    x = torch.randn(40, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        before = [layer(x) for layer in layers]
+        fused = fuse_linears(layers)
+        assert fused is not None
+        together = fused(x)
+        after = [layer(x) for layer in layers]
+    assert {storage(layer.weight_full) for layer in layers} == {storage(fused.weight_full)}
+    for piece, alone, again in zip(together.split([16, 8, 8], -1), before, after, strict=True):
+        torch.testing.assert_close(piece, alone, rtol=0, atol=0)
+        assert torch.equal(again, alone)
+
+
 class Adapted(nn.Linear):
     """Another layer type, as an adapter's (Neurocache's LoRA) is: its forward is its own."""
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from engine.batching import BatchDecoder, Row, _step_parts, native_step
 from engine.generation import AnswerState
@@ -100,22 +101,34 @@ def test_a_bfloat16_model_steps_as_its_weights_widened_to_float32(family):
         torch.testing.assert_close(b.keys[:, :, : b.length], a.keys[:, :, : a.length], rtol=1e-5, atol=1e-5)
 
 
-def test_int8_over_a_bfloat16_model_prefills_in_bfloat16_and_steps_from_int8():
-    """`--quantize int8` on a bf16 model: its prompt runs through the bf16 weights (the row's keys
-    are the plain bf16 model's), and its steps are those of a float32 model holding the same int8
-    weights (int8 of a bf16 weight is int8 of it widened)."""
-    bf16 = model_of(attention_bias=True).to(torch.bfloat16)
+@pytest.mark.parametrize("tied", [False, True])
+def test_int8_over_a_bfloat16_model_prefills_in_bfloat16_and_steps_from_int8(tied):
+    """`--quantize int8` on a bf16 model (its head tied to the embedding or not): its prompt runs
+    through the bf16 weights (every layer's keys and values are the plain bf16 model's, the prompt
+    fed in parts whose short tail joins the part before), and its steps are those of a float32
+    model holding the same int8 weights (int8 of a bf16 weight is int8 of it widened)."""
+    bf16 = model_of(attention_bias=True, tie_word_embeddings=tied).to(torch.bfloat16)
     plain = copy.deepcopy(bf16)
     widened = copy.deepcopy(bf16).to(torch.float32)
     quantize_linears(bf16, "int8")
     quantize_linears(widened, "int8")
+    if tied:  # the head's bf16 weight is the embedding itself, not a copy
+        assert bf16.lm_head.weight_full.data_ptr() == bf16.model.embed_tokens.weight.data_ptr()
     low, wide = BatchDecoder(bf16), BatchDecoder(widened)
-    assert low.native is not None and low.rows_alone
-    (prefilled,) = rows_of(low, [21])
+    assert low.native is not None and low.rows_alone and low.whole_tail and not wide.whole_tail
+    prefilled = Row(
+        torch.randint(0, VOCAB, (45,), generator=torch.Generator().manual_seed(4)).tolist(), GenerationParams(max_tokens=8)
+    )
+    assert low.prefill_part(prefilled, 20) is None and prefilled.fed == 20
+    assert low.prefill_part(prefilled, 20) is not None  # 40 of 45: the last 5 came with them
+    cache = DynamicCache()  # the plain model fed the same parts (bf16 rounding depends on a pass's rows)
     with torch.no_grad():
-        cache = plain(input_ids=torch.tensor([prefilled.prompt_ids]), use_cache=True).past_key_values
-    assert prefilled.keys is not None
-    torch.testing.assert_close(prefilled.keys[0, :, :21], cache.layers[0].keys[0].float(), rtol=0, atol=0)
+        for part in (prefilled.prompt_ids[:20], prefilled.prompt_ids[20:]):
+            plain(input_ids=torch.tensor([part]), past_key_values=cache, use_cache=True)
+    assert prefilled.keys is not None and prefilled.values is not None
+    for layer, kept in enumerate(cache.layers):
+        torch.testing.assert_close(prefilled.keys[layer, :, :45], kept.keys[0].float(), rtol=0, atol=0)
+        torch.testing.assert_close(prefilled.values[layer, :, :45], kept.values[0].float(), rtol=0, atol=0)
     rows = rows_of(wide, [13, 5])
     twins = copy.deepcopy(rows)
     for token in (9, 51, 2):

@@ -135,6 +135,10 @@ def test_a_bfloat16_model_prefills_with_its_own_weights_and_decodes_from_int8(de
     assert got.dtype == torch.bfloat16
     bound = few.float().abs() @ weight_tolerance(plain.weight.float(), "int8").T + want.abs() * 2**-7 + 1e-2
     assert ((got.float() - want).abs() <= bound).all()
+    quantized.weight_full = torch.zeros_like(plain.weight)  # which weight each pass reads
+    with torch.no_grad():
+        assert torch.equal(quantized(few), got)  # decode rows: the int8 copy
+        torch.testing.assert_close(quantized(many), plain.bias.expand(len(many), -1), rtol=0, atol=0)  # prompts: the bf16 one
 
 
 def test_only_int8_takes_a_bfloat16_model(tiny_dir):
@@ -169,6 +173,22 @@ def test_the_spec_refuses_what_it_cannot_run(flags, message):
 def test_the_server_flag_is_validated(tiny_dir):
     with pytest.raises(ValidationError, match="unknown quantize"):
         tiny_settings(tiny_dir, quantize="fp8")
+
+
+def test_int8_over_a_bfloat16_model_is_served_and_says_so(make_client):
+    """`--dtype bfloat16 --quantize int8`: the card names both, the decode steps run in C over the
+    int8 copy, prompts over the bf16 weights, and a session answers."""
+    client = make_client(quantize="int8", dtype="bfloat16")
+    card = client.get("/v1/models").json()["data"][0]
+    assert card["quantize"] == "int8" and card["dtype"] == "bfloat16"
+    runtime = client.app.state.engine.models.named(card["id"])
+    assert runtime.batcher is not None
+    layers = [m for name, m in runtime.loaded.model.named_modules() if name.endswith(("_proj", "lm_head"))]
+    assert layers and all(type(m) is WeightOnlyLinear and m.weight_full is not None for m in layers)
+    session = client.post("/v1/sessions", json={"memory": "text"}).json()["id"]
+    assert client.post(f"/v1/sessions/{session}/documents", json={"text": "The key is 4417. " * 30}).status_code == 201
+    answer = client.post(f"/v1/sessions/{session}/ask", json={"question": "What is the key?", "max_tokens": 8})
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] > 0
 
 
 @pytest.mark.parametrize("mode", MODES)

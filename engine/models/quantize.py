@@ -4,10 +4,10 @@ A decode step reads every weight once for one row of activations, so on CPU its 
 to stream the weights from memory: fewer bytes a weight, faster steps. A decode step's matmul (up
 to DECODE_ROWS rows) runs longdoc's own kernel (engine/models/cpu_kernels.py: float32 activations,
 each weight widened to float32 as it is read) where it could be built, else torch's weight-only
-kernel (activations rounded to bfloat16); the result is float32 either way. Norms, the key/value
-cache and attention stay in the model's float32, which CPUs without native bfloat16 run several
-times faster than bfloat16 attention. The speed-up needs one OpenMP team on the cores
-(engine/worker.py).
+kernel (activations rounded to bfloat16); the result is in the model's dtype. Norms, the
+key/value cache and attention stay in the model's dtype (a float32 model's: CPUs without native
+bfloat16 run float32 attention several times faster than bfloat16; the C decode step computes them
+in float32 for any model). The speed-up needs one OpenMP team on the cores (engine/worker.py).
 
 - `bf16`: weights kept in bfloat16 (half the bytes).
 - `int8`: weights kept in int8 with one float scale per output row (a quarter of the bytes).
@@ -15,7 +15,8 @@ times faster than bfloat16 attention. The speed-up needs one OpenMP team on the 
 A pass over many rows (a prompt's prefill) is compute-bound, not memory-bound. A float32 model's
 layers widen the stored weights back to float32 for that pass and run the float32 matmul. A
 bfloat16 model (`int8` only: on a CPU with fast bfloat16 matmuls, where `dtype auto` loads one)
-keeps its bfloat16 weights beside the int8 ones and prefills with them, so its prompts keep the
+keeps its bfloat16 weights beside the int8 ones and prefills with them (engine/batching.py feeds such a
+model a prompt longer than DECODE_ROWS tokens in parts longer than that), so its prompts keep the
 bfloat16 matmuls' speed: half as many bytes again as the bfloat16 weights, for decode steps that
 read half of them. The decoder layers' projections and the output head are converted; the embedding
 stays as it is (a lookup reads a row). What each mode costs in answers is measured on the QA
