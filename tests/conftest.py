@@ -93,8 +93,8 @@ def client(make_client) -> Iterator[TestClient]:
 @pytest.fixture(scope="module")
 def adapter_dir(tmp_path_factory, tiny_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    torch.manual_seed(0)  # before the adapter's layers are made: the same adapter whatever ran before
     neurocache = Neurocache(model, NeurocacheConfig(top_k=4, capacity=4096, lora_rank=4))
-    torch.manual_seed(0)
     with torch.no_grad():
         for module in neurocache.cache_attention.values():
             attention = cast(CacheAttention, module)
