@@ -151,7 +151,10 @@ class BatchDecoder:
         self.rows_alone = self.native is not None or _rows_alone(self._projections())
         self.cache_dtype = CACHE_DTYPE if self.native is not None else model.dtype  # a row's keys and values
         # int8 over a bf16 model runs passes over more than DECODE_ROWS rows through the model's own
-        # weights: a prompt's short last part joins the part before it, so all of a prompt runs so
+        # weights: a prompt is fed in parts of more than DECODE_ROWS tokens (a short last part joins
+        # the one before), so a prompt longer than that runs through them. A prompt of DECODE_ROWS
+        # tokens or fewer, and the head's one row that gives the first token, read the int8 copy
+        # as decode steps do.
         self.whole_tail = any(type(m) is WeightOnlyLinear and m.weight_full is not None for m in model.modules())
         log.info("%s: decode steps %s", type(model).__name__, "in C" if self.native is not None else "in torch")
         self.norms = [(_rms_norm(layer.input_layernorm), _rms_norm(layer.post_attention_layernorm)) for layer in self.layers]
@@ -201,8 +204,9 @@ class BatchDecoder:
         if row.prompt_cache is None:
             row.prompt_cache, row.fed = DynamicCache(), 0
         end = len(ids) if tokens is None else min(len(ids), row.fed + tokens)
-        if self.whole_tail and len(ids) - end <= DECODE_ROWS:
-            end = len(ids)
+        if self.whole_tail:  # no part of DECODE_ROWS tokens or fewer, unless the prompt is that short
+            end = min(len(ids), max(end, row.fed + DECODE_ROWS + 1))
+            end = len(ids) if len(ids) - end <= DECODE_ROWS else end
         part = torch.tensor([ids[row.fed : end]], device=model.device)
         out = model(input_ids=part, past_key_values=row.prompt_cache, use_cache=True, logits_to_keep=1)
         row.fed = end

@@ -22,7 +22,7 @@ from engine.models.kv_select import SelectConfig, SelectiveAnswer, SelectiveMode
 from engine.models.kv_store import KVStore
 from engine.models.native_step import NativeStep
 from engine.models.neurocache import Neurocache, NeurocacheConfig
-from engine.models.quantize import quantize_linears
+from engine.models.quantize import DECODE_ROWS, quantize_linears
 from research.lms.byte_tokenizer import ByteTokenizer
 from tests.helpers import TEST_DEVICE
 from tests.test_batching import FAMILIES, NO_STOP, alone, batcher_for, collect, requests, same_answer, tiny
@@ -101,11 +101,27 @@ def test_a_bfloat16_model_steps_as_its_weights_widened_to_float32(family):
         torch.testing.assert_close(b.keys[:, :, : b.length], a.keys[:, :, : a.length], rtol=1e-5, atol=1e-5)
 
 
+def assert_plain_keys(plain: Any, row: Row, parts: list[int]) -> None:
+    """Every layer's keys and values in `row` are the plain model's fed the same parts (bf16
+    rounding depends on a pass's rows)."""
+    cache, at = DynamicCache(), 0
+    with torch.no_grad():
+        for size in parts:
+            plain(input_ids=torch.tensor([row.prompt_ids[at : at + size]]), past_key_values=cache, use_cache=True)
+            at += size
+    assert row.keys is not None and row.values is not None and at == len(row.prompt_ids)
+    for layer, kept in enumerate(cache.layers):
+        keys, values = cast(Any, kept).keys, cast(Any, kept).values  # a full-attention layer's
+        torch.testing.assert_close(row.keys[layer, :, :at], keys[0].float(), rtol=0, atol=0)
+        torch.testing.assert_close(row.values[layer, :, :at], values[0].float(), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_int8_over_a_bfloat16_model_prefills_in_bfloat16_and_steps_from_int8(tied):
     """`--quantize int8` on a bf16 model (its head tied to the embedding or not): its prompt runs
     through the bf16 weights (every layer's keys and values are the plain bf16 model's, the prompt
-    fed in parts whose short tail joins the part before), and its steps are those of a float32
+    fed in parts whose short tail joins the part before, and parts asked of DECODE_ROWS tokens or
+    fewer made longer), and its steps are those of a float32
     model holding the same int8 weights (int8 of a bf16 weight is int8 of it widened)."""
     bf16 = model_of(attention_bias=True, tie_word_embeddings=tied).to(torch.bfloat16)
     plain = copy.deepcopy(bf16)
@@ -121,15 +137,12 @@ def test_int8_over_a_bfloat16_model_prefills_in_bfloat16_and_steps_from_int8(tie
     )
     assert low.prefill_part(prefilled, 20) is None and prefilled.fed == 20
     assert low.prefill_part(prefilled, 20) is not None  # 40 of 45: the last 5 came with them
-    cache = DynamicCache()  # the plain model fed the same parts (bf16 rounding depends on a pass's rows)
-    with torch.no_grad():
-        for part in (prefilled.prompt_ids[:20], prefilled.prompt_ids[20:]):
-            plain(input_ids=torch.tensor([part]), past_key_values=cache, use_cache=True)
-    assert prefilled.keys is not None and prefilled.values is not None
-    for layer, kept in enumerate(cache.layers):
-        keys, values = cast(Any, kept).keys, cast(Any, kept).values  # a full-attention layer's
-        torch.testing.assert_close(prefilled.keys[layer, :, :45], keys[0].float(), rtol=0, atol=0)
-        torch.testing.assert_close(prefilled.values[layer, :, :45], values[0].float(), rtol=0, atol=0)
+    short = Row(prefilled.prompt_ids, GenerationParams(max_tokens=8))
+    assert low.prefill_part(short, 8) is None and short.fed == DECODE_ROWS + 1  # parts of 8 asked: 17, the fewest over bf16
+    assert low.prefill_part(short, 8) is not None  # 34 of 45, then the last 11 with them
+    assert short.keys is not None
+    assert_plain_keys(plain, short, [17, 28])
+    assert_plain_keys(plain, prefilled, [20, 25])
     rows = rows_of(wide, [13, 5])
     twins = copy.deepcopy(rows)
     for token in (9, 51, 2):

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from engine.config import ModelSpec
-from engine.models import cpu_kernels
+from engine.models import cpu_kernels, quantize
 from engine.models.quantize import DECODE_ROWS, WeightOnlyLinear, quantize_linears
 from tests.helpers import TEST_DEVICE, tiny_settings
 from tests.test_cpu_kernels import BUILDABLE
@@ -103,6 +103,19 @@ def test_int8_keeps_one_scale_a_row_and_a_quarter_of_the_bytes():
         WeightOnlyLinear(plain, "int4")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_in_blocks_of_rows_equals_the_whole_weight_at_once(dtype, monkeypatch):
+    """Quantized a few rows at a time (so a big head's float32 copy is never whole), the int8
+    weight and its scales are those of the whole weight quantized in one go."""
+    monkeypatch.setattr(quantize, "QUANTIZE_ROWS", 7)
+    weight = torch.randn(30, 48, generator=torch.Generator().manual_seed(3)).to(dtype)
+    whole = weight.float()
+    scales = whole.abs().amax(dim=1).clamp(min=1e-12) / 127
+    expected = torch.round(whole / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    quantized, got = quantize.int8_rows(weight)
+    assert torch.equal(quantized, expected) and torch.equal(got, scales)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_model_quantized_keeps_its_predictions(mode, tiny_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
@@ -176,13 +189,15 @@ def test_the_server_flag_is_validated(tiny_dir):
 
 
 def test_int8_over_a_bfloat16_model_is_served_and_says_so(make_client):
-    """`--dtype bfloat16 --quantize int8`: the card names both, the decode steps run in C over the
-    int8 copy, prompts over the bf16 weights, and a session answers."""
+    """`--dtype bfloat16 --quantize int8`: the card names both, the decoder feeds prompts in parts
+    over the bf16 weights and steps over the int8 copy, and a session answers."""
     client = make_client(quantize="int8", dtype="bfloat16")
     card = client.get("/v1/models").json()["data"][0]
     assert card["quantize"] == "int8" and card["dtype"] == "bfloat16"
     runtime = client.app.state.engine.models.named(card["id"])
     assert runtime.batcher is not None
+    decoder = runtime.batcher._decoder
+    assert decoder.whole_tail and decoder.rows_alone  # prompts in parts over bf16; steps over the int8 copy, a row alone
     layers = [m for name, m in runtime.loaded.model.named_modules() if name.endswith(("_proj", "lm_head"))]
     assert layers and all(type(m) is WeightOnlyLinear and m.weight_full is not None for m in layers)
     session = client.post("/v1/sessions", json={"memory": "text"}).json()["id"]
