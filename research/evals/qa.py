@@ -92,7 +92,9 @@ class Row:
         return {
             "memory": self.memory + (f" {json.dumps(self.options)}" if self.options else ""),
             "accuracy": f"{self.correct}/{self.asked} = {self.correct / max(1, self.asked):.2f} [{low:.2f}, {high:.2f}]",
-            "gold recall": "-" if self.recalled is None else f"{self.recalled / max(1, self.asked):.2f}",
+            "gold recall": "-"
+            if self.recalled is None
+            else f"{self.recalled}/{self.asked} = {self.recalled / max(1, self.asked):.2f}",
             "ingest tok/s": f"{self.ingest_tokens / self.ingest_seconds:,.0f}" if self.ingest_seconds else "-",
             "TTFT median (s)": f"{statistics.median(self.ttfts):.2f}" if self.ttfts else "-",
             "decode tok/s median": f"{statistics.median(self.decode_rates):.1f}" if self.decode_rates else "-",
