@@ -440,7 +440,7 @@ def eval_qa(
     quantize: QuantizeOption = "none",
     write: Annotated[Path | None, typer.Option(help="also write the table into this Markdown file (docs/benchmarks.md)")] = None,
 ) -> None:
-    """The QA benchmark: 110 questions about five held-out texts (with --dev, 72 development ones), per memory, with the oracle row."""
+    """The QA benchmark: 110 questions about five held-out texts (with --dev, 120 development ones), per memory, with the oracle row."""
     from research.evals.qa import DEV_QUESTIONS, QUESTIONS, bench, section
 
     if dev and write:
