@@ -90,15 +90,22 @@ def test_a_bfloat16_model_steps_as_its_weights_widened_to_float32(family):
     widened = copy.deepcopy(bf16).to(torch.float32)
     low, wide = BatchDecoder(bf16), BatchDecoder(widened)
     assert low.native is not None and low.cache_dtype == torch.float32
+    rows, twins = steps_alike(low, wide)
+    for a, b in zip(rows, twins, strict=True):
+        assert a.keys is not None and b.keys is not None
+        torch.testing.assert_close(b.keys[:, :, : b.length], a.keys[:, :, : a.length], rtol=1e-5, atol=1e-5)
+
+
+def steps_alike(low: BatchDecoder, wide: BatchDecoder) -> tuple[list[Row], list[Row]]:
+    """The same two rows stepped by both decoders, three steps of two answers: the logits agree
+    within 1e-4 at each; returns (`wide`'s rows, `low`'s)."""
     rows = rows_of(wide, [13, 5])
     twins = copy.deepcopy(rows)
     for token in (9, 51, 2):
         feed(rows, [token, token])
         feed(twins, [token, token])
         torch.testing.assert_close(low.step(twins), wide.step(rows), rtol=1e-4, atol=1e-4)
-    for a, b in zip(rows, twins, strict=True):
-        assert a.keys is not None and b.keys is not None
-        torch.testing.assert_close(b.keys[:, :, : b.length], a.keys[:, :, : a.length], rtol=1e-5, atol=1e-5)
+    return rows, twins
 
 
 def assert_plain_keys(plain: Any, row: Row, parts: list[int]) -> None:
@@ -143,12 +150,7 @@ def test_int8_over_a_bfloat16_model_prefills_in_bfloat16_and_steps_from_int8(tie
     assert short.keys is not None
     assert_plain_keys(plain, short, [17, 28])
     assert_plain_keys(plain, prefilled, [20, 25])
-    rows = rows_of(wide, [13, 5])
-    twins = copy.deepcopy(rows)
-    for token in (9, 51, 2):
-        feed(rows, [token, token])
-        feed(twins, [token, token])
-        torch.testing.assert_close(low.step(twins), wide.step(rows), rtol=1e-4, atol=1e-4)
+    steps_alike(low, wide)
 
 
 def test_a_bfloat16_model_prefills_in_bfloat16_and_keeps_float32_keys():
