@@ -128,8 +128,8 @@ def test_int8_over_a_bfloat16_model_prefills_in_bfloat16_and_steps_from_int8(tie
     """`--quantize int8` on a bf16 model (its head tied to the embedding or not): its prompt runs
     through the bf16 weights (every layer's keys and values are the plain bf16 model's, the prompt
     fed in parts whose short tail joins the part before, and parts asked of DECODE_ROWS tokens or
-    fewer made longer), and its steps are those of a float32
-    model holding the same int8 weights (int8 of a bf16 weight is int8 of it widened)."""
+    fewer made longer), and its steps are those of a float32 model holding the same int8 weights
+    (int8 of a bf16 weight is int8 of it widened)."""
     bf16 = model_of(attention_bias=True, tie_word_embeddings=tied).to(torch.bfloat16)
     plain = copy.deepcopy(bf16)
     widened = copy.deepcopy(bf16).to(torch.float32)
