@@ -1,4 +1,4 @@
-"""kvcache's selection against perfect selection, on pass keys or QA questions (SmolLM2-135M, through the engine).
+"""kvcache's selection against perfect selection, on pass keys or QA questions (SmolLM2-135M unless --model names another, through the engine).
 
 Each pass-key document (`longdoc eval passkey`'s, one per depth) is fed once into a kvcache
 session; the question is then asked under each answering config (swapped on the session's
@@ -30,6 +30,7 @@ from typing import Any, cast
 
 import torch
 
+from engine.config import SMALL_MODEL
 from engine.engine import Engine
 from engine.interface import GenerationParams, RetrievedItem, TokenDelta
 from engine.memories.kvcache import KVCacheMemory
@@ -78,7 +79,11 @@ def needle_layers(items: tuple[RetrievedItem, ...], document: str, key: str) -> 
 
 
 def run(
-    length: int, depths: tuple[float, ...], configs: list[dict[str, Any]], forced_config: dict[str, Any] | None
+    length: int,
+    depths: tuple[float, ...],
+    configs: list[dict[str, Any]],
+    forced_config: dict[str, Any] | None,
+    model: str = SMALL_MODEL,
 ) -> list[dict[str, Any]]:
     for config in [*configs, forced_config or {}]:
         if set(config) - ANSWERING:
@@ -113,7 +118,7 @@ def run(
             selective.config = base
             engine.delete_session(session.id)
 
-    run_with_engine(EvalSetup(device="cpu"), length, body)
+    run_with_engine(EvalSetup(model=model, device="cpu"), length, body)
     return [
         {
             "answering": name,
@@ -126,7 +131,7 @@ def run(
     ]
 
 
-def run_qa(text: str, options: dict[str, Any]) -> list[dict[str, Any]]:
+def run_qa(text: str, options: dict[str, Any], model: str = SMALL_MODEL) -> list[dict[str, Any]]:
     """Development questions about `text`: the session's selection, then the gold segments forced."""
     questions = [q for q in qa.load_questions(qa.DEV_QUESTIONS) if q.text == text]
     if not questions:
@@ -159,7 +164,7 @@ def run_qa(text: str, options: dict[str, Any]) -> list[dict[str, Any]]:
                 correct[name] += hit
                 print(f"{question.id} {name} (segments {gold}): {hit} {' '.join(answer_text.split())[:80]!r}", flush=True)
 
-    run_with_engine(EvalSetup(device="cpu"), 200_000, body)
+    run_with_engine(EvalSetup(model=model, device="cpu"), 200_000, body)
     label = f"kvcache {json.dumps(options)}" if options else "kvcache"
     return [
         {"memory": label, "text": text, "picks": name, "correct": n, "questions": len(questions)} for name, n in correct.items()
@@ -174,12 +179,13 @@ def main() -> None:
     parser.add_argument("--forced", default=None, help="options of the forced run, JSON (none: no forced run)")
     parser.add_argument("--qa", default=None, help="a development text's name: its QA questions in place of pass keys")
     parser.add_argument("--session", default="{}", help="with --qa: the kvcache session's options, JSON")
+    parser.add_argument("--model", default=SMALL_MODEL, help="a served model by name")
     args = parser.parse_args()
     if args.qa is not None:
-        print(markdown(run_qa(args.qa, json.loads(args.session))))
+        print(markdown(run_qa(args.qa, json.loads(args.session), args.model)))
         return
     forced_config = json.loads(args.forced) if args.forced is not None else None
-    rows = run(args.length, tuple(args.depth or DEPTHS), [json.loads(c) for c in args.configs], forced_config)
+    rows = run(args.length, tuple(args.depth or DEPTHS), [json.loads(c) for c in args.configs], forced_config, args.model)
     print(markdown(rows))
 
 

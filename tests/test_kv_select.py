@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from engine.models import kv_select, kv_store
+from engine.models import kv_store
 from engine.models.kv_select import SelectConfig, SelectiveAnswer, SelectiveModel, pick_segments
 from engine.models.kv_store import KVStore
 from engine.models.rope import apply_rope as rotate
@@ -155,19 +155,21 @@ def test_head_segments_are_each_heads_picks_of_segment_rows(storage):
 
 
 @pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8"])
-def test_segment_keys_are_segment_rows_keys_across_pages(storage, monkeypatch):
-    monkeypatch.setattr(kv_store, "PAGE_TOKENS", 32)  # 4 segments a page: reads cross pages
+def test_best_key_logits_are_each_segments_best_dot_product_across_pages(storage, monkeypatch):
+    monkeypatch.setattr(kv_store, "PAGE_TOKENS", 32)  # 4 segments a page: 10 segments end inside the third
     config = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=16, sinks=4)
     _, store, _ = fed(tiny_model(), config, random_ids(120), chunk=24, storage=storage)
-    rows_k, _ = store.segment_rows(1, list(range(10)))
-    for first, end in [(0, 10), (3, 9), (4, 8), (5, 6)]:
-        torch.testing.assert_close(store.segment_keys(1, first, end), rows_k[first:end].float(), rtol=0, atol=0)
+    rows_k, _ = store.segment_rows(1, list(range(10)))  # S, l, H, D as segment_rows widens them
+    rows = torch.randn(2, 5, rows_k.shape[-1])  # H, R, D
+    for segments in (10, 9, 4, 1):
+        expected = torch.einsum("slhd,hrd->hslr", rows_k[:segments].float(), rows).flatten(2).amax(dim=-1)
+        torch.testing.assert_close(store.best_key_logits(1, segments, rows), expected)
 
 
 def test_key_scores_are_each_segments_best_logit_with_its_keys_placed_before_the_rows(monkeypatch):
     """The rows and keys rotated at their own positions (the rows at 500 + t, every key `distance`
     before the first row), as attention would see them; the best logit of each segment."""
-    monkeypatch.setattr(kv_select, "KEY_BLOCK", 3)  # blocks of segments: the result must not depend on them
+    monkeypatch.setattr(kv_store, "PAGE_TOKENS", 24)  # 3 segments a page: the result must not depend on pages
     config = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=16, sinks=4, selection="keys")
     selective, store, _ = fed(tiny_model(), config, random_ids(120), chunk=24, storage="float32")
     q = torch.randn(4, 5, selective.head_dim)  # Hq, T, D

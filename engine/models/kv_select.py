@@ -49,7 +49,6 @@ from engine.models.native_step import CACHE_DTYPE, NativeStep
 from engine.models.rope import apply_rope as rotate
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-KEY_BLOCK = 64  # segments whose keys `key_scores` widens at once
 
 
 @dataclass(frozen=True)
@@ -194,14 +193,10 @@ class SelectiveModel:
         row of the head's group, with the keys placed `distance` positions before the first row
         (where the selected region sits). Rotary makes the logit of a query at m and a key at n
         depend on m - n alone, so the rows are rotated by distance + t and the stored keys not at
-        all. Reads every key of those segments, `KEY_BLOCK` segments at a time."""
+        all. Reads every key of those segments (`KVStore.best_key_logits`)."""
         cos, sin = self._rope(torch.arange(distance, distance + q.shape[1]), torch.float32)
         rows = rotate(q.float(), cos, sin).reshape(self.kv_heads, -1, self.head_dim)  # Hkv, G·T, D
-        scores = [torch.zeros(self.kv_heads, 0, device=rows.device)]
-        for first in range(0, eligible, KEY_BLOCK):
-            keys = store.segment_keys(layer_index, first, min(eligible, first + KEY_BLOCK))  # s, l, Hkv, D
-            scores.append(torch.einsum("slhd,hqd->hslq", keys, rows).flatten(2).amax(dim=-1))
-        return torch.cat(scores, dim=1)
+        return store.best_key_logits(layer_index, eligible, rows)
 
     def _selected(
         self, layer_index: int, store: KVStore, picks: list[list[int]], window_position: int, dtype: torch.dtype | None = None

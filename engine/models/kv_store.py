@@ -184,18 +184,25 @@ class KVStore:
                 vs.append(page["v"][slot])
         return torch.stack(ks).to(self.dtype), torch.stack(vs).to(self.dtype)
 
-    def segment_keys(self, layer: int, first: int, end: int) -> torch.Tensor:
-        """Keys of segments first..end-1 [n, l, H, D] in float32."""
-        P = self.shape.page_segments
-        if first >= end:
-            return torch.zeros(0, self.shape.segment_len, self.shape.kv_heads, self.shape.head_dim, device=self.device)
-        parts = []
-        for page_index in range(first // P, -(-end // P)):
-            page = self.pages[layer][page_index]
-            slots = slice(max(first, page_index * P) - page_index * P, min(end, (page_index + 1) * P) - page_index * P)
-            keys = page["k"][slots].float()
-            parts.append(keys * page["k_scale"][slots, None] if self.shape.storage == "int8" else keys)
-        return torch.cat(parts)
+    def best_key_logits(self, layer: int, segments: int, rows: torch.Tensor) -> torch.Tensor:
+        """[H, segments] float32: for each of the first `segments` segments and each head h, the
+        largest dot product between any of the segment's stored keys and any row of rows[h]
+        ([H, R, D], float32). A page at a time: its keys widened to float32 (int8 times their
+        scales), then one matmul a head, reduced to each segment's best before the next page, so
+        no [keys, rows] product of the whole store is ever held."""
+        H, l, P = self.shape.kv_heads, self.shape.segment_len, self.shape.page_segments
+        out = torch.empty(H, segments, device=self.device)
+        transposed = rows.transpose(1, 2)  # H, D, R
+        for first in range(0, segments, P):
+            n = min(P, segments - first)
+            page = self.pages[layer][first // P]
+            keys = page["k"][:n].float()
+            if self.shape.storage == "int8":
+                keys = keys * page["k_scale"][:n, None]
+            keys = keys.view(n * l, H, -1)
+            for h in range(H):
+                torch.amax((keys[:, h] @ transposed[h]).view(n, -1), dim=-1, out=out[h, first : first + n])
+        return out
 
     def head_segments(self, layer: int, picks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [H, n·l, D] in the compute dtype: head h's segments picks[h] (n for
