@@ -11,11 +11,12 @@ prompt pass picked the needle's segment (a needle in the local window counts 0).
 
 With `--qa TEXT`, the QA benchmark's development questions about one text instead: the text is fed
 once (with the options of `--session`), and each question is asked with the session's selection
-and with every segment that meets its gold passage forced into every pick, scored as
-`longdoc eval qa` scores.
+(under each answering config of `--configs`) and with every segment that meets its gold passage
+forced into every pick, scored as `longdoc eval qa` scores.
 
     .venv/bin/python -m bench.kvcache_selection --length 8192 --configs '{}' '{"selection": "keys", "reselect_every": 1}' --forced '{"selection": "keys"}'
     .venv/bin/python -m bench.kvcache_selection --qa asyoulik --session '{"top_k": 1, "window": 128}'
+    .venv/bin/python -m bench.kvcache_selection --model qwen2.5-coder-1.5b-instruct --qa asyoulik --session '{"top_k": 2, "selection": "keys"}' --configs '{"reselect_every": 1}' '{"reselect_every": 0}'
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from research.training.evaluate import (
     run_with_engine,
 )
 
-ANSWERING = {"selection", "reselect_every", "query_pool"}  # options that leave the fed store's layout alone
+ANSWERING = {"selection", "reselect_every", "query_pool", "vote"}  # options that leave the fed store's layout alone
 DEPTHS = (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95)
 
 
@@ -131,12 +132,23 @@ def run(
     ]
 
 
-def run_qa(text: str, options: dict[str, Any], model: str = SMALL_MODEL) -> list[dict[str, Any]]:
-    """Development questions about `text`: the session's selection, then the gold segments forced."""
+def run_qa(
+    text: str,
+    options: dict[str, Any],
+    model: str = SMALL_MODEL,
+    configs: tuple[dict[str, Any], ...] = ({},),
+    gold: bool = True,
+) -> list[dict[str, Any]]:
+    """Development questions about `text`: the session's selection under each answering config,
+    then the gold segments forced (with the session's own answering options)."""
     questions = [q for q in qa.load_questions(qa.DEV_QUESTIONS) if q.text == text]
     if not questions:
         raise SystemExit(f"no development question is about {text!r}")
-    correct = {"selected": 0, "gold forced": 0}
+    for config in configs:
+        if set(config) - ANSWERING:
+            raise SystemExit(f"only answering options can change on a fed session: {sorted(ANSWERING)}")
+    runs = [(f"selected {json.dumps(c)}" if c else "selected", c) for c in configs] + ([("gold forced", {})] if gold else [])
+    correct = {name: 0 for name, _ in runs}
 
     async def ask(engine: Engine, session_id: str, question: str) -> str:
         parts = []
@@ -150,19 +162,21 @@ def run_qa(text: str, options: dict[str, Any], model: str = SMALL_MODEL) -> list
         async for _ in await engine.ingest(session.id, qa_texts.load(text), text):
             pass
         memory = cast(KVCacheMemory, engine.sessions.use(session.id).memory)
-        config = memory.selective.config
+        selective, config = memory.selective, memory.selective.config
         for question in questions:
             rows = (memory.token_at(0, char) for char in range(question.start, question.end))
             gold = sorted({(r - config.sinks) // config.segment_len for r in rows if r is not None and r >= config.sinks})
             middle_first = (
                 gold[len(gold) // 2 : len(gold) // 2 + 1] + [g for g in gold if g != gold[len(gold) // 2]] if gold else []
             )
-            for name in correct:  # the middle gold segment first: its neighbours are the others when top_k is 1
+            for name, change in runs:  # the middle gold segment first: its neighbours are the others when top_k is 1
+                selective.config = dataclasses.replace(config, **change)
                 with forced(*middle_first) if name == "gold forced" else contextlib.nullcontext():
                     answer_text = await ask(engine, session.id, question.question)
                 hit = qa.is_correct(answer_text, question.answers)
                 correct[name] += hit
                 print(f"{question.id} {name} (segments {gold}): {hit} {' '.join(answer_text.split())[:80]!r}", flush=True)
+            selective.config = config
 
     run_with_engine(EvalSetup(model=model, device="cpu"), 200_000, body)
     label = f"kvcache {json.dumps(options)}" if options else "kvcache"
@@ -180,9 +194,16 @@ def main() -> None:
     parser.add_argument("--qa", default=None, help="a development text's name: its QA questions in place of pass keys")
     parser.add_argument("--session", default="{}", help="with --qa: the kvcache session's options, JSON")
     parser.add_argument("--model", default=SMALL_MODEL, help="a served model by name")
+    parser.add_argument("--no-gold", action="store_true", help="with --qa: no run with the gold segments forced")
     args = parser.parse_args()
     if args.qa is not None:
-        print(markdown(run_qa(args.qa, json.loads(args.session), args.model)))
+        print(
+            markdown(
+                run_qa(
+                    args.qa, json.loads(args.session), args.model, tuple(json.loads(c) for c in args.configs), not args.no_gold
+                )
+            )
+        )
         return
     forced_config = json.loads(args.forced) if args.forced is not None else None
     rows = run(args.length, tuple(args.depth or DEPTHS), [json.loads(c) for c in args.configs], forced_config, args.model)

@@ -45,6 +45,8 @@ def test_answers_come_from_selected_segments_and_leave_the_store_as_it_was(clien
         ({"window": 4000}, "positions"),
         ({"top_k": 1.5}, "top_k"),
         ({"sink": 4}, "unknown memory options"),
+        ({"vote": "yes"}, "vote"),
+        ({"reselect_every": -1}, "reselect_every"),
     ],
 )
 def test_bad_options_are_400(client, options, message):
@@ -52,8 +54,9 @@ def test_bad_options_are_400(client, options, message):
     assert message in assert_error(response, 400)["message"]
 
 
-def test_a_failed_ingestion_leaves_earlier_documents_exact(client):
-    session = new_session(client, memory="kvcache", options=SMALL)
+@pytest.mark.parametrize("selection", ["summary", "text"])
+def test_a_failed_ingestion_leaves_earlier_documents_exact(client, selection):
+    session = new_session(client, memory="kvcache", options={**SMALL, "selection": selection})
     client.post(f"/v1/sessions/{session}/documents", json={"text": TEXT[:3000]})
     before = client.get(f"/v1/sessions/{session}/cache").json()
     answer = client.post(f"/v1/sessions/{session}/ask", json=QUESTION).json()
@@ -97,3 +100,21 @@ def test_token_at_inverts_the_offsets_the_retrieval_items_carry(client):
             assert row is not None and (row - sinks) // length == item["chunk_id"]
     assert memory.token_at(1, 0) > memory.token_at(0, len(TEXT) - 1)  # the second document comes after
     assert memory.token_at(0, len(TEXT)) is None and memory.token_at(2, 0) is None
+
+
+def test_selection_by_text_attends_the_text_indexs_best_chunks_in_every_layer(client):
+    """selection "text": the segments of the text index's best chunks for the question, in every
+    layer (2 in the tiny model), k·u of them; the index's bytes count in the session's."""
+    options = {**SMALL, "selection": "text"}
+    session = new_session(client, memory="kvcache", options=options)
+    plain = new_session(client, memory="kvcache", options=SMALL)
+    for s in (session, plain):
+        client.post(f"/v1/sessions/{s}/documents", json={"text": TEXT})
+    question = {"question": "What did the Dodo say about the Caucus-race?", "max_tokens": 8}
+    items = client.post(f"/v1/sessions/{session}/ask", json=question).json()["retrieval"]["items"]
+    memory = session_of(client, session).memory
+    assert len(items) == options["top_k"] * options["neighbours"] and all(item["layers"] == 2 for item in items)
+    _, start, end = memory._text.ranked_spans(question["question"])[0]
+    assert any(item["char_start"] < end and start < item["char_end"] for item in items)  # the best chunk is attended
+    with_index, without = (client.get(f"/v1/sessions/{s}/cache").json()["bytes"] for s in (session, plain))
+    assert with_index > without

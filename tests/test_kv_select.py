@@ -4,6 +4,8 @@ everything, causal while feeding, never selecting the current or a future segmen
 from __future__ import annotations
 
 import copy
+import dataclasses
+from collections import Counter
 from typing import Any, cast
 
 import pytest
@@ -186,10 +188,14 @@ def test_key_scores_are_each_segments_best_logit_with_its_keys_placed_before_the
     assert not torch.allclose(selective.key_scores(store, 0, 10, q, 0), expected)  # where the keys sit matters
 
 
-def test_key_selection_places_the_keys_in_the_middle_of_the_selected_region(monkeypatch):
+@pytest.mark.parametrize("reselect_every", [8, 0])
+def test_key_selection_places_the_keys_in_the_middle_of_the_selected_region(monkeypatch, reselect_every):
     """Every selection while answering (prompt chunks and reselecting decode steps) scores the keys
-    as sitting in the middle of the selected region: `distance` from the first query row there."""
-    config = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=16, sinks=4, query_chunk=4, selection="keys")
+    as sitting in the middle of the selected region: `distance` from the first query row there.
+    With reselect_every 0 the decode steps select nothing."""
+    config = SelectConfig(
+        segment_len=8, top_k=2, neighbours=1, window=16, sinks=4, query_chunk=4, selection="keys", reselect_every=reselect_every
+    )
     selective, store, _ = fed(tiny_model(), config, random_ids(120), chunk=24)
     answer = SelectiveAnswer(selective, store, 10)
     seen: list[tuple[int, int]] = []  # (distance, the first row's position)
@@ -206,9 +212,10 @@ def test_key_selection_places_the_keys_in_the_middle_of_the_selected_region(monk
         answer.forward([token])
     middle = (answer.sinks + answer.window_position) // 2
     layers = len(selective.layers)
-    assert len(seen) == layers * (2 + 1)  # two prompt chunks and the first decode step (reselect_every 8)
+    first_rows = [answer.length - 10, answer.length - 6] + ([answer.length - 2] if reselect_every else [])
+    assert len(seen) == layers * len(first_rows)  # two prompt chunks, and with 8 the first decode step
     assert all(distance == first_row - middle for distance, first_row in seen)
-    assert sorted({first_row for _, first_row in seen}) == [answer.length - 10, answer.length - 6, answer.length - 2]
+    assert sorted({first_row for _, first_row in seen}) == first_rows
 
 
 @pytest.mark.parametrize("storage", ["bfloat16", "int8"])
@@ -284,3 +291,50 @@ def test_bytes_are_counted_before_they_are_allocated(tokens, sinks):
             assert store.nbytes - start <= bound
         if tokens >= 1000:  # the bound is close for a document of whole pages
             assert store.nbytes - start > 0.5 * bound
+
+
+@pytest.mark.parametrize("selection", ["keys", "summary"])
+def test_vote_attends_the_first_passes_most_picked_segments_in_every_layer(selection, monkeypatch):
+    """With `vote` the prompt pass runs twice: the first counts, per segment, the (layer, head)
+    pairs ranking it in their top-k; the second gives the same logits as an answer whose every
+    layer and head scores the segments by those counts (nothing of the first pass is left)."""
+    config = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=16, sinks=4, query_chunk=4, selection=selection)
+    selective, store, _ = fed(tiny_model(), config, random_ids(160), chunk=24)
+    prompt = random_ids(10, seed=2)
+    selective.config = dataclasses.replace(config, vote=True)
+    voted = SelectiveAnswer(selective, store, 12)
+    logits = voted.forward(prompt)
+    votes = cast(torch.Tensor, voted._votes)
+    pairs = len(selective.layers) * selective.kv_heads * 3  # three prompt chunks of the first pass
+    assert int(votes.round().sum()) == pairs * config.top_k  # one vote per head's top-k pick, ties below one
+    expected = pick_segments(votes[None], voted.eligible, config.top_k, config.neighbours)[0]
+    assert voted.picked == Counter({s: len(selective.layers) for s in expected})
+
+    selective.config = config
+    scored_by_votes = SelectiveAnswer(selective, store, 12)
+    monkeypatch.setattr(selective, "key_scores", lambda *args: votes.expand(selective.kv_heads, -1))
+    monkeypatch.setattr(selective, "answer_scores", lambda *args: votes.expand(selective.kv_heads, -1))
+    torch.testing.assert_close(scored_by_votes.forward(prompt), logits, rtol=0, atol=1e-5)
+
+
+def test_given_picks_are_attended_in_every_layer_and_checked():
+    """Picks chosen outside (selection "text") are what every layer and head attends: the same
+    logits as any selection that picks them; a wrong count or an ineligible segment is refused."""
+    config = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=16, sinks=4, query_chunk=4, selection="text")
+    selective, store, _ = fed(tiny_model(), config, random_ids(160), chunk=24)
+    prompt, steps = random_ids(10, seed=2), random_ids(3, seed=3)
+    given = SelectiveAnswer(selective, store, 14, picks=[3, 7])
+    out = [given.forward(prompt)] + [given.forward([t]) for t in steps]
+    assert given.picked == Counter({3: len(selective.layers), 7: len(selective.layers)})
+    selective.config = dataclasses.replace(config, selection="keys", reselect_every=1)
+    scores = torch.zeros(given.eligible)
+    scores[[3, 7]] = 1.0
+    keyed = SelectiveAnswer(selective, store, 14)
+    keyed_scores = scores.expand(selective.kv_heads, -1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(selective, "key_scores", lambda *args: keyed_scores)
+        expected = [keyed.forward(prompt)] + [keyed.forward([t]) for t in steps]
+    torch.testing.assert_close(torch.stack(out), torch.stack(expected), rtol=0, atol=1e-5)
+    for bad in ([3], [3, 3], [3, given.eligible]):
+        with pytest.raises(ValueError, match="distinct segments"):
+            SelectiveAnswer(selective, store, 14, picks=bad)

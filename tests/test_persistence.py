@@ -118,11 +118,14 @@ def test_writers_racing_on_one_session_commit_one_at_a_time(tmp_path):
     assert not list((tmp_path / "s-1").glob(".*.tmp"))
 
 
-@pytest.mark.parametrize("memory", ["text", "truncate", "neurocache", "kvcache"])
-def test_sessions_come_back_after_a_restart(make_client, tmp_path, adapter_dir, memory):  # noqa: F811
+@pytest.mark.parametrize(
+    ("memory", "options"),
+    [("text", None), ("truncate", None), ("neurocache", None), ("kvcache", None), ("kvcache", {"selection": "text"})],
+)
+def test_sessions_come_back_after_a_restart(make_client, tmp_path, adapter_dir, memory, options):  # noqa: F811
     settings = dict(data_dir=tmp_path / "sessions", adapter_dir=[str(adapter_dir)])
     client = make_client(**settings)
-    session_id = new_session(client, memory=memory)
+    session_id = new_session(client, memory=memory, **({"options": options} if options else {}))
     document = client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT}).json()
     before = client.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).json()
     cache = client.get(f"/v1/sessions/{session_id}/cache").json()

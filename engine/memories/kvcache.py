@@ -19,6 +19,7 @@ from engine.batching import native_step
 from engine.generation import decode_steps
 from engine.interface import CacheInfo, GenerationEvent, Retrieval, RetrievedItem
 from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, MemoryWrite, Segment
+from engine.memories.text import TextMemory
 from engine.models.kv_select import ARCHITECTURES, SelectConfig, SelectiveAnswer, SelectiveModel
 from engine.models.kv_store import KVStore
 from engine.prompts import after_document, document_frame
@@ -35,12 +36,13 @@ class KVCacheOptions:
     window: int = 1024  # local window, tokens
     sinks: int = 64  # attention-sink tokens (the start of the sequence)
     query_chunk: int = 64  # p: prompt rows sharing one selection
-    reselect_every: int = 8  # decode steps sharing one selection (1: every step selects)
+    reselect_every: int = 8  # decode steps sharing one selection (1: every step selects; 0: the prompt pass's picks kept)
     ingest_selection: bool = True  # document chunks attend to selected earlier segments too
     summary: Literal["mean", "representative"] = "mean"
     representatives: int = 4  # keys kept per segment for the "representative" summary
     query_pool: Literal["mean", "max"] = "mean"  # answering: a chunk's mean query scores, or its best row
-    selection: Literal["summary", "keys"] = "summary"  # answering: score summaries, or every stored key
+    selection: Literal["summary", "keys", "text"] = "summary"  # answering: score summaries, every stored key, or text retrieval
+    vote: bool = False  # answering: prompt pass twice; the second attends the first's most picked segments in every layer
     storage: Literal["bfloat16", "int8", "float32"] = "bfloat16"
 
     def __post_init__(self) -> None:
@@ -51,7 +53,7 @@ class KVCacheOptions:
             "window": (16, 65536),
             "sinks": (0, 4096),
             "query_chunk": (1, 4096),
-            "reselect_every": (1, 4096),
+            "reselect_every": (0, 4096),
             "representatives": (1, 64),
         }
         for name, (low, high) in bounds.items():
@@ -96,6 +98,12 @@ class KVCacheMemory(Memory):
         self._token_spans = np.zeros((0, 2), np.int32)
         self._staged: dict[str, Any] | None = None
         self._committed = (0, 0)  # (bytes, tokens) that stats count: never a document being fed
+        # selection "text": the text memory's index of the same documents picks the segments
+        self._text = None
+        if self.options.selection == "text":
+            if context.embedder is None:
+                raise ValueError('kvcache\'s selection "text" needs the text embedder, which this server has not loaded')
+            self._text = TextMemory(context, {})
 
     @classmethod
     def available(cls, context: MemoryContext) -> bool:
@@ -113,10 +121,14 @@ class KVCacheMemory(Memory):
         }
         self.store.reserve(tokens + len(lead))
         self._feed(lead, -1, [(0, 0)] * len(lead))
+        if self._text is not None:
+            self._text.begin_document(document_id, text, tokens)
 
     def add_segment(self, segment: Segment) -> None:
         assert self._staged is not None, "begin_document first"
         self._feed(segment.token_ids, len(self._documents), segment.token_spans)
+        if self._text is not None:
+            self._text.add_segment(segment)
 
     def _feed(self, token_ids: list[int], document: int, spans: list[tuple[int, int]]) -> None:
         # a chunk's tokens sit after the layout's positions: pieces of at most `room` keep them in the model's
@@ -129,15 +141,19 @@ class KVCacheMemory(Memory):
         return self.store.nbytes + len(self._token_doc) * _SPAN_BYTES
 
     def staged_bytes(self) -> int:
-        return 0 if self._staged is None else self._bytes() - self._staged["bytes"]
+        staged = 0 if self._staged is None else self._bytes() - self._staged["bytes"]
+        return staged + (self._text.staged_bytes() if self._text is not None else 0)
 
     def estimate_bytes(self, chars: int, tokens: int) -> int:
         """The store's growth, the new token indexes, and the copies of the old ones kept for an abort."""
         lead = max(len(self._prefix), len(self._separator))
-        return self.store.added_bytes(tokens + lead) + (tokens + lead + len(self._token_doc)) * _SPAN_BYTES
+        text = self._text.estimate_bytes(chars, tokens) if self._text is not None else 0
+        return self.store.added_bytes(tokens + lead) + (tokens + lead + len(self._token_doc)) * _SPAN_BYTES + text
 
     def commit_document(self) -> None:
         assert self._staged is not None, "begin_document first"
+        if self._text is not None:
+            self._text.commit_document()  # may fail (nothing of it changed then): before the store's
         self._documents.append(self._staged["id"])
         self.store.trim()
         self._staged = None
@@ -148,6 +164,8 @@ class KVCacheMemory(Memory):
             self.store.rollback(self._staged["mark"])
             self._token_doc, self._token_spans = self._staged["arrays"]
         self._staged = None
+        if self._text is not None:
+            self._text.abort_document()
 
     def token_at(self, document: int, char: int) -> int | None:
         """The store row of the token holding character `char` of the `document`-th document fed
@@ -177,12 +195,37 @@ class KVCacheMemory(Memory):
             "input_ids"
         ]
         prompt = after if self.store.tokens else self._prefix + after  # an empty session: the template's start first
-        answer = SelectiveAnswer(self.selective, self.store, len(prompt) + request.params.max_tokens)
+        picks = self._text_picks(request.question) if self._text is not None else None
+        answer = SelectiveAnswer(self.selective, self.store, len(prompt) + request.params.max_tokens, picks)
         steps = decode_steps(answer.forward, tokenizer, prompt, request.params, request.stop_tokens)
         first = next(steps)  # the prompt pass selects; its picks are the answer's sources
         yield Retrieval(self.kind, self._items(answer), answer.prompt_selection_seconds)
         yield first
         yield from steps
+
+    def _text_picks(self, question: str) -> list[int]:
+        """Segments for selection "text": those of the text index's best chunks for the question,
+        in its order, until the layout's k·u places are full (the places' count is fixed: when the
+        best chunks' segments are fewer, the next chunks' fill it); segments in the local window
+        are attended anyway and are skipped."""
+        assert self._text is not None
+        eligible = self.selective.eligible(self.store, self.store.tokens)
+        want = min(eligible, self.selective.config.top_k * self.selective.config.neighbours)
+        chosen: list[int] = []
+        for document_id, start, end in self._text.ranked_spans(question):
+            chosen += [
+                s for s in self._segments(self._documents.index(document_id), start, end) if s < eligible and s not in chosen
+            ]
+            if len(chosen) >= want:
+                break
+        rest = (s for s in range(eligible) if s not in chosen)  # a short ranking: the earliest segments
+        return sorted(chosen[:want] + [next(rest) for _ in range(want - min(want, len(chosen)))])
+
+    def _segments(self, document: int, start: int, end: int) -> list[int]:
+        """The segments holding characters start..end-1 of the `document`-th document, in order."""
+        rows = np.flatnonzero((self._token_doc == document) & (self._token_spans[:, 0] < end) & (start < self._token_spans[:, 1]))
+        sinks, l = self.selective.config.sinks, self.selective.config.segment_len
+        return sorted({(int(r) - sinks) // l for r in rows if r >= sinks})
 
     def _items(self, answer: SelectiveAnswer) -> tuple[RetrievedItem, ...]:
         """The segments the prompt pass selected, in document order, with how many layers picked each."""
@@ -215,17 +258,22 @@ class KVCacheMemory(Memory):
         return CacheInfo(
             memory=self.kind,
             entries=self._committed[1],
-            bytes=self._committed[0],
+            bytes=self._committed[0] + self._text_stats_bytes(),
             capacity=0,  # unbounded: the session's byte budget is the limit
             documents=len(self._documents),
             bytes_per_token=self.store.shape.bytes_per_token() + _SPAN_BYTES,
         )
+
+    def _text_stats_bytes(self) -> int:
+        return self._text.stats().bytes if self._text is not None else 0
 
     def reset(self) -> None:
         self.store = KVStore(self.store.shape, device=self.store.device, dtype=self.store.dtype)
         self._documents, self._staged = [], None
         self._token_doc, self._token_spans = np.zeros(0, np.int32), np.zeros((0, 2), np.int32)
         self._committed = (self._bytes(), 0)
+        if self._text is not None:
+            self._text.reset()
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -233,6 +281,7 @@ class KVCacheMemory(Memory):
             "store": self.store.state_dict(),
             "token_doc": torch.from_numpy(self._token_doc),
             "token_spans": torch.from_numpy(self._token_spans),
+            **({"text": self._text.state_dict()} if self._text is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -241,4 +290,6 @@ class KVCacheMemory(Memory):
         self._documents = list(state["documents"])
         self._token_doc = state["token_doc"].numpy().astype(np.int32)
         self._token_spans = state["token_spans"].numpy().astype(np.int32).reshape(-1, 2)
+        if self._text is not None:
+            self._text.load_state_dict(state["text"])
         self._committed = (self._bytes(), self.store.tokens)

@@ -19,8 +19,8 @@ region: docs/kvcache.md); top-k segments, each with its u - 1 neighbours
 While a document is fed, chunk g is selected for by the queries of chunk g-1, so no stored key or
 value depends on a later token. In the answer's prompt pass chunk g uses its own queries: every
 selectable segment precedes the whole prompt, and only the last position's logits are used. A
-decode step that reselects (every `reselect_every`-th, the first included) does so with its own
-query; on CPU the decode steps run as the model's C step (`SelectiveAnswer`).
+decode step that reselects (every `reselect_every`-th, the first included; none with 0, which
+keeps the prompt pass's last picks) does so with its own query; on CPU the decode steps run as the model's C step (`SelectiveAnswer`).
 
 Positions (rotary): keys are stored before rotary and rotated where they are attended. Sinks sit
 at 0..s-1; the current region (window, then the chunk) continues from `sinks + max_selected`,
@@ -59,12 +59,13 @@ class SelectConfig:
     window: int = 1024  # local window, tokens
     sinks: int = 64  # attention-sink tokens
     query_chunk: int = 64  # p: prompt rows that share one selection
-    reselect_every: int = 8  # decode steps that share one selection (each made with its first step's query)
+    reselect_every: int = 8  # decode steps that share one selection (each made with its first step's query); 0: none reselects
     ingest_selection: bool = True  # fed chunks attend to selected segments too
     summary: str = "mean"  # "mean" | "representative"
     representatives: int = 4  # keys per segment for "representative"
     query_pool: str = "mean"  # answering: "mean" (the chunk's mean query) | "max" (its best query row)
     selection: str = "summary"  # answering: "summary" (scores against summaries) | "keys" (each segment's best key)
+    vote: bool = False  # answering: the prompt pass twice, the second with the segments the first picked most, in every layer
 
     @property
     def max_selected_tokens(self) -> int:
@@ -321,8 +322,10 @@ class SelectiveAnswer:
     its selection (all but every `reselect_every`-th) is a plain decode step there, and one that
     reselects does it in each layer from the C step's queries, before that layer attends."""
 
-    def __init__(self, selective: SelectiveModel, store: KVStore, new_tokens: int) -> None:
-        """`new_tokens`: the most tokens this answer will feed (prompt and answer)."""
+    def __init__(self, selective: SelectiveModel, store: KVStore, new_tokens: int, picks: list[int] | None = None) -> None:
+        """`new_tokens`: the most tokens this answer will feed (prompt and answer). `picks`: the
+        segments every layer and head attends, chosen outside (`selection` "text"), in place of
+        selecting; min(k·u, eligible) of them, each eligible."""
         self.m, self.store = selective, store
         c = selective.config
         N = store.tokens
@@ -338,6 +341,14 @@ class SelectiveAnswer:
         self._picks: list[list[list[int]] | None] = [None] * len(selective.layers)
         self._summaries: list[torch.Tensor | None] = [None] * len(selective.layers)
         self._steps = 0  # decode steps fed
+        self._fixed = picks  # what every layer and head attends: given, or the votes of `vote`
+        want = min(self.eligible, c.top_k * c.neighbours)
+        if picks is not None and (
+            len(set(picks)) != want or len(picks) != want or not all(0 <= p < self.eligible for p in picks)
+        ):
+            raise ValueError(f"picks must be {want} distinct segments below {self.eligible}")
+        self._votes, self._tiebreak = torch.zeros(0), torch.zeros(0)  # with `vote`, the first prompt pass's
+        self._voting = False  # the first prompt pass of `vote` is running
         H, D, size = selective.kv_heads, selective.head_dim, self.window_position + window + new_tokens
         sink_rope = selective._rope(torch.arange(self.sinks), selective.answer_dtype)
         window_rope = selective._rope(torch.arange(window) + self.window_position, selective.answer_dtype)
@@ -365,7 +376,8 @@ class SelectiveAnswer:
 
     def _keeps_selection(self) -> bool:
         """Whether the decode step being fed keeps the last step's picks."""
-        return self.eligible == 0 or (self._steps - 1) % self.m.config.reselect_every != 0
+        every = self.m.config.reselect_every
+        return self.eligible == 0 or every == 0 or self.m.config.selection == "text" or (self._steps - 1) % every != 0
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int]) -> torch.Tensor:
@@ -374,6 +386,8 @@ class SelectiveAnswer:
             self._steps += 1
             if len(token_ids) == 1 and self.m.native is not None:
                 return self._native_step(token_ids[0])
+        if not self._prompt_done and self.m.config.vote and self.eligible and self._fixed is None:
+            self._vote(token_ids)
         chunk = self.m.config.query_chunk
         out = None
         for at in range(0, len(token_ids), chunk):
@@ -383,6 +397,35 @@ class SelectiveAnswer:
         self._prompt_done = True
         assert out is not None
         return out
+
+    def _vote(self, token_ids: list[int]) -> None:
+        """A first prompt pass, each layer and head selecting as configured, counting per segment
+        the (layer, head) pairs that ranked it in their top-k; the pass's keys and values are then
+        overwritten. The
+        prompt pass that follows attends, in every layer and head, the top-k segments by that
+        count (ties: the larger sum of the segment's scores, each layer's and head's scaled to
+        unit spread), with their neighbours, as `pick_segments` places them."""
+        start = self._length
+        self._votes, self._tiebreak = torch.zeros(self.eligible), torch.zeros(self.eligible)
+        self._voting = True
+        chunk = self.m.config.query_chunk
+        for at in range(0, len(token_ids), chunk):
+            self._chunk(token_ids[at : at + chunk])
+        self._voting = False
+        spread = self._tiebreak.abs().max().clamp_min(1e-6)
+        self._votes = self._votes + 0.25 * self._tiebreak / spread  # ties only: under half a vote
+        c = self.m.config
+        self._fixed = pick_segments(self._votes[None], self.eligible, c.top_k, c.neighbours)[0]
+        self._length = start
+        self._picks = [None] * len(self.m.layers)
+        self._prompt_picks = [set() for _ in self.m.layers]
+
+    def _count_votes(self, scores: torch.Tensor) -> None:
+        """One layer's scores [H, eligible]: a vote for each head's top-k (not their neighbours)."""
+        top = scores.topk(min(self.m.config.top_k, scores.shape[1]), dim=-1).indices
+        self._votes += torch.bincount(top.flatten(), minlength=scores.shape[1]).float()
+        centred = scores - scores.mean(dim=-1, keepdim=True)
+        self._tiebreak += (centred / centred.std(dim=-1, keepdim=True).clamp_min(1e-6)).sum(dim=0)
 
     def _native_step(self, token: int) -> torch.Tensor:
         """One decode step as one C call over the layers' buffers, writing the token's keys and
@@ -418,6 +461,17 @@ class SelectiveAnswer:
         self._length = end
         return m.logits(x)
 
+    def _scores(self, layer_index: int, q: torch.Tensor) -> torch.Tensor:
+        """[Hkv, eligible]: the layer's scores of the eligible segments for queries q [Hq, T, D]."""
+        m = self.m
+        if m.config.selection == "keys":
+            middle = (self.sinks + self.window_position) // 2  # of the selected region
+            return m.key_scores(self.store, layer_index, self.eligible, q, self._length - middle)
+        summaries = self._summaries[layer_index]
+        if summaries is None:  # the store is read-only while answering
+            summaries = self._summaries[layer_index] = m.summaries(layer_index, self.store, self.eligible)
+        return m.answer_scores(summaries, q)
+
     def _select(self, layer_index: int, q: torch.Tensor) -> None:
         m, c = self.m, self.m.config
         if self.eligible == 0:
@@ -425,15 +479,13 @@ class SelectiveAnswer:
         if self._prompt_done and self._keeps_selection():
             return
         started = time.perf_counter()
-        if c.selection == "keys":
-            middle = (self.sinks + self.window_position) // 2  # of the selected region
-            scores = m.key_scores(self.store, layer_index, self.eligible, q, self._length - middle)
+        if self._fixed is not None and not self._voting and (not self._prompt_done or c.selection == "text"):
+            picks = [self._fixed] * m.kv_heads
         else:
-            summaries = self._summaries[layer_index]
-            if summaries is None:  # the store is read-only while answering
-                summaries = self._summaries[layer_index] = m.summaries(layer_index, self.store, self.eligible)
-            scores = m.answer_scores(summaries, q)
-        picks = pick_segments(scores, self.eligible, c.top_k, c.neighbours)
+            scores = self._scores(layer_index, q)
+            picks = pick_segments(scores, self.eligible, c.top_k, c.neighbours)
+            if self._voting:
+                self._count_votes(scores)
         if picks != self._picks[layer_index]:  # a step that picks as the last one keeps its rows
             self._picks[layer_index] = picks
             region = slice(self.sinks, self.window_position)
