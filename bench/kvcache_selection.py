@@ -140,7 +140,8 @@ def run_qa(
     gold: bool = True,
 ) -> list[dict[str, Any]]:
     """Development questions about `text`: the session's selection under each answering config,
-    then the gold segments forced (with the session's own answering options)."""
+    then, with `gold`, the gold segments forced (with the session's own answering options; forcing
+    goes through `pick_segments`, which selection "text" does not call)."""
     questions = [q for q in qa.load_questions(qa.DEV_QUESTIONS) if q.text == text]
     if not questions:
         raise SystemExit(f"no development question is about {text!r}")
@@ -165,9 +166,11 @@ def run_qa(
         selective, config = memory.selective, memory.selective.config
         for question in questions:
             rows = (memory.token_at(0, char) for char in range(question.start, question.end))
-            gold = sorted({(r - config.sinks) // config.segment_len for r in rows if r is not None and r >= config.sinks})
+            segments = sorted({(r - config.sinks) // config.segment_len for r in rows if r is not None and r >= config.sinks})
             middle_first = (
-                gold[len(gold) // 2 : len(gold) // 2 + 1] + [g for g in gold if g != gold[len(gold) // 2]] if gold else []
+                segments[len(segments) // 2 : len(segments) // 2 + 1] + [g for g in segments if g != segments[len(segments) // 2]]
+                if segments
+                else []
             )
             for name, change in runs:  # the middle gold segment first: its neighbours are the others when top_k is 1
                 selective.config = dataclasses.replace(config, **change)
@@ -175,7 +178,7 @@ def run_qa(
                     answer_text = await ask(engine, session.id, question.question)
                 hit = qa.is_correct(answer_text, question.answers)
                 correct[name] += hit
-                print(f"{question.id} {name} (segments {gold}): {hit} {' '.join(answer_text.split())[:80]!r}", flush=True)
+                print(f"{question.id} {name} (segments {segments}): {hit} {' '.join(answer_text.split())[:80]!r}", flush=True)
             selective.config = config
 
     run_with_engine(EvalSetup(model=model, device="cpu"), 200_000, body)

@@ -46,6 +46,7 @@ def test_answers_come_from_selected_segments_and_leave_the_store_as_it_was(clien
         ({"top_k": 1.5}, "top_k"),
         ({"sink": 4}, "unknown memory options"),
         ({"vote": "yes"}, "vote"),
+        ({"vote": True, "selection": "text"}, "vote needs a selection that scores"),
         ({"reselect_every": -1}, "reselect_every"),
     ],
 )

@@ -336,6 +336,38 @@ def test_kvcache_decode_steps_in_c_equal_its_torch_steps(family, selection):
         torch.testing.assert_close(c_step, torch_step, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kept", ["reselect_every 0", "given picks"])
+def test_kvcache_c_steps_that_keep_the_prompts_picks_never_select(kept):
+    """With reselect_every 0, or picks given (selection "text"), no C step passes the hook: every
+    step keeps the prompt pass's picks, and the logits equal the torch steps'."""
+    model = model_of("llama")
+    change = {"reselect_every": 0, "selection": "keys"} if kept == "reselect_every 0" else {"selection": "text"}
+    config = dataclasses.replace(CONFIG, **change)
+    ids = torch.randint(0, VOCAB, (136,), generator=torch.Generator().manual_seed(5)).tolist()
+    logits, hooked = [], []
+    for native in (None, native_step(model)):
+        selective = SelectiveModel(model, config, native)
+        store = KVStore(selective.store_shape("float32"), device=torch.device("cpu"), dtype=torch.float32)
+        store.reserve(120)
+        for at in range(0, 120, 24):
+            selective.feed(store, ids[at : at + 24])
+        answer = SelectiveAnswer(selective, store, 16, [1, 3] if kept == "given picks" else None)
+        if native is not None:
+
+            def step(*args, c_step=native):
+                hooked.append(args[4] is not None)
+                return c_step(*args)
+
+            selective.native = step  # type: ignore[assignment]
+        out = [answer.forward(ids[120:128])]
+        prompt_picks = copy.deepcopy(answer._picks)
+        out += [answer.forward([token]) for token in ids[128:136]]
+        assert answer._picks == prompt_picks
+        logits.append(torch.stack(out))
+    assert hooked == [False] * 8
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
 def test_kvcache_over_a_bfloat16_model_decodes_as_its_weights_widened():
     """A bf16 model's kvcache answer: the prompt pass in bf16 (torch) into float32 buffers, then
     decode steps in C, reselecting every third step. From the same prompt pass, they equal the

@@ -118,9 +118,12 @@ def test_writers_racing_on_one_session_commit_one_at_a_time(tmp_path):
     assert not list((tmp_path / "s-1").glob(".*.tmp"))
 
 
+KVCACHE_TEXT = {"selection": "text", "segment_len": 16, "top_k": 2, "neighbours": 3, "window": 64, "sinks": 8}  # segments to pick
+
+
 @pytest.mark.parametrize(
     ("memory", "options"),
-    [("text", None), ("truncate", None), ("neurocache", None), ("kvcache", None), ("kvcache", {"selection": "text"})],
+    [("text", None), ("truncate", None), ("neurocache", None), ("kvcache", None), ("kvcache", KVCACHE_TEXT)],
 )
 def test_sessions_come_back_after_a_restart(make_client, tmp_path, adapter_dir, memory, options):  # noqa: F811
     settings = dict(data_dir=tmp_path / "sessions", adapter_dir=[str(adapter_dir)])

@@ -8,8 +8,10 @@ rest of the user turn) and generates; the store is read-only while answering.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from itertools import islice
 from typing import Any, Literal
 
 import numpy as np
@@ -63,6 +65,8 @@ class KVCacheOptions:
             raise ValueError("window must be at least segment_len")
         if self.representatives > self.segment_len:
             raise ValueError("representatives must be at most segment_len")
+        if self.vote and self.selection == "text":
+            raise ValueError('vote needs a selection that scores ("summary" or "keys"), not "text"')
 
     def select_config(self) -> SelectConfig:
         fields = asdict(self)
@@ -152,10 +156,10 @@ class KVCacheMemory(Memory):
 
     def commit_document(self) -> None:
         assert self._staged is not None, "begin_document first"
-        if self._text is not None:
-            self._text.commit_document()  # may fail (nothing of it changed then): before the store's
-        self._documents.append(self._staged["id"])
         self.store.trim()
+        if self._text is not None:
+            self._text.commit_document()  # may fail, changing nothing: an abort then rolls the store back
+        self._documents.append(self._staged["id"])
         self._staged = None
         self._committed = (self._bytes(), self.store.tokens)
 
@@ -195,11 +199,15 @@ class KVCacheMemory(Memory):
             "input_ids"
         ]
         prompt = after if self.store.tokens else self._prefix + after  # an empty session: the template's start first
-        picks = self._text_picks(request.question) if self._text is not None else None
+        picks, picking = None, 0.0
+        if self._text is not None:
+            started = time.perf_counter()
+            picks = self._text_picks(request.question)
+            picking = time.perf_counter() - started
         answer = SelectiveAnswer(self.selective, self.store, len(prompt) + request.params.max_tokens, picks)
         steps = decode_steps(answer.forward, tokenizer, prompt, request.params, request.stop_tokens)
         first = next(steps)  # the prompt pass selects; its picks are the answer's sources
-        yield Retrieval(self.kind, self._items(answer), answer.prompt_selection_seconds)
+        yield Retrieval(self.kind, self._items(answer), picking + answer.prompt_selection_seconds)
         yield first
         yield from steps
 
@@ -210,16 +218,17 @@ class KVCacheMemory(Memory):
         are attended anyway and are skipped."""
         assert self._text is not None
         eligible = self.selective.eligible(self.store, self.store.tokens)
-        want = min(eligible, self.selective.config.top_k * self.selective.config.neighbours)
+        want = self.selective.config.places(eligible)
         chosen: list[int] = []
-        for document_id, start, end in self._text.ranked_spans(question):
+        for document_id, start, end in self._text.ranked_spans(question) if want else ():
             chosen += [
                 s for s in self._segments(self._documents.index(document_id), start, end) if s < eligible and s not in chosen
             ]
             if len(chosen) >= want:
                 break
-        rest = (s for s in range(eligible) if s not in chosen)  # a short ranking: the earliest segments
-        return sorted(chosen[:want] + [next(rest) for _ in range(want - min(want, len(chosen)))])
+        chosen = chosen[:want]
+        chosen += islice((s for s in range(eligible) if s not in chosen), want - len(chosen))  # a short ranking
+        return sorted(chosen)
 
     def _segments(self, document: int, start: int, end: int) -> list[int]:
         """The segments holding characters start..end-1 of the `document`-th document, in order."""

@@ -15,12 +15,16 @@ keys), or, while answering with `selection` "keys", each segment's best stored k
 query row (the attention logit, with rotary as if the key sat in the middle of the selected
 region: docs/kvcache.md); top-k segments, each with its u - 1 neighbours
 (u = `neighbours`, centred), deduplicated, only among segments that end before the local window
-(never the current or a future segment).
+(never the current or a future segment). With `vote` the answer's prompt pass runs twice, the
+second attending in every layer the segments the first's selections ranked highest most often;
+with `selection` "text" the answer attends, in every layer, segments chosen outside (the
+kvcache memory's text index).
 While a document is fed, chunk g is selected for by the queries of chunk g-1, so no stored key or
 value depends on a later token. In the answer's prompt pass chunk g uses its own queries: every
 selectable segment precedes the whole prompt, and only the last position's logits are used. A
 decode step that reselects (every `reselect_every`-th, the first included; none with 0, which
-keeps the prompt pass's last picks) does so with its own query; on CPU the decode steps run as the model's C step (`SelectiveAnswer`).
+keeps the prompt pass's last picks, as given picks are kept) does so with its own query; on CPU
+the decode steps run as the model's C step (`SelectiveAnswer`).
 
 Positions (rotary): keys are stored before rotary and rotated where they are attended. Sinks sit
 at 0..s-1; the current region (window, then the chunk) continues from `sinks + max_selected`,
@@ -64,12 +68,18 @@ class SelectConfig:
     summary: str = "mean"  # "mean" | "representative"
     representatives: int = 4  # keys per segment for "representative"
     query_pool: str = "mean"  # answering: "mean" (the chunk's mean query) | "max" (its best query row)
-    selection: str = "summary"  # answering: "summary" (scores against summaries) | "keys" (each segment's best key)
+    selection: str = (
+        "summary"  # answering: "summary" (against summaries) | "keys" (each segment's best key) | "text" (picks given)
+    )
     vote: bool = False  # answering: the prompt pass twice, the second with the segments the first picked most, in every layer
 
     @property
     def max_selected_tokens(self) -> int:
         return self.top_k * self.neighbours * self.segment_len
+
+    def places(self, eligible: int) -> int:
+        """Segments each head attends when `eligible` can be selected: min(k·u, eligible)."""
+        return min(eligible, self.top_k * self.neighbours)
 
     def positions(self) -> int:
         """Positions the layout takes before the answer's own tokens, at most."""
@@ -269,7 +279,7 @@ class SelectiveModel:
         eligible = self.eligible(store, start)
         window_start = c.sinks + eligible * c.segment_len if start > c.sinks else start
         select = c.ingest_selection and eligible > 0 and store.query_mean[0] is not None
-        max_selected = min(eligible, c.top_k * c.neighbours) * c.segment_len if select else 0
+        max_selected = c.places(eligible) * c.segment_len if select else 0
         window_position = sinks + max_selected
         T = len(token_ids)
         offset = start if start <= c.sinks else window_position + start - window_start
@@ -319,7 +329,7 @@ class SelectiveAnswer:
     (and values), all layers in one tensor [layers, Hkv, ..., D]: a step writes its own key in
     place and rewrites the selected region only when its picks change. With the model's C step
     (`SelectiveModel.native`) a decode step is one C call over those buffers: a step that keeps
-    its selection (all but every `reselect_every`-th) is a plain decode step there, and one that
+    its selection (all but every `reselect_every`-th; all with 0 or given picks) is a plain decode step there, and one that
     reselects does it in each layer from the C step's queries, before that layer attends."""
 
     def __init__(self, selective: SelectiveModel, store: KVStore, new_tokens: int, picks: list[int] | None = None) -> None:
@@ -332,7 +342,7 @@ class SelectiveAnswer:
         self.sinks = min(c.sinks, N)
         self.eligible = selective.eligible(store, N)
         window_start = c.sinks + self.eligible * c.segment_len if N > c.sinks else N
-        self.window_position = self.sinks + min(self.eligible, c.top_k * c.neighbours) * c.segment_len
+        self.window_position = self.sinks + c.places(self.eligible) * c.segment_len
         window = N - window_start if N > c.sinks else 0
         self._prompt_picks: list[set[int]] = [set() for _ in selective.layers]
         self.selection_seconds = 0.0
@@ -341,13 +351,14 @@ class SelectiveAnswer:
         self._picks: list[list[list[int]] | None] = [None] * len(selective.layers)
         self._summaries: list[torch.Tensor | None] = [None] * len(selective.layers)
         self._steps = 0  # decode steps fed
-        self._fixed = picks  # what every layer and head attends: given, or the votes of `vote`
-        want = min(self.eligible, c.top_k * c.neighbours)
-        if picks is not None and (
-            len(set(picks)) != want or len(picks) != want or not all(0 <= p < self.eligible for p in picks)
-        ):
+        self._fixed = None if picks is None else sorted(picks)  # what every layer and head attends: given, or voted
+        self._given = picks is not None
+        want = c.places(self.eligible)
+        if picks is not None and not (len(set(picks)) == len(picks) == want and all(0 <= p < self.eligible for p in picks)):
             raise ValueError(f"picks must be {want} distinct segments below {self.eligible}")
-        self._votes, self._tiebreak = torch.zeros(0), torch.zeros(0)  # with `vote`, the first prompt pass's
+        if picks is None and c.selection == "text":
+            raise ValueError('selection "text" needs the picks given')
+        self._votes = self._tiebreak = torch.zeros(0)  # with `vote`, the first prompt pass's
         self._voting = False  # the first prompt pass of `vote` is running
         H, D, size = selective.kv_heads, selective.head_dim, self.window_position + window + new_tokens
         sink_rope = selective._rope(torch.arange(self.sinks), selective.answer_dtype)
@@ -377,7 +388,7 @@ class SelectiveAnswer:
     def _keeps_selection(self) -> bool:
         """Whether the decode step being fed keeps the last step's picks."""
         every = self.m.config.reselect_every
-        return self.eligible == 0 or every == 0 or self.m.config.selection == "text" or (self._steps - 1) % every != 0
+        return self.eligible == 0 or every == 0 or self._given or (self._steps - 1) % every != 0
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int]) -> torch.Tensor:
@@ -386,31 +397,33 @@ class SelectiveAnswer:
             self._steps += 1
             if len(token_ids) == 1 and self.m.native is not None:
                 return self._native_step(token_ids[0])
-        if not self._prompt_done and self.m.config.vote and self.eligible and self._fixed is None:
-            self._vote(token_ids)
-        chunk = self.m.config.query_chunk
-        out = None
-        for at in range(0, len(token_ids), chunk):
-            out = self._chunk(token_ids[at : at + chunk])
+        c = self.m.config
+        if not self._prompt_done and c.vote and c.places(self.eligible) < self.eligible and not self._given:
+            self._vote(token_ids)  # (when every segment fits, every layer picks them all: no vote)
+        out = self._pass(token_ids)
         if not self._prompt_done:
             self.prompt_selection_seconds = self.selection_seconds
         self._prompt_done = True
-        assert out is not None
         return out
+
+    def _pass(self, token_ids: list[int]) -> torch.Tensor:
+        """Feed `token_ids` in chunks of `query_chunk` rows; the last row's logits."""
+        chunk = self.m.config.query_chunk
+        outs = [self._chunk(token_ids[at : at + chunk]) for at in range(0, len(token_ids), chunk)]
+        return outs[-1]
 
     def _vote(self, token_ids: list[int]) -> None:
         """A first prompt pass, each layer and head selecting as configured, counting per segment
-        the (layer, head) pairs that ranked it in their top-k; the pass's keys and values are then
-        overwritten. The
-        prompt pass that follows attends, in every layer and head, the top-k segments by that
-        count (ties: the larger sum of the segment's scores, each layer's and head's scaled to
-        unit spread), with their neighbours, as `pick_segments` places them."""
+        the (prompt chunk, layer, head) selections that ranked it in their top-k; the prompt pass
+        that follows overwrites this one's keys and values and attends, in every layer and head,
+        the top-k segments by that count (ties: the larger sum of the segment's scores, each
+        selection's centred and scaled to unit spread), with their neighbours, as `pick_segments`
+        places them."""
         start = self._length
-        self._votes, self._tiebreak = torch.zeros(self.eligible), torch.zeros(self.eligible)
+        self._votes = torch.zeros(self.eligible, device=self.m.device)
+        self._tiebreak = torch.zeros(self.eligible, device=self.m.device)
         self._voting = True
-        chunk = self.m.config.query_chunk
-        for at in range(0, len(token_ids), chunk):
-            self._chunk(token_ids[at : at + chunk])
+        self._pass(token_ids)
         self._voting = False
         spread = self._tiebreak.abs().max().clamp_min(1e-6)
         self._votes = self._votes + 0.25 * self._tiebreak / spread  # ties only: under half a vote
@@ -479,7 +492,7 @@ class SelectiveAnswer:
         if self._prompt_done and self._keeps_selection():
             return
         started = time.perf_counter()
-        if self._fixed is not None and not self._voting and (not self._prompt_done or c.selection == "text"):
+        if self._fixed is not None and not self._voting and not self._prompt_done:
             picks = [self._fixed] * m.kv_heads
         else:
             scores = self._scores(layer_index, q)
