@@ -300,6 +300,26 @@ def test_without_the_kernels_or_in_another_dtype_the_torch_step(monkeypatch):
 CONFIG = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=16, sinks=4, query_chunk=8, reselect_every=3)
 
 
+def fed_selective(model: Any, config: SelectConfig, native: Any, ids: list[int]) -> tuple[SelectiveModel, KVStore]:
+    """A selective model over `model` (C steps with `native`) and its store fed `ids` in chunks of 24."""
+    selective = SelectiveModel(model, config, native)
+    store = KVStore(selective.store_shape("float32"), device=torch.device("cpu"), dtype=torch.float32)
+    store.reserve(len(ids))
+    for at in range(0, len(ids), 24):
+        selective.feed(store, ids[at : at + 24])
+    return selective, store
+
+
+def count_hooks(selective: SelectiveModel, native: Any, hooked: list[bool]) -> None:
+    """`selective`'s C steps go through `native`, noting in `hooked` whether each passed the hook."""
+
+    def step(*args):
+        hooked.append(args[4] is not None)
+        return native(*args)
+
+    selective.native = step  # type: ignore[assignment]
+
+
 @pytest.mark.parametrize("family, selection", [("llama", "summary"), ("qwen2", "summary"), ("llama", "keys")])
 def test_kvcache_decode_steps_in_c_equal_its_torch_steps(family, selection):
     """kvcache's decode steps run as the C step over its buffers, those that reselect (every 3rd)
@@ -311,20 +331,11 @@ def test_kvcache_decode_steps_in_c_equal_its_torch_steps(family, selection):
     picks: dict[bool, list[Any]] = {}
     hooked: list[bool] = []
     for native in (None, native_step(model)):
-        selective = SelectiveModel(model, config, native)
-        store = KVStore(selective.store_shape("float32"), device=torch.device("cpu"), dtype=torch.float32)
-        store.reserve(120)
-        for at in range(0, 120, 24):
-            selective.feed(store, ids[at : at + 24])
+        selective, store = fed_selective(model, config, native, ids[:120])
         answer = SelectiveAnswer(selective, store, 30)
         assert answer.eligible > 2  # there is something to select, and picks can change
         if native is not None:
-
-            def step(*args, c_step=native):
-                hooked.append(args[4] is not None)
-                return c_step(*args)
-
-            selective.native = step  # type: ignore[assignment]  # counts the hooked steps
+            count_hooks(selective, native, hooked)
         logits[native is not None] = [answer.forward(ids[120:130])]
         picks[native is not None] = []
         for token in ids[130:150]:
@@ -344,21 +355,13 @@ def test_kvcache_c_steps_that_keep_the_prompts_picks_never_select(kept):
     change = {"reselect_every": 0, "selection": "keys"} if kept == "reselect_every 0" else {"selection": "text"}
     config = dataclasses.replace(CONFIG, **change)
     ids = torch.randint(0, VOCAB, (136,), generator=torch.Generator().manual_seed(5)).tolist()
-    logits, hooked = [], []
+    logits: list[torch.Tensor] = []
+    hooked: list[bool] = []
     for native in (None, native_step(model)):
-        selective = SelectiveModel(model, config, native)
-        store = KVStore(selective.store_shape("float32"), device=torch.device("cpu"), dtype=torch.float32)
-        store.reserve(120)
-        for at in range(0, 120, 24):
-            selective.feed(store, ids[at : at + 24])
+        selective, store = fed_selective(model, config, native, ids[:120])
         answer = SelectiveAnswer(selective, store, 16, [1, 3] if kept == "given picks" else None)
         if native is not None:
-
-            def step(*args, c_step=native):
-                hooked.append(args[4] is not None)
-                return c_step(*args)
-
-            selective.native = step  # type: ignore[assignment]
+            count_hooks(selective, native, hooked)
         out = [answer.forward(ids[120:128])]
         prompt_picks = copy.deepcopy(answer._picks)
         out += [answer.forward([token]) for token in ids[128:136]]
