@@ -304,7 +304,7 @@ def test_vote_attends_the_first_passes_most_picked_segments_in_every_layer(selec
     selective.config = dataclasses.replace(config, vote=True)
     voted = SelectiveAnswer(selective, store, 12)
     logits = voted.forward(prompt)
-    votes = cast(torch.Tensor, voted._votes)
+    votes = voted._votes
     pairs = len(selective.layers) * selective.kv_heads * 3  # three prompt chunks of the first pass
     assert int(votes.round().sum()) == pairs * config.top_k  # one vote per head's top-k pick, ties below one
     expected = pick_segments(votes[None], voted.eligible, config.top_k, config.neighbours)[0]
