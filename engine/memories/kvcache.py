@@ -174,10 +174,13 @@ class KVCacheMemory(Memory):
     def token_at(self, document: int, char: int) -> int | None:
         """The store row of the token holding character `char` of the `document`-th document fed
         (the inverse of the retrieval items' offsets), or None."""
-        rows = np.flatnonzero(
-            (self._token_doc == document) & (self._token_spans[:, 0] <= char) & (char < self._token_spans[:, 1])
-        )
+        rows = self._rows(document, char, char + 1)
         return int(rows[0]) if len(rows) else None
+
+    def _rows(self, document: int, start: int, end: int) -> np.ndarray:
+        """The store rows of the tokens holding any of characters start..end-1 of the `document`-th document."""
+        spans = self._token_spans
+        return np.flatnonzero((self._token_doc == document) & (spans[:, 0] < end) & (start < spans[:, 1]))
 
     # ---- answering -----------------------------------------------------------------------------
 
@@ -232,9 +235,8 @@ class KVCacheMemory(Memory):
 
     def _segments(self, document: int, start: int, end: int) -> list[int]:
         """The segments holding characters start..end-1 of the `document`-th document, in order."""
-        rows = np.flatnonzero((self._token_doc == document) & (self._token_spans[:, 0] < end) & (start < self._token_spans[:, 1]))
         sinks, l = self.selective.config.sinks, self.selective.config.segment_len
-        return sorted({(int(r) - sinks) // l for r in rows if r >= sinks})
+        return sorted({(int(r) - sinks) // l for r in self._rows(document, start, end) if r >= sinks})
 
     def _items(self, answer: SelectiveAnswer) -> tuple[RetrievedItem, ...]:
         """The segments the prompt pass selected, in document order, with how many layers picked each."""
