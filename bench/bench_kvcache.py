@@ -1,7 +1,8 @@
 """kvcache speed against the plain model, in process, on SmolLM2-135M unless --model names another (2 CPU cores here).
 
 - ingestion: tokens/s feeding a held-out text through the selective model, against the plain
-  model's forward over chunks of the window's size (the issue's yardstick);
+  model's forward over chunks of the window's size (the issue's yardstick), timed between the fed
+  chunks (every `PLAIN_EVERY`th) so that both meet the same state of the machine; its median;
 - decode: tokens/s of a kvcache answer after that text, against the server's plain decoding (its
   batched decoder on one row: the C step where it runs) after (a) the same question alone and
   (b) a prompt as long as what the kvcache answer attends to. kvcache's decode steps run as the
@@ -25,7 +26,6 @@ import time
 
 import torch
 
-from bench.bench_neurocache import median_time
 from engine.batching import BatchDecoder, Row, native_step
 from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
 from engine.generation import AnswerState, StopTokens
@@ -38,6 +38,7 @@ from engine.prompts import after_document, document_frame
 from research.evals import texts
 
 QUESTION = "What did the Mock Turtle sing about?"
+PLAIN_EVERY = 4  # fed chunks between two timings of the plain forward
 
 
 def document(tokens: int) -> str:
@@ -81,19 +82,27 @@ def main() -> None:
     ids = tokenizer(document_frame(tokenizer)[0] + document(args.tokens), add_special_tokens=False)["input_ids"][: args.tokens]
     window = options.window
 
-    with torch.inference_mode():
-        chunk = torch.tensor([ids[:window]])
-        plain_forward = median_time(
-            lambda: model(input_ids=chunk, logits_to_keep=1), args.repeats
-        )  # a prefill: no logits but the last
-    plain_rate = window / plain_forward
+    chunk = torch.tensor([ids[:window]])
 
+    def plain_forward() -> float:
+        """Seconds of one prefill over the first `window` tokens: no logits but the last."""
+        with torch.inference_mode():
+            started = time.perf_counter()
+            model(input_ids=chunk, logits_to_keep=1)
+            return time.perf_counter() - started
+
+    plain_forward()  # warm-up
     store = KVStore(selective.store_shape(options.storage), device=loaded.device, dtype=loaded.dtype)
     store.reserve(len(ids))
-    started = time.perf_counter()
-    for at in range(0, len(ids), 1024):
+    feeding, plain = 0.0, []
+    for n, at in enumerate(range(0, len(ids), 1024)):
+        if n % PLAIN_EVERY == 0:  # the yardstick under the same conditions as the feeding around it
+            plain.append(plain_forward())
+        started = time.perf_counter()
         selective.feed(store, ids[at : at + 1024])
-    ingest_rate = len(ids) / (time.perf_counter() - started)
+        feeding += time.perf_counter() - started
+    plain_rate = window / statistics.median(plain)
+    ingest_rate = len(ids) / feeding
 
     prompt = tokenizer(after_document(tokenizer, [], QUESTION), add_special_tokens=False)["input_ids"]
 

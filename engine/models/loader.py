@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from engine.allocator import keep_freed_memory
 from engine.config import SMALL_MODEL
 from engine.models.wheels import WHEEL_MODELS, join_parts, part_paths
 from engine.plugins import family_of, load_plugins, plugin_errors, shipped_models
@@ -230,6 +231,8 @@ def load_model(source: str, *, cache_dir: Path, device: str = "auto", dtype: str
     load_plugins()  # a plugin's model may be named
     name, path = _model_path(source, cache_dir)
     torch_device = resolve_device(device)
+    if torch_device.type == "cpu":
+        keep_freed_memory()
     family = family_of(path)
     if family is not None:
         return family.load(name, source, path, torch_device)
