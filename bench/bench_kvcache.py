@@ -1,13 +1,15 @@
 """kvcache speed against the plain model, in process, on SmolLM2-135M unless --model names another (2 CPU cores here).
 
-- ingestion: tokens/s feeding a held-out text through the selective model, against the plain
-  model's forward over chunks of the window's size (the issue's yardstick), timed between the fed
-  chunks (every `PLAIN_EVERY`th) so that both meet the same state of the machine; its median;
+- ingestion: tokens/s ingesting a held-out text into a kvcache memory as the server does (its
+  segments, and for selection "text" the text index too), against the plain model's forward over
+  chunks of the window's size (the issue's yardstick), timed between the fed segments (before
+  every `PLAIN_EVERY`th) so that both meet the same state of the machine; its median;
 - decode: tokens/s of a kvcache answer after that text, against the server's plain decoding (its
   batched decoder on one row: the C step where it runs) after (a) the same question alone and
   (b) a prompt as long as what the kvcache answer attends to. kvcache's decode steps run as the
   C step too (those that reselect through its per-layer hook), unless `--torch-steps`;
-- TTFT: the prompt pass of a question after the text.
+- TTFT: the prompt pass of a question after the text (for selection "text" with the text index's
+  ranking first).
 
 The text is Alice in Wonderland (the question is about it), followed by the QA benchmark's other
 held-out texts in turn while `--tokens` asks for more: Alice alone is about 39K tokens.
@@ -20,25 +22,29 @@ Medians over warm repeats. Prints a Markdown table.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
 
 import torch
 
-from engine.batching import BatchDecoder, Row, native_step
-from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
+from engine.batching import BatchDecoder, Row
+from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL, IngestConfig
+from engine.embedder import Embedder
 from engine.generation import AnswerState, StopTokens
-from engine.interface import GenerationParams
-from engine.memories.kvcache import KVCacheOptions
+from engine.ingest import TokenizedDocument, ingest_steps, tokenize_document
+from engine.interface import GenerationParams, IngestDone
+from engine.memories.base import MemoryContext
+from engine.memories.kvcache import KVCacheMemory
 from engine.models.kv_select import SelectiveAnswer, SelectiveModel
-from engine.models.kv_store import KVStore
-from engine.models.loader import load_model
-from engine.prompts import after_document, document_frame
+from engine.models.loader import LoadedModel, load_model
+from engine.prompts import after_document
 from research.evals import texts
 
 QUESTION = "What did the Mock Turtle sing about?"
-PLAIN_EVERY = 4  # fed chunks between two timings of the plain forward
+PLAIN_EVERY = 4  # fed segments between two timings of the plain forward
+SEGMENT_LEN = IngestConfig().segment_len  # the server's segments of a document
 
 
 def document(tokens: int) -> str:
@@ -51,6 +57,24 @@ def document(tokens: int) -> str:
         if sum(map(len, parts)) > 8 * tokens:
             break
     return "\n\n".join(parts)
+
+
+def cut(doc: TokenizedDocument, tokens: int) -> TokenizedDocument:
+    """The document's first `tokens` tokens, and its text up to their end."""
+    spans = doc.token_spans[:tokens]
+    return TokenizedDocument(doc.id, doc.name, doc.text[: int(spans[-1, 1])], doc.token_ids[:tokens], spans)
+
+
+def kvcache_memory(loaded: LoadedModel, options: dict) -> KVCacheMemory:
+    """A session's kvcache memory over the loaded model, as the server makes it (with the text
+    embedder, which selection "text" indexes the document with)."""
+    context = MemoryContext(
+        tokenizer=loaded.tokenizer,
+        embedder=Embedder(device=loaded.device, dtype=loaded.dtype),
+        model=loaded.model,
+        context_len=loaded.context_len,
+    )
+    return KVCacheMemory(context, options)
 
 
 def plain_decode(decoder: BatchDecoder, tokenizer, prompt: list[int], steps: int) -> float:
@@ -76,39 +100,41 @@ def main() -> None:
     torch.set_num_threads(torch.get_num_threads())
     loaded = load_model(args.model, cache_dir=DEFAULT_CACHE_DIR, device="cpu")
     model, tokenizer = loaded.model, loaded.tokenizer
-    options = KVCacheOptions(**json.loads(args.options))
-    selective = SelectiveModel(model, options.select_config(), None if args.torch_steps else native_step(model))
+    options = json.loads(args.options)
+    memory = kvcache_memory(loaded, options)
+    if args.torch_steps:
+        memory.selective = SelectiveModel(model, memory.selective.config, None)
+    selective, window = memory.selective, memory.options.window
     decoder = BatchDecoder(model)
-    ids = tokenizer(document_frame(tokenizer)[0] + document(args.tokens), add_special_tokens=False)["input_ids"][: args.tokens]
-    window = options.window
-
-    chunk = torch.tensor([ids[:window]])
+    doc = cut(tokenize_document(tokenizer, "bench", "bench", document(args.tokens)), args.tokens)
+    chunk = torch.tensor([doc.token_ids[:window].tolist()])
 
     def plain_forward() -> float:
-        """Seconds of one prefill over the first `window` tokens: no logits but the last."""
+        """Seconds of one prefill over the document's first `window` tokens: no logits but the last."""
         with torch.inference_mode():
             started = time.perf_counter()
             model(input_ids=chunk, logits_to_keep=1)
             return time.perf_counter() - started
 
     plain_forward()  # warm-up
-    store = KVStore(selective.store_shape(options.storage), device=loaded.device, dtype=loaded.dtype)
-    store.reserve(len(ids))
     feeding, plain = 0.0, []
-    for n, at in enumerate(range(0, len(ids), 1024)):
+    steps = ingest_steps(memory, doc, segment_len=SEGMENT_LEN, reserve=lambda n: None, on_commit=lambda info: None)
+    for n in itertools.count():
         if n % PLAIN_EVERY == 0:  # the yardstick under the same conditions as the feeding around it
             plain.append(plain_forward())
         started = time.perf_counter()
-        selective.feed(store, ids[at : at + 1024])
+        event = next(steps)
         feeding += time.perf_counter() - started
+        if isinstance(event, IngestDone):
+            break
     plain_rate = window / statistics.median(plain)
-    ingest_rate = len(ids) / feeding
+    ingest_rate = len(doc.token_ids) / feeding
 
     prompt = tokenizer(after_document(tokenizer, [], QUESTION), add_special_tokens=False)["input_ids"]
 
     def answer() -> tuple[float, float]:
-        run = SelectiveAnswer(selective, store, len(prompt) + args.steps + 1)
         begun = time.perf_counter()
+        run = SelectiveAnswer(selective, memory.store, len(prompt) + args.steps + 1, memory.text_picks(QUESTION))
         logits = run.forward(prompt)
         ttft = time.perf_counter() - begun
         begun = time.perf_counter()
@@ -120,16 +146,18 @@ def main() -> None:
     runs = [answer() for _ in range(args.repeats)]
     ttft = statistics.median(r[0] for r in runs)
     kv_step = statistics.median(r[1] for r in runs)
-    attended = SelectiveAnswer(selective, store, 1).length + len(prompt)
+    attended = SelectiveAnswer(selective, memory.store, 1, memory.text_picks(QUESTION)).length + len(prompt)
     question_alone = statistics.median(plain_decode(decoder, tokenizer, prompt, args.steps) for _ in range(args.repeats))
-    same_span = statistics.median(plain_decode(decoder, tokenizer, ids[-attended:], args.steps) for _ in range(args.repeats))
+    same_span = statistics.median(
+        plain_decode(decoder, tokenizer, doc.token_ids[-attended:].tolist(), args.steps) for _ in range(args.repeats)
+    )
     print(
         f"| document tokens | options | plain forward @{window} tok/s | kvcache ingest tok/s | ratio | "
         f"kvcache decode tok/s | plain decode, question alone | ratio | plain decode, {attended}-token prompt | ratio | TTFT s |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     print(
-        f"| {len(ids):,} | `{args.options}`{' torch steps' if args.torch_steps else ''} | {plain_rate:,.0f} | {ingest_rate:,.0f} | {ingest_rate / plain_rate:.2f} | "
+        f"| {len(doc.token_ids):,} | `{args.options}`{' torch steps' if args.torch_steps else ''} | {plain_rate:,.0f} | {ingest_rate:,.0f} | {ingest_rate / plain_rate:.2f} | "
         f"{1 / kv_step:.1f} | {1 / question_alone:.1f} | {question_alone / kv_step:.2f} | {1 / same_span:.1f} | "
         f"{same_span / kv_step:.2f} | {ttft:.2f} |"
     )

@@ -8,7 +8,7 @@ import pytest
 from tests.helpers import FIXTURES, assert_error, fail_on_third_segment, new_session, session_of
 
 TEXT = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")[:6000]
-SMALL = {"segment_len": 16, "top_k": 2, "neighbours": 3, "window": 64, "sinks": 8, "query_chunk": 16}
+SMALL = {"segment_len": 16, "top_k": 2, "neighbours": 3, "window": 64, "sinks": 8, "query_chunk": 16, "selection": "summary"}
 QUESTION = {"question": "Where did the rabbit go?", "max_tokens": 8}
 
 

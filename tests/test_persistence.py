@@ -123,7 +123,14 @@ KVCACHE_TEXT = {"selection": "text", "segment_len": 16, "top_k": 2, "neighbours"
 
 @pytest.mark.parametrize(
     ("memory", "options"),
-    [("text", None), ("truncate", None), ("neurocache", None), ("kvcache", None), ("kvcache", KVCACHE_TEXT)],
+    [
+        ("text", None),
+        ("truncate", None),
+        ("neurocache", None),
+        ("kvcache", None),
+        ("kvcache", {"selection": "summary"}),
+        ("kvcache", KVCACHE_TEXT),
+    ],
 )
 def test_sessions_come_back_after_a_restart(make_client, tmp_path, adapter_dir, memory, options):  # noqa: F811
     settings = dict(data_dir=tmp_path / "sessions", adapter_dir=[str(adapter_dir)])

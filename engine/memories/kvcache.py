@@ -32,8 +32,13 @@ _SPAN_BYTES = 12  # per token: its document (int32) and its characters (2 × int
 
 @dataclass(frozen=True)
 class KVCacheOptions:
+    """A session's kvcache options. `top_k` 4 and `selection` "text" are the defaults since
+    2026-11-26: on 40 development questions (As You Like It, the default model) they answered 24
+    where the earlier defaults (8, "summary") answered 6 and `keys` 13 (docs/benchmarks.md, "The
+    defaults")."""
+
     segment_len: int = 64  # l: tokens per selectable segment
-    top_k: int = 8  # k: segments each layer and key/value head selects
+    top_k: int = 4  # k: segments each layer and key/value head selects
     neighbours: int = 3  # u: segments taken per pick, centred on it
     window: int = 1024  # local window, tokens
     sinks: int = 64  # attention-sink tokens (the start of the sequence)
@@ -43,7 +48,7 @@ class KVCacheOptions:
     summary: Literal["mean", "representative"] = "mean"
     representatives: int = 4  # keys kept per segment for the "representative" summary
     query_pool: Literal["mean", "max"] = "mean"  # answering: a chunk's mean query scores, or its best row
-    selection: Literal["summary", "keys", "text"] = "summary"  # answering: score summaries, every stored key, or text retrieval
+    selection: Literal["summary", "keys", "text"] = "text"  # answering: text retrieval picks, or each layer scores summaries or every stored key
     vote: bool = False  # answering: prompt pass twice; the second attends the first's most picked segments in every layer
     storage: Literal["bfloat16", "int8", "float32"] = "bfloat16"
 
@@ -202,11 +207,9 @@ class KVCacheMemory(Memory):
             "input_ids"
         ]
         prompt = after if self.store.tokens else self._prefix + after  # an empty session: the template's start first
-        picks, picking = None, 0.0
-        if self._text is not None:
-            started = time.perf_counter()
-            picks = self._text_picks(request.question)
-            picking = time.perf_counter() - started
+        started = time.perf_counter()
+        picks = self.text_picks(request.question)
+        picking = time.perf_counter() - started if picks is not None else 0.0
         answer = SelectiveAnswer(self.selective, self.store, len(prompt) + request.params.max_tokens, picks)
         steps = decode_steps(answer.forward, tokenizer, prompt, request.params, request.stop_tokens)
         first = next(steps)  # the prompt pass selects; its picks are the answer's sources
@@ -214,12 +217,13 @@ class KVCacheMemory(Memory):
         yield first
         yield from steps
 
-    def _text_picks(self, question: str) -> list[int]:
-        """Segments for selection "text": those of the text index's best chunks for the question,
-        in its order, until the layout's k·u places are full (the places' count is fixed: when the
-        best chunks' segments are fewer, the next chunks' fill it); segments in the local window
-        are attended anyway and are skipped."""
-        assert self._text is not None
+    def text_picks(self, question: str) -> list[int] | None:
+        """Segments for selection "text" (None for the others, whose layers select): those of the
+        text index's best chunks for the question, in its order, until the layout's k·u places are
+        full (the places' count is fixed: when the best chunks' segments are fewer, the next
+        chunks' fill it); segments in the local window are attended anyway and are skipped."""
+        if self._text is None:
+            return None
         eligible = self.selective.eligible(self.store, self.store.tokens)
         want = self.selective.config.places(eligible)
         chosen: list[int] = []
