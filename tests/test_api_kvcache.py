@@ -8,7 +8,8 @@ import pytest
 from tests.helpers import FIXTURES, assert_error, fail_on_third_segment, new_session, session_of
 
 TEXT = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")[:6000]
-SMALL = {"segment_len": 16, "top_k": 2, "neighbours": 3, "window": 64, "sinks": 8, "query_chunk": 16, "selection": "summary"}
+SIZES = {"segment_len": 16, "top_k": 2, "neighbours": 3, "window": 64, "sinks": 8, "query_chunk": 16}
+SMALL = {**SIZES, "selection": "summary"}  # each layer selects (by default the text index picks)
 QUESTION = {"question": "Where did the rabbit go?", "max_tokens": 8}
 
 
@@ -94,7 +95,7 @@ def test_token_at_inverts_the_offsets_the_retrieval_items_carry(client):
     client.post(f"/v1/sessions/{session}/documents", json={"text": "A second document."})
     items = client.post(f"/v1/sessions/{session}/ask", json=QUESTION).json()["retrieval"]["items"]
     memory = session_of(client, session).memory
-    sinks, length = SMALL["sinks"], SMALL["segment_len"]
+    sinks, length = SIZES["sinks"], SIZES["segment_len"]
     for item in items:  # a segment's first and last characters lie in its own rows
         for char in (item["char_start"], item["char_end"] - 1):
             row = memory.token_at(0, char)
@@ -114,7 +115,7 @@ def test_selection_by_text_attends_the_text_indexs_best_chunks_in_every_layer(cl
     question = {"question": "What did the Dodo say about the Caucus-race?", "max_tokens": 8}
     items = client.post(f"/v1/sessions/{session}/ask", json=question).json()["retrieval"]["items"]
     memory = session_of(client, session).memory
-    assert len(items) == SMALL["top_k"] * SMALL["neighbours"] and all(item["layers"] == 2 for item in items)
+    assert len(items) == SIZES["top_k"] * SIZES["neighbours"] and all(item["layers"] == 2 for item in items)
     _, start, end = memory._text.ranked_spans(question["question"])[0]
     assert any(item["char_start"] < end and start < item["char_end"] for item in items)  # the best chunk is attended
     with_index, without = (client.get(f"/v1/sessions/{s}/cache").json()["bytes"] for s in (session, plain))

@@ -48,7 +48,7 @@ class KVCacheOptions:
     summary: Literal["mean", "representative"] = "mean"
     representatives: int = 4  # keys kept per segment for the "representative" summary
     query_pool: Literal["mean", "max"] = "mean"  # answering: a chunk's mean query scores, or its best row
-    selection: Literal["summary", "keys", "text"] = "text"  # answering: text retrieval picks, or each layer scores summaries or every stored key
+    selection: Literal["summary", "keys", "text"] = "text"  # answering: the text index picks, or the layers score
     vote: bool = False  # answering: prompt pass twice; the second attends the first's most picked segments in every layer
     storage: Literal["bfloat16", "int8", "float32"] = "bfloat16"
 
