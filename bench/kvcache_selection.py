@@ -1,7 +1,8 @@
 """kvcache's selection against perfect selection, on pass keys or QA questions (SmolLM2-135M unless --model names another, through the engine).
 
 Each pass-key document (`longdoc eval passkey`'s, one per depth) is fed once into a kvcache
-session; the question is then asked under each answering config (swapped on the session's
+session (with the options of `--session` over `top_k` 8 selecting by summaries, the memory's
+defaults until 2026-11-26, which this script's figures in docs/benchmarks.md were measured with); the question is then asked under each answering config (swapped on the session's
 selective model: selection, reselect_every) and, with `forced`, once more with the needle's segment
 forced into every layer's and head's picks at every selection. Every config sees the same
 documents and keys, so a miss that the forced row shares is the model's reading, not selection.
@@ -10,7 +11,7 @@ Prints, per config: pass keys answered, and the mean number of layers (of the mo
 prompt pass picked the needle's segment (a needle in the local window counts 0).
 
 With `--qa TEXT`, the QA benchmark's development questions about one text instead: the text is fed
-once (with the options of `--session`), and each question is asked with the session's selection
+once, and each question is asked with the session's selection
 (under each answering config of `--configs`) and with every segment that meets its gold passage
 forced into every pick, scored as `longdoc eval qa` scores.
 
@@ -34,7 +35,7 @@ import torch
 from engine.config import SMALL_MODEL
 from engine.engine import Engine
 from engine.interface import GenerationParams, RetrievedItem, TokenDelta
-from engine.memories.kvcache import KVCacheMemory
+from engine.memories.kvcache import BEFORE_TEXT, KVCacheMemory, KVCacheOptions
 from engine.models import kv_select
 from research.evals import qa
 from research.evals import texts as qa_texts
@@ -79,16 +80,25 @@ def needle_layers(items: tuple[RetrievedItem, ...], document: str, key: str) -> 
     return max((item.layers or 0 for item in holding_key(items, document, key)), default=0)
 
 
+def check_configs(options: dict[str, Any], configs: list[dict[str, Any]], forced: dict[str, Any] | None) -> None:
+    """Answering configs change answering options only, and a forced run goes through
+    `pick_segments`, which selection "text" does not call."""
+    for config in [*configs, forced or {}]:
+        if set(config) - ANSWERING:
+            raise SystemExit(f"only answering options can change on a fed session: {sorted(ANSWERING)}")
+    if forced is not None and {**options, **forced}.get("selection", KVCacheOptions.selection) == "text":
+        raise SystemExit('forcing segments needs a selection that scores ("summary" or "keys"), not "text"')
+
+
 def run(
     length: int,
     depths: tuple[float, ...],
     configs: list[dict[str, Any]],
     forced_config: dict[str, Any] | None,
     model: str = SMALL_MODEL,
+    options: dict[str, Any] = BEFORE_TEXT,
 ) -> list[dict[str, Any]]:
-    for config in [*configs, forced_config or {}]:
-        if set(config) - ANSWERING:
-            raise SystemExit(f"only answering options can change on a fed session: {sorted(ANSWERING)}")
+    check_configs(options, configs, forced_config)
     runs = [(json.dumps(c), c, False) for c in configs]
     if forced_config is not None:
         runs.append((f"forced {json.dumps(forced_config)}", forced_config, True))
@@ -102,7 +112,7 @@ def run(
             key = str(rng.randrange(10_000, 100_000))
             document = passkey_document(filler, length, depth, key, tokenizer)
             at = document.index(f"The pass key is {key}") + len("The pass key is ")  # the key's digits
-            session = engine.create_session(None, "kvcache", {})
+            session = engine.create_session(None, "kvcache", options)
             async for _ in await engine.ingest(session.id, document, "eval"):
                 pass
             memory = cast(KVCacheMemory, engine.sessions.use(session.id).memory)
@@ -145,9 +155,7 @@ def run_qa(
     questions = [q for q in qa.load_questions(qa.DEV_QUESTIONS) if q.text == text]
     if not questions:
         raise SystemExit(f"no development question is about {text!r}")
-    for config in configs:
-        if set(config) - ANSWERING:
-            raise SystemExit(f"only answering options can change on a fed session: {sorted(ANSWERING)}")
+    check_configs(options, list(configs), {} if gold else None)
     runs = [(f"selected {json.dumps(c)}" if c else "selected", c) for c in configs] + ([("gold forced", {})] if gold else [])
     correct = {name: 0 for name, _ in runs}
 
@@ -195,21 +203,23 @@ def main() -> None:
     parser.add_argument("--depth", type=float, action="append", help=f"where the key is, 0..1 (default: {DEPTHS})")
     parser.add_argument("--forced", default=None, help="options of the forced run, JSON (none: no forced run)")
     parser.add_argument("--qa", default=None, help="a development text's name: its QA questions in place of pass keys")
-    parser.add_argument("--session", default="{}", help="with --qa: the kvcache session's options, JSON")
+    parser.add_argument(
+        "--session",
+        default="{}",
+        help="the kvcache session's options, JSON, over top_k 8 selecting by summaries (the defaults until 2026-11-26, "
+        "which this script's figures were measured with)",
+    )
     parser.add_argument("--model", default=SMALL_MODEL, help="a served model by name")
     parser.add_argument("--no-gold", action="store_true", help="with --qa: no run with the gold segments forced")
     args = parser.parse_args()
+    session = {**BEFORE_TEXT, **json.loads(args.session)}
     if args.qa is not None:
-        print(
-            markdown(
-                run_qa(
-                    args.qa, json.loads(args.session), args.model, tuple(json.loads(c) for c in args.configs), not args.no_gold
-                )
-            )
-        )
+        print(markdown(run_qa(args.qa, session, args.model, tuple(json.loads(c) for c in args.configs), not args.no_gold)))
         return
     forced_config = json.loads(args.forced) if args.forced is not None else None
-    rows = run(args.length, tuple(args.depth or DEPTHS), [json.loads(c) for c in args.configs], forced_config, args.model)
+    rows = run(
+        args.length, tuple(args.depth or DEPTHS), [json.loads(c) for c in args.configs], forced_config, args.model, session
+    )
     print(markdown(rows))
 
 

@@ -265,7 +265,8 @@ class SessionService:
     def _load_memory(self, session: Session, context: MemoryContext) -> Memory:
         assert self.snapshots is not None
         snapshot = self.snapshots.read(session.id)
-        memory = build_memory(session.kind, context, session.options)
+        options = memory_type(session.kind).saved_options(session.options, snapshot.state)
+        memory = build_memory(session.kind, context, options)
         memory.load_state_dict(snapshot.state)
         if snapshot.generation != session.snapshot_generation:  # written since it was listed
             session.documents = Session.from_metadata(snapshot.session).documents

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.persistence import Snapshot, SnapshotError, SnapshotStore, StaleSnapshotError, pack, unpack
-from tests.helpers import ingest_held, new_session
+from tests.helpers import ingest_held, new_session, session_of
 
 DOCUMENT = "The lighthouse of Velmora is painted violet. " * 40
 QUESTION = {"question": "What colour is the lighthouse?", "max_tokens": 8}
@@ -118,7 +118,9 @@ def test_writers_racing_on_one_session_commit_one_at_a_time(tmp_path):
     assert not list((tmp_path / "s-1").glob(".*.tmp"))
 
 
-KVCACHE_TEXT = {"selection": "text", "segment_len": 16, "top_k": 2, "neighbours": 3, "window": 64, "sinks": 8}  # segments to pick
+KVCACHE_SIZES = {"segment_len": 16, "neighbours": 3, "window": 64, "sinks": 8}  # segments to pick in DOCUMENT
+KVCACHE_TEXT = {**KVCACHE_SIZES, "selection": "text", "top_k": 2}
+KVCACHE_SUMMARY = {**KVCACHE_SIZES, "selection": "summary", "top_k": 2}
 
 
 @pytest.mark.parametrize(
@@ -128,7 +130,7 @@ KVCACHE_TEXT = {"selection": "text", "segment_len": 16, "top_k": 2, "neighbours"
         ("truncate", None),
         ("neurocache", None),
         ("kvcache", None),
-        ("kvcache", {"selection": "summary"}),
+        ("kvcache", KVCACHE_SUMMARY),
         ("kvcache", KVCACHE_TEXT),
     ],
 )
@@ -149,6 +151,28 @@ def test_sessions_come_back_after_a_restart(make_client, tmp_path, adapter_dir, 
     assert after["answer"] == before["answer"] and after["retrieval"]["items"] == before["retrieval"]["items"]
     assert restarted.get(f"/v1/sessions/{session_id}").json()["resident"] is True
     assert restarted.get(f"/v1/sessions/{session_id}/cache").json() == cache
+
+
+def test_a_kvcache_session_saved_before_the_defaults_changed_comes_back_as_it_was(make_client, tmp_path):
+    """Until 2026-11-26 a kvcache session made without `top_k` and `selection` selected by summaries
+    with top_k 8, and its saved state held neither the options nor a text index: it comes back so."""
+    settings = dict(data_dir=tmp_path / "sessions")
+    client = make_client(**settings)
+    session_id = new_session(client, memory="kvcache", options={**KVCACHE_SIZES, "top_k": 8, "selection": "summary"})
+    client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT})
+    before = client.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).json()
+    client.__exit__(None, None, None)
+    store = SnapshotStore(tmp_path / "sessions")
+    saved = store.read(session_id)
+    assert saved.state.pop("options")["selection"] == "summary"  # as saved from now on
+    old = Snapshot({**saved.session, "options": KVCACHE_SIZES}, saved.state)  # as saved before
+    store.write(old, expected=saved.generation)
+
+    restarted = make_client(**settings)
+    after = restarted.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).json()
+    assert after["answer"] == before["answer"] and after["retrieval"]["items"] == before["retrieval"]["items"]
+    options = session_of(restarted, session_id).memory.options
+    assert (options.top_k, options.selection) == (8, "summary")
 
 
 def test_a_cleared_cache_and_a_deleted_session_stay_so(make_client, tmp_path):

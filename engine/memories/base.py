@@ -223,3 +223,9 @@ class Memory(ABC):
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace the memory's content with `state` from `state_dict`."""
+
+    @classmethod
+    def saved_options(cls, options: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+        """The options to rebuild a saved memory with, from the session's (as it was made) and the
+        saved `state`: those, unless the memory's defaults changed since in a way its state shows."""
+        return options

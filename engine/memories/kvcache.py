@@ -28,6 +28,7 @@ from engine.prompts import after_document, document_frame
 
 SEPARATOR = "\n\n"
 _SPAN_BYTES = 12  # per token: its document (int32) and its characters (2 × int32)
+BEFORE_TEXT = {"top_k": 8, "selection": "summary"}  # the defaults that changed on 2026-11-26 (`KVCacheOptions`)
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,7 @@ class KVCacheMemory(Memory):
         text index's best chunks for the question, in its order, until the layout's k·u places are
         full (the places' count is fixed: when the best chunks' segments are fewer, the next
         chunks' fill it); segments in the local window are attended anyway and are skipped."""
-        if self._text is None:
+        if self._text is None or self.selective.config.selection != "text":
             return None
         eligible = self.selective.eligible(self.store, self.store.tokens)
         want = self.selective.config.places(eligible)
@@ -292,12 +293,21 @@ class KVCacheMemory(Memory):
 
     def state_dict(self) -> dict[str, Any]:
         return {
+            "options": asdict(self.options),
             "documents": list(self._documents),
             "store": self.store.state_dict(),
             "token_doc": torch.from_numpy(self._token_doc),
             "token_spans": torch.from_numpy(self._token_spans),
             **({"text": self._text.state_dict()} if self._text is not None else {}),
         }
+
+    @classmethod
+    def saved_options(cls, options: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+        """Saved since 2026-11-26, the state holds the options it was made with, defaults resolved;
+        a state from before holds none, and was made under that time's defaults (`BEFORE_TEXT`)."""
+        if "options" in state:
+            return dict(state["options"])
+        return {**BEFORE_TEXT, **options}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.reset()

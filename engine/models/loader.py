@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.allocator import keep_freed_memory
 from engine.config import SMALL_MODEL
 from engine.models.wheels import WHEEL_MODELS, join_parts, part_paths
+from engine.os_memory import keep_freed_memory
 from engine.plugins import family_of, load_plugins, plugin_errors, shipped_models
 
 log = logging.getLogger(__name__)

@@ -102,7 +102,9 @@ class Row:
         }
 
 
-RECALL_SEGMENTS = 24  # kvcache: the segments most layers selected that recall looks at (k·u by default)
+# kvcache: the segments most layers selected that recall looks at: k·u under the defaults until
+# 2026-11-26, kept so figures compare; with today's (the text index picks 12) every one attended counts
+RECALL_SEGMENTS = 24
 RECALLING = ("text", "kvcache")  # memories whose retrieval event names passages
 
 
