@@ -7,7 +7,8 @@
 - decode: tokens/s of a kvcache answer after that text, against the server's plain decoding (its
   batched decoder on one row: the C step where it runs) after (a) the same question alone and
   (b) a prompt as long as what the kvcache answer attends to. kvcache's decode steps run as the
-  C step too (those that reselect through its per-layer hook), unless `--torch-steps`;
+  C step too, unless `--torch-steps` (with selection "summary" or "keys" those that reselect
+  through its per-layer hook; with "text", the default, no step reselects);
 - TTFT: the prompt pass of a question after the text (for selection "text" with the text index's
   ranking first).
 
@@ -36,7 +37,7 @@ from engine.generation import AnswerState, StopTokens
 from engine.ingest import TokenizedDocument, ingest_steps, tokenize_document
 from engine.interface import GenerationParams, IngestDone
 from engine.memories.base import MemoryContext
-from engine.memories.kvcache import KVCacheMemory
+from engine.memories.kvcache import KVCacheMemory, KVCacheOptions
 from engine.models.kv_select import SelectiveAnswer, SelectiveModel
 from engine.models.loader import LoadedModel, load_model
 from engine.prompts import after_document
@@ -70,7 +71,7 @@ def kvcache_memory(loaded: LoadedModel, options: dict) -> KVCacheMemory:
     embedder, which selection "text" indexes the document with)."""
     context = MemoryContext(
         tokenizer=loaded.tokenizer,
-        embedder=Embedder(device=loaded.device, dtype=loaded.dtype),
+        embedder=Embedder(device=loaded.device, dtype=loaded.dtype) if KVCacheOptions(**options).selection == "text" else None,
         model=loaded.model,
         context_len=loaded.context_len,
     )

@@ -51,7 +51,7 @@ def test_passkey_takes_a_memory_with_its_options(tiny_dir, tmp_path):
 
 def test_passkey_counts_the_answers_whose_sources_hold_the_key(tiny_dir, tmp_path):
     setup = EvalSetup(model=str(tiny_dir), corpus_dir=_corpus(tmp_path), cache_dir=tmp_path / "cache", device="cpu")
-    every_segment = {"segment_len": 16, "top_k": 64, "neighbours": 1, "window": 16, "sinks": 4}  # all selected
+    every_segment = {"segment_len": 16, "top_k": 64, "neighbours": 1, "window": 16, "sinks": 4, "selection": "summary"}
     memories = (("kvcache", every_segment), "truncate", ("truncate", {"window_tokens": 16}))
     rows = passkey(setup, memories=memories, lengths=(300,), depths=(0.5,))
     assert [row["key in sources"] for row in rows] == [1, 1, 0]  # a 16-token window keeps the end, not the key

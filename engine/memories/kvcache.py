@@ -112,7 +112,10 @@ class KVCacheMemory(Memory):
         self._text = None
         if self.options.selection == "text":
             if context.embedder is None:
-                raise ValueError('kvcache\'s selection "text" needs the text embedder, which this server has not loaded')
+                raise ValueError(
+                    'kvcache\'s selection "text" (the default) needs the text embedder, which this server has not '
+                    'loaded; make the session with {"selection": "summary"} or {"selection": "keys"}'
+                )
             self._text = TextMemory(context, {})
 
     @classmethod

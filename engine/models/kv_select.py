@@ -57,6 +57,9 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 @dataclass(frozen=True)
 class SelectConfig:
+    """The model-level layout and selection (tests and research use these defaults; a served
+    session's defaults are `engine.memories.kvcache.KVCacheOptions`')."""
+
     segment_len: int = 64  # l
     top_k: int = 8  # k
     neighbours: int = 3  # u: segments per pick, centred on it
