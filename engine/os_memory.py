@@ -52,7 +52,10 @@ def return_free_memory() -> None:
 
 
 def _glibc_allocates(libc: ctypes.CDLL) -> bool:
-    """Whether this process's malloc is glibc's own (not a preloaded or linked-in allocator's)."""
+    """Whether this process's malloc is glibc's own (not a preloaded or linked-in allocator's) and
+    glibc has `mallopt` (musl's libc does not)."""
+    if not hasattr(libc, "mallopt"):
+        return False
     address = ctypes.c_void_p
     return ctypes.cast(ctypes.CDLL(None).malloc, address).value == ctypes.cast(libc.malloc, address).value
 
@@ -61,9 +64,7 @@ def _glibc_allocates(libc: ctypes.CDLL) -> bool:
 def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds (module docstring), once per process; True if set."""
     libc = _libc()
-    if os.environ.get("LONGDOC_KEEP_FREED_MEMORY", "1") == "0" or libc is None or not hasattr(libc, "mallopt"):
-        return False
-    if not _glibc_allocates(libc):
+    if os.environ.get("LONGDOC_KEEP_FREED_MEMORY", "1") == "0" or libc is None or not _glibc_allocates(libc):
         return False
     if any(name in os.environ for name in OPERATOR_SETTINGS) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         log.info("malloc settings in the environment: longdoc leaves glibc's thresholds as they are")

@@ -39,23 +39,20 @@ def probe(env: dict[str, str]) -> list[str]:
     return run.stdout.split()
 
 
-def glibc_with_mallinfo2() -> bool:
-    libc = os_memory._libc()
-    return libc is not None and hasattr(libc, "mallinfo2") and hasattr(libc, "mallopt")
+LIBC = os_memory._libc()
+needs_glibc = pytest.mark.skipif(LIBC is None or not hasattr(LIBC, "mallopt"), reason="glibc's malloc")
 
 
-@pytest.mark.skipif(not glibc_with_mallinfo2(), reason="glibc 2.33+ (mallopt, mallinfo2)")
-def test_a_freed_block_stays_in_the_heap_only_when_kept(monkeypatch):
+@pytest.mark.skipif(LIBC is None or not hasattr(LIBC, "mallinfo2"), reason="glibc 2.33+ (mallopt, mallinfo2)")
+def test_a_freed_block_stays_in_the_heap_only_when_kept():
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     assert probe(env) == ["True", "False", "True"]  # from the heap, and kept there when freed
     assert probe({**env, "LONGDOC_KEEP_FREED_MEMORY": "0"}) == ["False", "True", "False"]  # glibc's own: a mapping
     assert probe({**env, "MALLOC_TRIM_THRESHOLD_": "131072"})[0] == "False"  # the operator's settings win
 
 
+@needs_glibc
 def test_another_allocator_is_left_alone(monkeypatch):
-    libc = os_memory._libc()
-    if libc is None:
-        pytest.skip("no glibc")
     os_memory.keep_freed_memory.cache_clear()
     monkeypatch.setattr(os_memory, "_glibc_allocates", lambda libc: False)
     try:
@@ -64,8 +61,6 @@ def test_another_allocator_is_left_alone(monkeypatch):
         os_memory.keep_freed_memory.cache_clear()
 
 
+@needs_glibc
 def test_glibc_is_recognised_as_the_allocator():
-    libc = os_memory._libc()
-    if libc is None:
-        pytest.skip("no glibc")
-    assert os_memory._glibc_allocates(libc)  # pytest runs with glibc's malloc, no allocator preloaded
+    assert LIBC is not None and os_memory._glibc_allocates(LIBC)  # pytest runs with glibc's malloc, no allocator preloaded
