@@ -327,6 +327,7 @@ class Batcher:
         self._waiting: collections.deque[Row] = collections.deque()
         self._rows: list[Row] = []  # touched on the worker thread only
         self._prefilling: Row | None = None  # the admitted row whose prompt is being fed, a chunk a step
+        self._step_first = False  # the last tick ended a prompt: this one steps the rows before feeding any
         self._loop_task: asyncio.Task[None] | None = None
 
     @property
@@ -392,16 +393,23 @@ class Batcher:
     @torch.inference_mode()
     def _tick(self) -> _Events:
         """On the worker thread: feed the admitted prompt its next chunk (admitting a waiting row
-        when none is being fed), then step every row once."""
+        when none is being fed), then step every row once. A tick whose chunk ends a prompt
+        returns there, so that row's first token goes out before a decode step; the next tick
+        steps every row, that one too, and feeds no prompt."""
         out: _Events = []
         self._keep_live()
-        while self._prefilling is None and self._waiting and len(self._rows) < self.max_rows:
+        step_first, self._step_first = self._step_first, False
+        while not step_first and self._prefilling is None and self._waiting and len(self._rows) < self.max_rows:
             row = self._waiting.popleft()
             if not row.cancelled:
                 row.state = AnswerState(self._tokenizer, row.prompt_ids, row.params, self._stop_tokens)
                 self._prefilling = row
-        if self._prefilling is not None:
+        if self._prefilling is not None and not step_first:
             self._feed(self._prefilling, out)
+            if self._prefilling is None and out:  # the prompt is in, and its first token (or error) is out
+                self._step_first = True
+                self._keep_live()
+                return out
         self._keep_live()
         if self._rows:
             self._advance(self._rows, self._decoder.step, out)

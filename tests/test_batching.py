@@ -502,3 +502,32 @@ def test_a_prompt_failing_while_it_is_fed_fails_alone(tiny_tokenizer, monkeypatc
 
     assert same_answer(asyncio.run(run()), expected)
     assert batcher._prefilling is None and batcher._rows == []
+
+
+def test_a_prompt_that_is_in_hands_out_its_first_token_before_any_step(tiny_tokenizer, monkeypatch):
+    """The tick that feeds a prompt's last chunk ends with that row's first token; the rows
+    already answering, and that one, step on the next tick, before another prompt is fed."""
+    model = tiny("llama", len(tiny_tokenizer))
+    (p1, params1), (p2, params2) = requests(len(tiny_tokenizer))[:2]
+    batcher = batcher_for(model, tiny_tokenizer)
+    steps: list[int] = []
+    step = batcher._decoder.step
+
+    def counted(rows: list[Row]) -> torch.Tensor:
+        steps.append(len(rows))
+        return step(rows)
+
+    monkeypatch.setattr(batcher._decoder, "step", counted)
+    first, second = Row(p1, params1), Row(p2, params2)
+
+    batcher._waiting.append(first)
+    out = batcher._tick()
+    assert [row for row, _ in out] == [first] and steps == []  # its first token, no step
+    assert isinstance(out[0][1][0], TokenDelta)
+    batcher._waiting.append(second)
+    batcher._tick()
+    assert steps == [1] and second.prompt_cache is None and second.keys is None  # a step, and no prompt fed
+    out = batcher._tick()
+    assert [row for row, _ in out] == [second] and steps == [1]  # the first answer waits one tick
+    batcher._tick()
+    assert steps == [1, 2]
