@@ -17,6 +17,7 @@ from engine.batching import BatchDecoder
 from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL, QUANTIZE_MODES
 from engine.models.loader import load_model
 from engine.models.quantize import quantize_linears
+from engine.os_memory import return_free_memory
 
 
 def status_gb(*fields: str) -> dict[str, float]:
@@ -38,6 +39,7 @@ def main() -> None:
     quantize_linears(loaded.model, args.quantize)
     BatchDecoder(loaded.model)
     gc.collect()
+    return_free_memory()  # as the server does once a model is loaded
     now = status_gb("VmRSS", "RssAnon", "RssFile")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # kB on Linux
     print(

@@ -21,6 +21,7 @@ from engine.models.native_step import CACHE_DTYPE
 from engine.models.neurocache import Neurocache
 from engine.models.neurocache_io import load_adapter
 from engine.models.quantize import quantize_linears
+from engine.os_memory import return_free_memory
 from engine.worker import SerialWorker
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ class ModelRegistry:
             stop = StopTokens.of(loaded.model, loaded.tokenizer)
             runtime = ModelRuntime(loaded, worker, stop, neurocache, self._batcher(loaded, worker, stop))
             warm_up(runtime)
+            return_free_memory()  # quantizing's and fusing's temporaries, which the heap keeps (engine/os_memory.py)
             if (
                 runtime.manifest_options or runtime.generation_defaults
             ):  # read and checked now: a bad manifest is logged at startup

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from engine import registry
 from engine.config import ModelSpec
 from engine.models import cpu_kernels, quantize
 from engine.models.quantize import DECODE_ROWS, WeightOnlyLinear, quantize_linears
@@ -222,3 +223,19 @@ def test_a_quantized_server_answers_and_says_so(mode, make_client, adapter_dir):
         assert added.status_code == 201 and len(client.get(f"/v1/sessions/{session}/documents").json()["data"]) == 1
         answer = client.post(f"/v1/sessions/{session}/ask", json={"question": "What is the key?", "max_tokens": 8})
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] > 0
+
+
+def test_a_served_model_gives_back_what_quantizing_freed(make_client, monkeypatch):
+    """Quantizing's temporaries stay in the heap (engine/os_memory.py keeps freed memory): once a
+    model is loaded the registry hands them back, after the warm-up."""
+    calls: list[str] = []
+    monkeypatch.setattr(registry, "return_free_memory", lambda: calls.append("trim"))
+    warm = registry.warm_up
+
+    def warm_up(runtime: registry.ModelRuntime) -> None:
+        calls.append("warm")
+        warm(runtime)
+
+    monkeypatch.setattr(registry, "warm_up", warm_up)
+    make_client(quantize="int8")
+    assert calls == ["warm", "trim"]
