@@ -354,7 +354,7 @@ app.add_typer(eval_app, name="eval")
 AdapterOption = Annotated[Path | None, typer.Option(help="adapter folder (default: the shipped one)")]
 
 
-QuantizeOption = Annotated[str, typer.Option(help="none, bf16 or int8: weight-only, as longdoc serve --quantize")]
+QuantizeOption = Annotated[str, typer.Option(help="none, bf16, int8 or int4: weight-only, as longdoc serve --quantize")]
 
 
 def _setup(model: str, adapter: Path | None, device: str, quantize: str = "none"):

@@ -21,7 +21,7 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-QUANTIZE_MODES = ("none", "bf16", "int8")  # weight-only, engine/models/quantize.py
+QUANTIZE_MODES = ("none", "bf16", "int8", "int4")  # weight-only, engine/models/quantize.py
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class ModelSpec:
     sources: tuple[str, ...] = (DEFAULT_MODEL,)
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
-    quantize: str = "none"  # "none" | "bf16" | "int8": weight-only, on CPU (engine/models/quantize.py)
+    quantize: str = "none"  # "none" | "bf16" | "int8" | "int4": weight-only, on CPU (engine/models/quantize.py)
     cache_dir: Path = DEFAULT_CACHE_DIR
     adapter_dirs: tuple[Path, ...] = (SHIPPED_ADAPTERS,)  # searched for <model name>/adapter.json
 
@@ -43,10 +43,10 @@ class ModelSpec:
         )
         if self.quantize == "bf16":
             _require(self.dtype in ("auto", "float32"), "quantize bf16 converts a float32 model: use --dtype float32 (or auto)")
-        if self.quantize == "int8":
+        if self.quantize in ("int8", "int4"):
             _require(
                 self.dtype in ("auto", "float32", "bfloat16"),
-                "quantize int8 converts a float32 or bfloat16 model: use --dtype float32, bfloat16 (or auto)",
+                f"quantize {self.quantize} converts a float32 or bfloat16 model: use --dtype float32, bfloat16 (or auto)",
             )
         if self.quantize != "none":
             _require(self.device in ("auto", "cpu"), "quantize is for CPU: use --device cpu (or auto on a machine without a GPU)")

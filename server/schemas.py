@@ -219,7 +219,7 @@ class ModelCard(BaseModel):
     architecture: str
     memories: list[str]
     dtype: str
-    quantize: str = Field(description="weights stored as: none (dtype), bf16 or int8 (longdoc serve --quantize)")
+    quantize: str = Field(description="weights stored as: none (dtype), bf16, int8 or int4 (longdoc serve --quantize)")
 
 
 class ModelList(BaseModel):

@@ -352,7 +352,7 @@ def test_two_or_three_answers_step_as_four_rows_and_get_a_larger_batchs_logits()
 
 
 @X86_CPU_ONLY
-@pytest.mark.parametrize("mode", ["bf16", "int8"])
+@pytest.mark.parametrize("mode", ["bf16", "int8", "int4"])
 def test_a_quantized_model_is_never_padded_and_a_row_gets_the_same_logits_in_any_company(mode):
     """torch's weight-only kernels compute each row alone (checked by the decoder when it is
     made): with `--quantize` no step is padded, and a row's logits are bit for bit the same

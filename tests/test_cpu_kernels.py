@@ -17,7 +17,7 @@ from tests.helpers import TEST_DEVICE
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU kernels")
 BUILDABLE = shutil.which("cc") is not None and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-MODES = ("bf16", "int8")
+MODES = ("bf16", "int8", "int4")
 
 
 @pytest.fixture
@@ -35,6 +35,8 @@ def stored(mode: str, out_features: int = 37, in_features: int = 96, seed: int =
 
 
 def product(layer: WeightOnlyLinear, x: torch.Tensor) -> torch.Tensor:
+    if layer.mode == "int4":
+        return cpu_kernels.int4_matmul(x, layer.weight_low, layer.scales)
     return cpu_kernels.matmul(x, layer.weight_low, layer.scales if layer.mode == "int8" else None)
 
 

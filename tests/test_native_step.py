@@ -60,7 +60,7 @@ def feed(rows: list[Row], tokens: list[int]) -> None:
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("mode", ["none", "bf16", "int8"])
+@pytest.mark.parametrize("mode", ["none", "bf16", "int8", "int4"])
 def test_steps_equal_the_model_over_each_whole_sequence(family, mode, kernel_set):
     model = model_of(family)
     quantize_linears(model, mode)

@@ -1,4 +1,4 @@
-"""Weight-only quantization (`--quantize bf16|int8`, engine/models/quantize.py): each layer against
+"""Weight-only quantization (`--quantize bf16|int8|int4`, engine/models/quantize.py): each layer against
 the float32 layer it replaces, a whole model's logits, which layers are converted, and the server
 flag with its refusals."""
 
@@ -101,7 +101,7 @@ def test_int8_keeps_one_scale_a_row_and_a_quarter_of_the_bytes():
     assert quantized.weight_low.nbytes * 4 == plain.weight.nbytes
     assert int(quantized.weight_low.abs().amax(dim=1).min()) == 127  # each row's largest weight uses the full range
     with pytest.raises(ValueError, match="unknown quantize mode"):
-        WeightOnlyLinear(plain, "int4")
+        WeightOnlyLinear(plain, "int2")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -169,7 +169,7 @@ def test_only_int8_takes_a_bfloat16_model(tiny_dir):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        ({"quantize": "int4"}, "unknown quantize"),
+        ({"quantize": "int2"}, "unknown quantize"),
         ({"quantize": "bf16", "dtype": "bfloat16"}, "converts a float32 model"),
         ({"quantize": "int8", "dtype": "float16"}, "converts a float32 or bfloat16 model"),
         ({"quantize": "bf16", "device": "cuda"}, "quantize is for CPU"),
@@ -223,6 +223,85 @@ def test_a_quantized_server_answers_and_says_so(mode, make_client, adapter_dir):
         assert added.status_code == 201 and len(client.get(f"/v1/sessions/{session}/documents").json()["data"]) == 1
         answer = client.post(f"/v1/sessions/{session}/ask", json={"question": "What is the key?", "max_tokens": 8})
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] > 0
+
+
+def int4_tolerance(layer: WeightOnlyLinear) -> torch.Tensor:
+    """How far an int4 weight may be from the float32 one: half its group's step, and the rounding
+    of the group's scale and minimum to bfloat16 (8 bits of mantissa), over [out, in]."""
+    pairs = layer.scales.float()  # [out, groups, 2]
+    scale, low = pairs[..., 0], pairs[..., 1]
+    per_group = scale / 2 * 1.001 + (15 * scale + low.abs()) * 2**-8
+    return per_group.repeat_interleave(quantize.GROUP, dim=1)
+
+
+@pytest.mark.parametrize("rows", [1, 3, DECODE_ROWS, DECODE_ROWS + 1, 200])
+def test_an_int4_layer_stays_within_its_rounding_of_float32(rows, decode_kernel):
+    """Each weight within half its group's step; decode rows are the stored weight times the
+    float32 input (longdoc's kernel, or the widened weight where it cannot run), prefill rows
+    exactly the float32 matmul on the widened weight."""
+    torch.manual_seed(0)
+    plain = nn.Linear(96, 160, bias=True)
+    quantized = WeightOnlyLinear(plain, "int4")
+    tolerance = int4_tolerance(quantized)
+    assert ((quantized.dequantized() - plain.weight).abs() <= tolerance).all()
+    x = torch.randn(rows, 96)
+    with torch.no_grad():
+        want, got = plain(x), quantized(x)
+    assert ((got - want).abs() <= x.abs() @ tolerance.T + 1e-4).all()
+    exact = F.linear(x.double(), quantized.dequantized().double(), plain.bias.double()).float()
+    if rows > DECODE_ROWS:
+        torch.testing.assert_close(got, F.linear(x, quantized.dequantized(), plain.bias), rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5)
+
+
+def test_int4_keeps_two_codes_a_byte_and_a_scale_and_minimum_a_group():
+    weight = torch.randn(6, 64, generator=torch.Generator().manual_seed(2))
+    packed, groups = quantize.int4_groups(weight)
+    assert packed.shape == (6, 32) and packed.dtype == torch.uint8
+    assert groups.shape == (6, 2, 2) and groups.dtype == torch.bfloat16
+    halves = packed.view(6, 2, 16)
+    codes = torch.cat([halves & 15, halves >> 4], dim=-1)  # [rows, groups, 32]: byte j holds inputs j and j + 16
+    in_order = weight.view(6, 2, 32).argsort(dim=-1)
+    assert (codes.gather(-1, in_order[..., :1]) == 0).all()  # each group's smallest weight is its minimum
+    assert (codes.gather(-1, in_order[..., -1:]) >= 14).all()  # and its largest at the top of the range
+    assert (packed.nbytes + groups.nbytes) * 32 == weight.nbytes * 5  # 5 bits a weight
+    torch.testing.assert_close(
+        quantize.int4_weight(packed, groups),
+        codes.float().view(6, 2, 32).mul(groups.float()[..., :1]).add(groups.float()[..., 1:]).view(6, 64),
+        rtol=0,
+        atol=0,
+    )
+
+
+def test_int4_in_blocks_of_rows_equals_the_whole_weight_at_once(monkeypatch):
+    weight = torch.randn(30, 64, generator=torch.Generator().manual_seed(3))
+    whole = quantize.int4_groups(weight)
+    monkeypatch.setattr(quantize, "QUANTIZE_ROWS", 7)
+    blocks = quantize.int4_groups(weight)
+    assert all(torch.equal(a, b) for a, b in zip(whole, blocks, strict=True))
+
+
+def test_int4_keeps_the_head_and_other_lengths_in_int8(tiny_dir):
+    """The output head, and a projection whose inputs are not a multiple of 32, stay int8; a
+    bfloat16 model keeps its own weights for prompts; the predictions stay close."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    ids = torch.randint(0, 1000, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+        assert quantize_linears(model, "int4") == 7 * 2 + 1
+        got = model(ids).logits
+        step = model(ids[:, :1]).logits
+    modes = {name: m.mode for name, m in model.named_modules() if isinstance(m, WeightOnlyLinear)}
+    assert modes.pop("lm_head") == "int8" and set(modes.values()) == {"int4"}
+    assert (got - want).abs().max() < 0.1 * want.abs().max()
+    assert (step[0, 0] - want[0, 0]).abs().max() < 0.1 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8
+    with pytest.raises(ValueError, match="multiple of 32"):
+        WeightOnlyLinear(nn.Linear(72, 8), "int4")
+    half = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16)
+    assert quantize_linears(half, "int4") == 7 * 2 + 1
+    assert half.lm_head.weight_full is not None
 
 
 def test_a_served_model_gives_back_what_quantizing_freed(make_client, monkeypatch):

@@ -85,7 +85,7 @@ def library() -> ctypes.CDLL | None:
         log.warning("weight-only CPU kernels unavailable, using torch's: %s %s", error, detail.decode(errors="replace")[-500:])
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_long
-    for kernel in (lib.int8_matmul, lib.bf16_matmul):
+    for kernel in (lib.int8_matmul, lib.bf16_matmul, lib.int4_matmul):
         kernel.argtypes = [pointer, size, size, pointer, pointer, size, pointer]
         kernel.restype = None
     lib.matmul_avx512.argtypes, lib.matmul_avx512.restype = [size], size
@@ -103,9 +103,11 @@ def use_avx512(wanted: bool | None = None) -> bool:
     return bool(lib.matmul_avx512(-1 if wanted is None else int(wanted)))
 
 
-def usable(weight: torch.Tensor) -> bool:
-    """Whether the kernels can multiply by this stored weight ([out, in], bf16 or int8, on CPU)."""
-    return weight.device.type == "cpu" and weight.is_contiguous() and weight.shape[1] % ALIGN == 0 and library() is not None
+def usable(weight: torch.Tensor, features: int | None = None) -> bool:
+    """Whether the kernels can multiply by this stored weight ([out, in], bf16 or int8, on CPU;
+    int4: [out, in / 2] bytes, `features` its in)."""
+    features = weight.shape[1] if features is None else features
+    return weight.device.type == "cpu" and weight.is_contiguous() and features % ALIGN == 0 and library() is not None
 
 
 def matmul(rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
@@ -122,4 +124,16 @@ def matmul(rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None
         assert weight.dtype == torch.bfloat16
         kernel, scale_pointer = lib.bf16_matmul, None
     kernel(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), scale_pointer, weight.shape[0], out.data_ptr())
+    return out
+
+
+def int4_matmul(rows: torch.Tensor, packed: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """rows [R, in] times the int4 weight (`quantize.int4_groups`: packed [out, in / 2], groups
+    [out, in / 32, 2] bfloat16) transposed: [R, out] float32. The caller checked `usable`."""
+    lib = library()
+    assert lib is not None and packed.dtype == torch.uint8 and groups.dtype == torch.bfloat16 and groups.is_contiguous()
+    x = rows if rows.dtype == torch.float32 and rows.is_contiguous() else rows.to(torch.float32).contiguous()
+    assert x.shape[1] == 2 * packed.shape[1]
+    out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
+    lib.int4_matmul(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), groups.data_ptr(), packed.shape[0], out.data_ptr())
     return out

@@ -34,7 +34,7 @@ from engine.models import cpu_kernels
 from engine.models.llama_parts import Layer, rms_norm_parts
 from engine.models.quantize import WeightOnlyLinear
 
-KINDS = {"float32": 0, "bf16": 1, "int8": 2}  # csrc/weight_only.h
+KINDS = {"float32": 0, "bf16": 1, "int8": 2, "int4": 3}  # csrc/weight_only.h
 LINEAR_KINDS = {torch.float32: KINDS["float32"], torch.bfloat16: KINDS["bf16"]}  # a plain nn.Linear's weight
 CACHE_DTYPE = torch.float32  # a row's keys and values, whatever the weights
 _HOOK = ctypes.CFUNCTYPE(None, ctypes.c_long, ctypes.c_void_p)  # decode_step's before_attention
@@ -98,19 +98,20 @@ def _weight(linear: nn.Module | None, kept: list[torch.Tensor]) -> CWeight | Non
     or size the kernels do not take). A bias not in float32 is read from a float32 copy, appended
     to `kept` (which the step holds)."""
     if type(linear) is WeightOnlyLinear:
-        stored, scale, kind = linear.weight_low, linear.scales if linear.mode == "int8" else None, KINDS[linear.mode]
+        stored, scale, kind = linear.weight_low, linear.scales if linear.mode != "bf16" else None, KINDS[linear.mode]
     elif type(linear) is nn.Linear and linear.weight.dtype in LINEAR_KINDS:
         stored, scale, kind = linear.weight, None, LINEAR_KINDS[linear.weight.dtype]
     else:
         return None
     bias = getattr(linear, "bias", None)
-    if not stored.is_contiguous() or stored.shape[1] % cpu_kernels.ALIGN or stored.device.type != "cpu":
+    features = linear.in_features
+    if not stored.is_contiguous() or features % cpu_kernels.ALIGN or stored.device.type != "cpu":
         return None
     if bias is not None:
         bias = bias.detach().to(torch.float32).contiguous()
         kept.append(bias)
     pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    return CWeight(stored.data_ptr(), pointer(scale), pointer(bias), stored.shape[0], stored.shape[1], kind)
+    return CWeight(stored.data_ptr(), pointer(scale), pointer(bias), stored.shape[0], features, kind)
 
 
 def _shapes_fit(shape: CShape, layers: list[CLayer], head: CWeight) -> bool:

@@ -1,4 +1,4 @@
-"""Weight-only quantization for decoding on CPU (`longdoc serve --quantize bf16|int8`).
+"""Weight-only quantization for decoding on CPU (`longdoc serve --quantize bf16|int8|int4`).
 
 A decode step reads every weight once for one row of activations, so on CPU its time is the time
 to stream the weights from memory: fewer bytes a weight, faster steps. A decode step's matmul (up
@@ -11,6 +11,10 @@ in float32 for any model). The speed-up needs one OpenMP team on the cores (engi
 
 - `bf16`: weights kept in bfloat16 (half the bytes).
 - `int8`: weights kept in int8 with one float scale per output row (a quarter of the bytes).
+- `int4`: the decoder projections in 4 bits, each group of 32 inputs of a row with its own
+  scale and minimum (bfloat16): 5 bits a weight, 0.16 of float32's bytes; the output head in int8
+  (as llama.cpp's Q4_K_M keeps it in more bits), and so is a projection whose inputs are not a
+  multiple of 32. Its matmuls need longdoc's kernels; without them a decode step widens the weights.
 
 A pass over many rows (a prompt's prefill) is compute-bound, not memory-bound. A float32 model's
 layers widen the stored weights back to float32 for that pass and run the float32 matmul. A
@@ -36,8 +40,13 @@ DECODE_ROWS = 16  # passes of at most this many rows use the low-precision kerne
 # torch's int8 decode kernel gets rows of a multiple of this many inputs only: on an AVX-512 CPU
 # (torch 2.13) it gave garbage or NaN for 8, 24 and 40 inputs, and was right for 16, 32, 48, 64, 96, 576
 INT8PACK_ALIGN = 16
-QUANTIZED_DTYPES = {"bf16": (torch.float32,), "int8": (torch.float32, torch.bfloat16)}  # the models each mode takes
-QUANTIZED_DTYPE_NAMES = {"bf16": "float32", "int8": "float32 or bfloat16"}
+QUANTIZED_DTYPES = {
+    "bf16": (torch.float32,),
+    "int8": (torch.float32, torch.bfloat16),
+    "int4": (torch.float32, torch.bfloat16),
+}  # the models each mode takes
+QUANTIZED_DTYPE_NAMES = {"bf16": "float32", "int8": "float32 or bfloat16", "int4": "float32 or bfloat16"}
+GROUP = 32  # int4: inputs sharing a scale and a minimum
 LINEAR_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"})
 
 
@@ -58,11 +67,42 @@ def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized, scales
 
 
-class WeightOnlyLinear(nn.Module):
-    """An nn.Linear whose weight is stored in bfloat16 or int8 (per output row scales)."""
+def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` [out, in] (in a multiple of GROUP) as codes 0-15, two to a byte [out, in / 2]
+    (in each group's 16 bytes, byte j holds input j in its low half and input j + 16 in its high
+    half), and each group's scale and minimum [out, in / GROUP, 2] in bfloat16 (the minimum and
+    range / 15 of its weights), so that a weight is scale * code + minimum; QUANTIZE_ROWS rows at
+    a time."""
+    out, features = weight.shape
+    packed = torch.empty(out, features // 2, dtype=torch.uint8, device=weight.device)
+    groups = torch.empty(out, features // GROUP, 2, dtype=torch.bfloat16, device=weight.device)
+    for start in range(0, out, QUANTIZE_ROWS):
+        block = weight[start : start + QUANTIZE_ROWS].float().view(-1, features // GROUP, GROUP)
+        low = block.amin(dim=-1)
+        scale = ((block.amax(dim=-1) - low) / 15).clamp(min=1e-12)
+        pair = torch.stack([scale, low], dim=-1).to(torch.bfloat16)  # rounded first: codes fit the stored pair
+        scale, low = pair[..., 0].float(), pair[..., 1].float()
+        codes = torch.round((block - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+        packed[start : start + QUANTIZE_ROWS] = (codes[..., :16] | (codes[..., 16:] << 4)).view(len(block), -1)
+        groups[start : start + QUANTIZE_ROWS] = pair
+    return packed, groups
 
-    weight_low: torch.Tensor  # [out, in], bfloat16 or int8
-    scales: torch.Tensor  # [out] float32 (int8), empty (bf16)
+
+def int4_weight(packed: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [out, in] that `int4_groups`' codes and groups stand for."""
+    out = packed.shape[0]
+    halves = packed.view(out, -1, GROUP // 2)
+    codes = torch.cat([halves & 15, halves >> 4], dim=-1).float()  # [out, groups, GROUP]
+    pairs = groups.float()
+    return (codes * pairs[..., :1] + pairs[..., 1:]).view(out, -1)
+
+
+class WeightOnlyLinear(nn.Module):
+    """An nn.Linear whose weight is stored in bfloat16, int8 (per output row scales) or int4
+    (per group of 32 inputs scales and minimums)."""
+
+    weight_low: torch.Tensor  # [out, in] bfloat16 or int8; [out, in / 2] uint8 (int4)
+    scales: torch.Tensor  # [out] float32 (int8), [out, in / 32, 2] bfloat16 (int4), empty (bf16)
     scales_low: torch.Tensor  # the scales in bfloat16
     weight_full: torch.Tensor | None  # a bfloat16 model's own weight, for passes over many rows
     bias: nn.Parameter | None
@@ -72,19 +112,26 @@ class WeightOnlyLinear(nn.Module):
         if mode not in QUANTIZE_MODES[1:]:
             raise ValueError(f"unknown quantize mode {mode!r}; choose one of {QUANTIZE_MODES[1:]}")
         self.mode, self.in_features, self.out_features = mode, linear.in_features, linear.out_features
+        if mode == "int4" and linear.in_features % GROUP:
+            raise ValueError(f"int4 needs in_features a multiple of {GROUP}, not {linear.in_features}")
         keeps_full = linear.weight.dtype == torch.bfloat16
-        if keeps_full and mode != "int8":
-            raise ValueError("a bfloat16 model already decodes from bfloat16 weights: quantize it to int8, or none")
+        if keeps_full and mode == "bf16":
+            raise ValueError("a bfloat16 model already decodes from bfloat16 weights: quantize it to int8 or int4, or none")
         self.register_buffer("weight_full", linear.weight.detach() if keeps_full else None)
         weight = linear.weight.detach()
         if mode == "bf16":
             self.register_buffer("weight_low", weight.to(torch.bfloat16).contiguous())
             self.register_buffer("scales", torch.ones(0))
+        elif mode == "int4":
+            weight_low, scales = int4_groups(weight)
+            self.register_buffer("weight_low", weight_low)
+            self.register_buffer("scales", scales)
         else:
             weight_low, scales = int8_rows(weight)
             self.register_buffer("weight_low", weight_low)
             self.register_buffer("scales", scales)
-        self.register_buffer("scales_low", self.scales.to(torch.bfloat16))  # what the int8 kernel takes, made once
+        low = self.scales.to(torch.bfloat16) if mode == "int8" else torch.ones(0)  # what torch's int8 kernel takes, made once
+        self.register_buffer("scales_low", low)
         self.bias = linear.bias
 
     @classmethod
@@ -98,6 +145,8 @@ class WeightOnlyLinear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The stored weight as float32 [out, in]."""
+        if self.mode == "int4":
+            return int4_weight(self.weight_low, self.scales)
         weight = self.weight_low.float()
         return weight * self.scales[:, None] if self.mode == "int8" else weight
 
@@ -107,7 +156,12 @@ class WeightOnlyLinear(nn.Module):
             weight = self.weight_full if self.weight_full is not None else self.dequantized()
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(rows, weight.to(x.dtype), bias).view(*x.shape[:-1], self.out_features)
-        if not torch.is_grad_enabled() and cpu_kernels.usable(self.weight_low):  # the C kernel keeps no gradient
+        if self.mode == "int4":
+            if not torch.is_grad_enabled() and cpu_kernels.usable(self.weight_low, self.in_features):
+                out = cpu_kernels.int4_matmul(rows, self.weight_low, self.scales).to(x.dtype)
+            else:
+                out = F.linear(rows.float(), self.dequantized()).to(x.dtype)
+        elif not torch.is_grad_enabled() and cpu_kernels.usable(self.weight_low):  # the C kernel keeps no gradient
             out = cpu_kernels.matmul(rows, self.weight_low, self.scales if self.mode == "int8" else None).to(x.dtype)
         elif self.mode == "bf16":
             out = F.linear(rows.to(torch.bfloat16), self.weight_low).to(x.dtype)
@@ -144,5 +198,12 @@ def quantize_linears(model: nn.Module, mode: str) -> int:
         if child.weight.dtype not in QUANTIZED_DTYPES[mode] or child.weight.device.type != "cpu":
             raise ValueError(f"{mode} weight-only quantization is for {QUANTIZED_DTYPE_NAMES[mode]} models on CPU")
     for parent, name, child in replaced:
-        setattr(parent, name, WeightOnlyLinear(child, mode))
+        setattr(parent, name, WeightOnlyLinear(child, _layer_mode(name, child, mode)))
     return len(replaced)
+
+
+def _layer_mode(name: str, linear: nn.Linear, mode: str) -> str:
+    """int4 keeps the output head, and a layer whose inputs are not a multiple of GROUP, in int8."""
+    if mode == "int4" and (name == "lm_head" or linear.in_features % GROUP):
+        return "int8"
+    return mode

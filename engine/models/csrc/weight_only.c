@@ -1,7 +1,8 @@
 /* Matmuls for decode steps on x86 CPUs with AVX2 and FMA (and AVX-512 where the CPU has it) (engine/models/cpu_kernels.py).
 
    out[r, n] = sum_k x[r, k] * w[n, k]  (times scale[n] for int8), for a few rows r of float32
-   activations against bfloat16, int8 or float32 weights [n, k], k a multiple of 32. A decode step is
+   activations against bfloat16, int8, int4 (a scale and a minimum a group of 32 inputs) or
+   float32 weights [n, k], k a multiple of 32. A decode step is
    bound by reading the weights: each weight row is read from memory once (asked for ahead of use)
    and converted to float32 in registers (AVX2: once for each pair of activation rows; AVX-512:
    once for up to 4), and the output rows are
@@ -90,6 +91,56 @@ MATMUL(int8_matmul_avx2, int8_t, dot_int8, BY_SCALE)
 MATMUL(bf16_matmul_avx2, uint16_t, dot_bf16, AS_IS)
 MATMUL(f32_matmul_avx2, float, dot_f32, AS_IS)
 
+static inline float bf16_value(uint16_t h) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+/* int4: 8 bytes of a group as the weights they hold, scale * code + minimum: inputs j..j+7 (low
+   halves) and j+16..j+23 (high halves). */
+static inline void int4_to_float(const uint8_t *w, __m256 s, __m256 m, __m256 *low, __m256 *high) {
+    __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)w));
+    *low = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(codes, _mm256_set1_epi32(15))), s, m);
+    *high = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(codes, 4)), s, m);
+}
+
+/* Rows of x (`rows` of them, k apart: 1 or 2) against one int4 weight row, in the four sums of DOTS. */
+static inline void dot_int4(const float *x, long rows, const uint8_t *w, const uint16_t *groups, long k, float *out) {
+    __m256 a[2][4];
+    for (int r = 0; r < 2; r++)
+        for (int t = 0; t < 4; t++) a[r][t] = _mm256_setzero_ps();
+    for (long i = 0; i < k; i += 32) {
+        const uint16_t *g = groups + i / 16;  /* (scale, minimum) of group i / 32 */
+        __m256 s = _mm256_set1_ps(bf16_value(g[0])), m = _mm256_set1_ps(bf16_value(g[1]));
+        __m256 w0, w2, w1, w3;
+        int4_to_float(w + i / 2, s, m, &w0, &w2);
+        int4_to_float(w + i / 2 + 8, s, m, &w1, &w3);
+        for (long r = 0; r < rows; r++) {
+            const float *xr = x + r * k + i;
+            a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, a[r][1]);
+            a[r][2] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, a[r][2]);
+            a[r][3] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, a[r][3]);
+        }
+    }
+    for (long r = 0; r < rows; r++)
+        out[r] = sum8(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
+}
+
+static void int4_matmul_avx2(const float *x, long rows, long k, const uint8_t *w, const uint16_t *groups, long n, float *out) {
+    _Pragma("omp parallel for schedule(static)")
+    for (long j = 0; j < n; j++) {
+        const uint8_t *row = w + j * (k / 2);
+        if (j + 2 < n) prefetch(row + k, k / 2); /* read ahead */
+        float two[2];
+        for (long r = 0; r < rows; r += 2) {
+            long take = rows - r >= 2 ? 2 : 1;
+            dot_int4(x + r * k, take, row, groups + j * (k / 16), k, two);
+            for (long t = 0; t < take; t++) out[(r + t) * n + j] = two[t];
+        }
+    }
+}
+
 /* The same matmuls with AVX-512, where the CPU has it. Each output of a row is summed in two
    16-float sums over 32 inputs at a time, added, then reduced in one order; a block takes 4, 2 or
    1 rows against 2 weight rows, so each weight is converted once for up to 4 rows and each input
@@ -165,6 +216,63 @@ MATMUL512(int8_matmul_avx512, int8_t, block_int8, BY_SCALE_AT)
 MATMUL512(bf16_matmul_avx512, uint16_t, block_bf16, AS_IS_AT)
 MATMUL512(f32_matmul_avx512, float, block_f32, AS_IS_AT)
 
+/* int4 with AVX-512: a group's 16 bytes as its 32 weights, scale * code + minimum (inputs 0-15
+   from the low halves, 16-31 from the high). */
+AVX512 static inline void int4_to_float16(const uint8_t *w, const uint16_t *g, __m512 *low, __m512 *high) {
+    __m512 s = _mm512_set1_ps(bf16_value(g[0])), m = _mm512_set1_ps(bf16_value(g[1]));
+    __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)w));
+    *low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, _mm512_set1_epi32(15))), s, m);
+    *high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), s, m);
+}
+
+/* BLOCK's sums for int4 weight rows a and b (their groups ga, gb), `rows` rows of x (4, 2 or 1). */
+AVX512 static inline void block_int4(const float *x, long rows, long k, const uint8_t *a, const uint16_t *ga,
+                                     const uint8_t *b, const uint16_t *gb, const uint8_t *next, float *out) {
+    __m512 sa[4][2], sb[4][2];
+    for (int r = 0; r < 4; r++) sa[r][0] = sa[r][1] = sb[r][0] = sb[r][1] = _mm512_setzero_ps();
+    for (long i = 0; i < k; i += 32) {
+        if (i % 128 == 0) {
+            prefetch(next + i / 2, 64);
+            prefetch(next + k / 2 + i / 2, 64);
+        }
+        __m512 a0, a1, b0, b1;
+        int4_to_float16(a + i / 2, ga + i / 16, &a0, &a1);
+        int4_to_float16(b + i / 2, gb + i / 16, &b0, &b1);
+        for (long r = 0; r < rows; r++) {
+            __m512 x0 = _mm512_loadu_ps(x + r * k + i), x1 = _mm512_loadu_ps(x + r * k + i + 16);
+            sa[r][0] = _mm512_fmadd_ps(x0, a0, sa[r][0]);
+            sa[r][1] = _mm512_fmadd_ps(x1, a1, sa[r][1]);
+            sb[r][0] = _mm512_fmadd_ps(x0, b0, sb[r][0]);
+            sb[r][1] = _mm512_fmadd_ps(x1, b1, sb[r][1]);
+        }
+    }
+    for (long r = 0; r < rows; r++) {
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(sa[r][0], sa[r][1]));
+        out[rows + r] = _mm512_reduce_add_ps(_mm512_add_ps(sb[r][0], sb[r][1]));
+    }
+}
+
+AVX512 static void int4_matmul_avx512(const float *x, long rows, long k, const uint8_t *w, const uint16_t *groups, long n,
+                                      float *out) {
+    long bytes = k / 2, pairs = k / 16; /* a weight row's bytes, and its groups' bfloat16 values */
+    _Pragma("omp parallel for schedule(static)")
+    for (long pair = 0; pair < (n + 1) / 2; pair++) {
+        long j = 2 * pair, second = j + 1 < n ? j + 1 : j;
+        const uint8_t *next = w + (j + 3 < n ? j + 2 : j) * bytes;
+        float sums[8];
+        for (long r = 0; r < rows;) {
+            long take = rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
+            block_int4(x + r * k, take, k, w + j * bytes, groups + j * pairs, w + second * bytes, groups + second * pairs, next,
+                       sums);
+            for (long t = 0; t < take; t++) {
+                out[(r + t) * n + j] = sums[t];
+                out[(r + t) * n + second] = sums[take + t];
+            }
+            r += take;
+        }
+    }
+}
+
 /* Set between steps (a step that saw it change would mix the two sets); -1: not yet decided. */
 static long avx512 = -1;
 
@@ -184,8 +292,14 @@ DISPATCH(int8_matmul, int8_t)
 DISPATCH(bf16_matmul, uint16_t)
 DISPATCH(f32_matmul, float)
 
+void int4_matmul(const float *x, long rows, long k, const uint8_t *w, const uint16_t *groups, long n, float *out) {
+    if (matmul_avx512(-1)) int4_matmul_avx512(x, rows, k, w, groups, n, out);
+    else int4_matmul_avx2(x, rows, k, w, groups, n, out);
+}
+
 void weight_matmul(const Weight *w, const float *x, long rows, float *out) {
     if (w->kind == KIND_INT8) int8_matmul(x, rows, w->in, w->data, w->scale, w->out, out);
+    else if (w->kind == KIND_INT4) int4_matmul(x, rows, w->in, w->data, w->scale, w->out, out);
     else if (w->kind == KIND_BF16) bf16_matmul(x, rows, w->in, w->data, w->scale, w->out, out);
     else f32_matmul(x, rows, w->in, w->data, w->scale, w->out, out);
     if (w->bias != NULL)

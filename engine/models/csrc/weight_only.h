@@ -11,13 +11,14 @@ static inline float sum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_INT8 = 2 };
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_INT8 = 2, KIND_INT4 = 3 };
 
-/* A linear layer's stored weight [out, in] (in a multiple of 32), its int8 scales [out] (else
-   NULL) and its bias [out] (else NULL). */
+/* A linear layer's stored weight [out, in] (in a multiple of 32; int4: [out, in / 2] bytes), its
+   scales (int8: float32 [out]; int4: bfloat16 [out, in / 32, 2], each group's scale and minimum;
+   else NULL) and its bias [out] (else NULL). */
 typedef struct {
     const void *data;
-    const float *scale;
+    const void *scale;
     const float *bias;
     long out, in;
     long kind;
@@ -26,6 +27,10 @@ typedef struct {
 void int8_matmul(const float *x, long rows, long k, const int8_t *w, const float *scale, long n, float *out);
 void bf16_matmul(const float *x, long rows, long k, const uint16_t *w, const float *scale, long n, float *out);
 void f32_matmul(const float *x, long rows, long k, const float *w, const float *scale, long n, float *out);
+/* int4: w [n, k / 2] bytes, a group of 32 inputs in 16 bytes (byte j: input j in its low half,
+   input j + 16 in its high half), each weight scale * code + minimum with the group's pair from
+   groups [n, k / 32, 2] (bfloat16) */
+void int4_matmul(const float *x, long rows, long k, const uint8_t *w, const uint16_t *groups, long n, float *out);
 /* Whether the matmuls run their AVX-512 kernels: `wanted` 1 where the CPU has AVX-512 (the default),
    0 never (the AVX2 ones), -1 only asks. Returns the choice. */
 long matmul_avx512(long wanted);
