@@ -11,6 +11,7 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "weight_only.h"
 
@@ -91,43 +92,56 @@ MATMUL(int8_matmul_avx2, int8_t, dot_int8, BY_SCALE)
 MATMUL(bf16_matmul_avx2, uint16_t, dot_bf16, AS_IS)
 MATMUL(f32_matmul_avx2, float, dot_f32, AS_IS)
 
-static inline float bf16_value(uint16_t h) {
-    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
-    return v.f;
+/* Each row's group sums of its inputs into sums [rows, k / 32], 32 inputs added in one order. */
+static void group_sums(const float *x, long rows, long k, float *sums) {
+    for (long r = 0; r < rows; r++)
+        for (long g = 0; g < k / 32; g++) {
+            float total = 0.0f;
+            for (long t = 0; t < 32; t++) total += x[r * k + g * 32 + t];
+            sums[r * (k / 32) + g] = total;
+        }
 }
 
-/* int4: 8 bytes of a group as the weights they hold, scale * code + minimum: inputs j..j+7 (low
-   halves) and j+16..j+23 (high halves). */
-static inline void int4_to_float(const uint8_t *w, __m256 s, __m256 m, __m256 *low, __m256 *high) {
-    __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)w));
-    *low = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(codes, _mm256_set1_epi32(15))), s, m);
-    *high = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(codes, 4)), s, m);
-}
-
-/* Rows of x (`rows` of them, k apart: 1 or 2) against one int4 weight row, in the four sums of DOTS. */
-static inline void dot_int4(const float *x, long rows, const uint8_t *w, const uint16_t *groups, long k, float *out) {
-    __m256 a[2][4];
-    for (int r = 0; r < 2; r++)
-        for (int t = 0; t < 4; t++) a[r][t] = _mm256_setzero_ps();
-    for (long i = 0; i < k; i += 32) {
-        const uint16_t *g = groups + i / 16;  /* (scale, minimum) of group i / 32 */
-        __m256 s = _mm256_set1_ps(bf16_value(g[0])), m = _mm256_set1_ps(bf16_value(g[1]));
-        __m256 w0, w2, w1, w3;
-        int4_to_float(w + i / 2, s, m, &w0, &w2);
-        int4_to_float(w + i / 2 + 8, s, m, &w1, &w3);
-        for (long r = 0; r < rows; r++) {
-            const float *xr = x + r * k + i;
-            a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, a[r][0]);
-            a[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w1, a[r][1]);
-            a[r][2] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w2, a[r][2]);
-            a[r][3] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w3, a[r][3]);
+/* int4 with AVX2, as with AVX-512 below: the codes widened and multiplied as they are, each
+   group's partial sum scaled once, the minimums' part from the inputs' group sums; the (scale,
+   minimum) pairs of 8 groups read as one vector. Rows of x (`rows`: 1 or 2, k apart) against one
+   weight row; each row summed alone, in one order. */
+static inline void dot_int4(const float *x, const float *sums, long rows, const uint8_t *w, const uint16_t *groups, long k,
+                            float *out) {
+    long count = k / 32;
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const __m256i low4 = _mm256_set1_epi32(15), high16 = _mm256_set1_epi32((int)0xFFFF0000);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (long g0 = 0; g0 < count; g0 += 8) {
+        long c = count - g0 < 8 ? count - g0 : 8;
+        __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)c), lanes);
+        __m256i pairs = _mm256_maskload_epi32((const int *)(groups + 2 * g0), mask);
+        __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+        __m256 mins = _mm256_castsi256_ps(_mm256_and_si256(pairs, high16));
+        for (long r = 0; r < rows; r++)
+            acc[r] = _mm256_fmadd_ps(mins, _mm256_maskload_ps(sums + r * count + g0, mask), acc[r]);
+        for (long g = 0; g < c; g++) {
+            long i = (g0 + g) * 32;
+            __m256i c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + i / 2)));
+            __m256i c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + i / 2 + 8)));
+            __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(c0, low4)), q2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4));
+            __m256 q1 = _mm256_cvtepi32_ps(_mm256_and_si256(c1, low4)), q3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4));
+            __m256 sk = _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32((int)g));
+            for (long r = 0; r < rows; r++) {
+                const float *xr = x + r * k + i;
+                __m256 p = _mm256_mul_ps(_mm256_loadu_ps(xr), q0);
+                p = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), q1, p);
+                p = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), q2, p);
+                p = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), q3, p);
+                acc[r] = _mm256_fmadd_ps(p, sk, acc[r]);
+            }
         }
     }
-    for (long r = 0; r < rows; r++)
-        out[r] = sum8(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
+    for (long r = 0; r < rows; r++) out[r] = sum8(acc[r]);
 }
 
-static void int4_matmul_avx2(const float *x, long rows, long k, const uint8_t *w, const uint16_t *groups, long n, float *out) {
+static void int4_matmul_avx2(const float *x, const float *sums, long rows, long k, const uint8_t *w, const uint16_t *groups,
+                             long n, float *out) {
     _Pragma("omp parallel for schedule(static)")
     for (long j = 0; j < n; j++) {
         const uint8_t *row = w + j * (k / 2);
@@ -135,7 +149,7 @@ static void int4_matmul_avx2(const float *x, long rows, long k, const uint8_t *w
         float two[2];
         for (long r = 0; r < rows; r += 2) {
             long take = rows - r >= 2 ? 2 : 1;
-            dot_int4(x + r * k, take, row, groups + j * (k / 16), k, two);
+            dot_int4(x + r * k, sums + r * (k / 32), take, row, groups + j * (k / 16), k, two);
             for (long t = 0; t < take; t++) out[(r + t) * n + j] = two[t];
         }
     }
@@ -216,57 +230,83 @@ MATMUL512(int8_matmul_avx512, int8_t, block_int8, BY_SCALE_AT)
 MATMUL512(bf16_matmul_avx512, uint16_t, block_bf16, AS_IS_AT)
 MATMUL512(f32_matmul_avx512, float, block_f32, AS_IS_AT)
 
-/* int4 with AVX-512: a group's 16 bytes as its 32 weights, scale * code + minimum (inputs 0-15
-   from the low halves, 16-31 from the high). */
-AVX512 static inline void int4_to_float16(const uint8_t *w, const uint16_t *g, __m512 *low, __m512 *high) {
-    __m512 s = _mm512_set1_ps(bf16_value(g[0])), m = _mm512_set1_ps(bf16_value(g[1]));
-    __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)w));
-    *low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(codes, _mm512_set1_epi32(15))), s, m);
-    *high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(codes, 4)), s, m);
-}
-
-/* BLOCK's sums for int4 weight rows a and b (their groups ga, gb), `rows` rows of x (4, 2 or 1). */
-AVX512 static inline void block_int4(const float *x, long rows, long k, const uint8_t *a, const uint16_t *ga,
-                                     const uint8_t *b, const uint16_t *gb, const uint8_t *next, float *out) {
-    __m512 sa[4][2], sb[4][2];
-    for (int r = 0; r < 4; r++) sa[r][0] = sa[r][1] = sb[r][0] = sb[r][1] = _mm512_setzero_ps();
-    for (long i = 0; i < k; i += 32) {
-        if (i % 128 == 0) {
-            prefetch(next + i / 2, 64);
-            prefetch(next + k / 2 + i / 2, 64);
-        }
-        __m512 a0, a1, b0, b1;
-        int4_to_float16(a + i / 2, ga + i / 16, &a0, &a1);
-        int4_to_float16(b + i / 2, gb + i / 16, &b0, &b1);
-        for (long r = 0; r < rows; r++) {
-            __m512 x0 = _mm512_loadu_ps(x + r * k + i), x1 = _mm512_loadu_ps(x + r * k + i + 16);
-            sa[r][0] = _mm512_fmadd_ps(x0, a0, sa[r][0]);
-            sa[r][1] = _mm512_fmadd_ps(x1, a1, sa[r][1]);
-            sb[r][0] = _mm512_fmadd_ps(x0, b0, sb[r][0]);
-            sb[r][1] = _mm512_fmadd_ps(x1, b1, sb[r][1]);
-        }
+/* int4 with AVX-512. A weight is scale * code + minimum, so a row's product is, over its groups,
+   scale * (the inputs times the codes) + minimum * (the sum of the group's inputs): the codes are
+   widened to float32 and multiplied as they are (no scaling a weight at a time), each group's
+   partial sum scaled once, and the minimums' part taken from the inputs' group sums (`sums`,
+   computed once a call). The bfloat16 (scale, minimum) pairs of 16 groups are read as one vector. */
+#define BLOCK4(ROWS)                                                                                  \
+    AVX512 static inline void block_int4_##ROWS(const float *x, const float *sums, long k, const uint8_t *a, \
+                                                const uint16_t *ga, const uint8_t *b, const uint16_t *gb,  \
+                                                const uint8_t *next, float *out) {                         \
+        long groups = k / 32;                                                                        \
+        __m512 sa[ROWS], sb[ROWS];                                                                   \
+        for (int r = 0; r < ROWS; r++) sa[r] = sb[r] = _mm512_setzero_ps();                          \
+        const __m512i low4 = _mm512_set1_epi32(15), high16 = _mm512_set1_epi32((int)0xFFFF0000);     \
+        for (long g0 = 0; g0 < groups; g0 += 16) {                                                   \
+            long count = groups - g0 < 16 ? groups - g0 : 16;                                        \
+            __mmask16 mask = (__mmask16)((1u << count) - 1);                                         \
+            __m512i pa = _mm512_maskz_loadu_epi32(mask, ga + 2 * g0);                                \
+            __m512i pb = _mm512_maskz_loadu_epi32(mask, gb + 2 * g0);                                \
+            __m512 scale_a = _mm512_castsi512_ps(_mm512_slli_epi32(pa, 16));                         \
+            __m512 scale_b = _mm512_castsi512_ps(_mm512_slli_epi32(pb, 16));                         \
+            __m512 min_a = _mm512_castsi512_ps(_mm512_and_si512(pa, high16));                        \
+            __m512 min_b = _mm512_castsi512_ps(_mm512_and_si512(pb, high16));                        \
+            for (int r = 0; r < ROWS; r++) {                                                         \
+                __m512 s = _mm512_maskz_loadu_ps(mask, sums + r * groups + g0);                      \
+                sa[r] = _mm512_fmadd_ps(min_a, s, sa[r]);                                            \
+                sb[r] = _mm512_fmadd_ps(min_b, s, sb[r]);                                            \
+            }                                                                                        \
+            for (long g = 0; g < count; g++) {                                                       \
+                long i = (g0 + g) * 32;                                                              \
+                if (g % 4 == 0) {                                                                    \
+                    prefetch(next + i / 2, 64);                                                      \
+                    prefetch(next + k / 2 + i / 2, 64);                                              \
+                }                                                                                    \
+                __m512i ca = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(a + i / 2)));    \
+                __m512i cb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + i / 2)));    \
+                __m512 a0 = _mm512_cvtepi32_ps(_mm512_and_si512(ca, low4));                          \
+                __m512 a1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(ca, 4));                            \
+                __m512 b0 = _mm512_cvtepi32_ps(_mm512_and_si512(cb, low4));                          \
+                __m512 b1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(cb, 4));                            \
+                __m512i lane = _mm512_set1_epi32((int)g);                                            \
+                __m512 ska = _mm512_permutexvar_ps(lane, scale_a);                                   \
+                __m512 skb = _mm512_permutexvar_ps(lane, scale_b);                                   \
+                for (int r = 0; r < ROWS; r++) {                                                     \
+                    __m512 x0 = _mm512_loadu_ps(x + r * k + i), x1 = _mm512_loadu_ps(x + r * k + i + 16); \
+                    sa[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(x1, a1, _mm512_mul_ps(x0, a0)), ska, sa[r]); \
+                    sb[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(x1, b1, _mm512_mul_ps(x0, b0)), skb, sb[r]); \
+                }                                                                                    \
+            }                                                                                        \
+        }                                                                                            \
+        for (int r = 0; r < ROWS; r++) {                                                             \
+            out[r] = _mm512_reduce_add_ps(sa[r]);                                                    \
+            out[ROWS + r] = _mm512_reduce_add_ps(sb[r]);                                             \
+        }                                                                                            \
     }
-    for (long r = 0; r < rows; r++) {
-        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(sa[r][0], sa[r][1]));
-        out[rows + r] = _mm512_reduce_add_ps(_mm512_add_ps(sb[r][0], sb[r][1]));
-    }
-}
+BLOCK4(4)
+BLOCK4(2)
+BLOCK4(1)
 
-AVX512 static void int4_matmul_avx512(const float *x, long rows, long k, const uint8_t *w, const uint16_t *groups, long n,
-                                      float *out) {
-    long bytes = k / 2, pairs = k / 16; /* a weight row's bytes, and its groups' bfloat16 values */
+AVX512 static void int4_matmul_avx512(const float *x, const float *sums, long rows, long k, const uint8_t *w,
+                                      const uint16_t *groups, long n, float *out) {
+    long bytes = k / 2, pairs = k / 16, count = k / 32; /* a weight row's bytes, bfloat16 values and groups */
     _Pragma("omp parallel for schedule(static)")
     for (long pair = 0; pair < (n + 1) / 2; pair++) {
         long j = 2 * pair, second = j + 1 < n ? j + 1 : j;
         const uint8_t *next = w + (j + 3 < n ? j + 2 : j) * bytes;
-        float sums[8];
+        const uint8_t *a = w + j * bytes, *b = w + second * bytes;
+        const uint16_t *ga = groups + j * pairs, *gb = groups + second * pairs;
+        float out8[8];
         for (long r = 0; r < rows;) {
             long take = rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
-            block_int4(x + r * k, take, k, w + j * bytes, groups + j * pairs, w + second * bytes, groups + second * pairs, next,
-                       sums);
+            const float *xr = x + r * k, *sr = sums + r * count;
+            if (take == 4) block_int4_4(xr, sr, k, a, ga, b, gb, next, out8);
+            else if (take == 2) block_int4_2(xr, sr, k, a, ga, b, gb, next, out8);
+            else block_int4_1(xr, sr, k, a, ga, b, gb, next, out8);
             for (long t = 0; t < take; t++) {
-                out[(r + t) * n + j] = sums[t];
-                out[(r + t) * n + second] = sums[take + t];
+                out[(r + t) * n + j] = out8[t];
+                out[(r + t) * n + second] = out8[take + t];
             }
             r += take;
         }
@@ -293,10 +333,15 @@ DISPATCH(bf16_matmul, uint16_t)
 DISPATCH(f32_matmul, float)
 
 void int4_matmul(const float *x, long rows, long k, const uint8_t *w, const uint16_t *groups, long n, float *out) {
-    if (matmul_avx512(-1)) int4_matmul_avx512(x, rows, k, w, groups, n, out);
-    else int4_matmul_avx2(x, rows, k, w, groups, n, out);
+    long count = rows * (k / 32);
+    float small[4096]; /* a decode step's rows fit; a longer call takes the heap */
+    float *sums = count <= 4096 ? small : malloc((size_t)count * sizeof(float));
+    if (sums == NULL) abort();
+    group_sums(x, rows, k, sums);
+    if (matmul_avx512(-1)) int4_matmul_avx512(x, sums, rows, k, w, groups, n, out);
+    else int4_matmul_avx2(x, sums, rows, k, w, groups, n, out);
+    if (sums != small) free(sums);
 }
-
 void weight_matmul(const Weight *w, const float *x, long rows, float *out) {
     if (w->kind == KIND_INT8) int8_matmul(x, rows, w->in, w->data, w->scale, w->out, out);
     else if (w->kind == KIND_INT4) int4_matmul(x, rows, w->in, w->data, w->scale, w->out, out);
