@@ -150,7 +150,7 @@ class BatchDecoder:
         # padding for a row's logits to be the same in any company
         self.rows_alone = self.native is not None or _rows_alone(self._projections())
         self.cache_dtype = CACHE_DTYPE if self.native is not None else model.dtype  # a row's keys and values
-        # int8 over a bf16 model runs passes over more than DECODE_ROWS rows through the model's own
+        # int8 or int4 over a bf16 model runs passes over more than DECODE_ROWS rows through the model's own
         # weights: a prompt is fed in parts of more than DECODE_ROWS tokens (a short last part joins
         # the one before), so a prompt longer than that runs through them. A prompt of DECODE_ROWS
         # tokens or fewer, and the head's one row that gives the first token, read the int8 copy
@@ -385,7 +385,7 @@ class Batcher:
                 row.cancelled = True
                 row.keys = row.values = row.prompt_cache = None
                 row.events.put_nowait(failure.with_traceback(None))
-            self._rows, self._waiting, self._prefilling = [], collections.deque(), None
+            self._rows, self._waiting, self._prefilling, self._step_first = [], collections.deque(), None, False
             if not isinstance(exc, Exception):
                 raise
             log.exception("the batch scheduler failed; its answers ended with the error")
@@ -398,7 +398,7 @@ class Batcher:
         steps every row, that one too, and feeds no prompt."""
         out: _Events = []
         self._keep_live()
-        step_first, self._step_first = self._step_first, False
+        step_first, self._step_first = self._step_first and bool(self._rows), False
         while not step_first and self._prefilling is None and self._waiting and len(self._rows) < self.max_rows:
             row = self._waiting.popleft()
             if not row.cancelled:
