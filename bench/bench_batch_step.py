@@ -5,7 +5,7 @@ to 4, the float32 rule), its default (padded, unless the projections compute eac
 `--quantize`), `batch_invariant` (1-3 padded to 4) and unfused (q/k/v and gate/up separate); and
 why 4 rows: how much a row of the model's projections changes with the number of rows beside it.
 
-    .venv/bin/python -m bench.bench_batch_step [--quantize bf16|int8]
+    .venv/bin/python -m bench.bench_batch_step [--quantize bf16|int8|int4]
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def linear_regimes(model) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quantize", default="none", help="none, bf16 or int8 (weight-only, as longdoc serve --quantize)")
+    parser.add_argument("--quantize", default="none", help="none, bf16, int8 or int4 (weight-only, as longdoc serve --quantize)")
     args = parser.parse_args()
     loaded = load_model(SMALL_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu", dtype="float32")
     quantize_linears(loaded.model, args.quantize)

@@ -40,7 +40,7 @@ class ModelInfo:
     device: str
     dtype: str
     memories: tuple[str, ...]
-    quantize: str = "none"  # weight-only: "bf16" or "int8" (engine/models/quantize.py)
+    quantize: str = "none"  # weight-only: "bf16", "int8" or "int4" (engine/models/quantize.py)
 
 
 @dataclass(frozen=True)

@@ -88,10 +88,25 @@ def test_a_row_gets_the_same_bits_in_any_company(mode, kernel_set):
     assert torch.equal(product(layer, x.flip(0)), alone.flip(0))
 
 
-def test_the_avx512_kernels_run_where_asked(kernel_set):
+@pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")
+@pytest.mark.parametrize("in_features", [256, 288, 512, 544, 1536])
+def test_int4_over_whole_blocks_of_groups_and_their_tails(in_features, kernel_set):
+    """int4 reads the groups' scales and minimums 16 (AVX-512) or 8 (AVX2) groups at a time: whole
+    blocks, blocks and a tail, several blocks; the product, and a row's bits in any company."""
+    layer = stored("int4", out_features=33, in_features=in_features, seed=in_features)
+    x = torch.randn(7, in_features, generator=torch.Generator().manual_seed(5))
+    want = (x.double() @ layer.dequantized().double().T).float()
+    got = product(layer, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    alone = torch.cat([product(layer, x[i : i + 1]) for i in range(len(x))])
+    assert torch.equal(got, alone)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int4"])
+def test_the_avx512_kernels_run_where_asked(mode, kernel_set):
     """Both sets give the product; they sum in different orders, so their bits differ somewhere:
     proof that turning AVX-512 on or off changes which kernels run."""
-    layer = stored("bf16", out_features=256, in_features=1536)
+    layer = stored(mode, out_features=256, in_features=1536)
     x = torch.randn(4, 1536, generator=torch.Generator().manual_seed(3))
     mine = product(layer, x)
     cpu_kernels.use_avx512(kernel_set == "avx2")

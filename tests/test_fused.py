@@ -14,9 +14,13 @@ from engine.models.fused import fuse_linears
 from engine.models.quantize import WeightOnlyLinear
 
 
+def features(mode: str) -> int:
+    return 64 if mode == "int4" else 24  # int4 takes inputs in groups of 32
+
+
 def parts(bias: bool, mode: str) -> list[nn.Module]:
     torch.manual_seed(0)
-    linears: list[nn.Module] = [nn.Linear(24, n, bias=bias) for n in (16, 8, 8)]
+    linears: list[nn.Module] = [nn.Linear(features(mode), n, bias=bias) for n in (16, 8, 8)]
     return linears if mode == "none" else [WeightOnlyLinear(layer, mode) for layer in linears]  # type: ignore[arg-type]
 
 
@@ -41,14 +45,14 @@ def fused_outputs(layers: Sequence[nn.Module], x: torch.Tensor, tolerance: float
     return fused
 
 
-@pytest.mark.parametrize("mode", ["none", "bf16", "int8"])
+@pytest.mark.parametrize("mode", ["none", "bf16", "int8", "int4"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_the_fused_layer_gives_each_parts_output_and_the_parts_are_unchanged(mode, bias, rows):
-    fused_outputs(parts(bias, mode), torch.randn(rows, 1, 24), 1e-6)
+    fused_outputs(parts(bias, mode), torch.randn(rows, 1, features(mode)), 1e-5 if mode == "int4" else 1e-6)
 
 
-@pytest.mark.parametrize("mode", ["none", "bf16", "int8"])
+@pytest.mark.parametrize("mode", ["none", "bf16", "int8", "int4"])
 def test_the_parts_weights_become_views_of_the_fused_weight(mode):
     layers = parts(True, mode)
     fused = fuse_linears(layers)
@@ -57,7 +61,7 @@ def test_the_parts_weights_become_views_of_the_fused_weight(mode):
     whole = getattr(fused, name)
     assert {storage(getattr(layer, name)) for layer in layers} == {storage(whole)}
     assert {storage(layer.bias) for layer in layers} == {storage(fused.bias)}
-    if mode == "int8":
+    if mode in ("int8", "int4"):
         assert {storage(layer.scales) for layer in layers} == {storage(fused.scales)}
 
 

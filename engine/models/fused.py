@@ -1,7 +1,7 @@
 """Projections that read the same input run as one matmul: a decoder layer's q, k and v, and its
 MLP's gate and up (the batched decode step, engine/batching.py).
 
-A decode step's matmul of a few rows costs a call, a cast of its input (bf16 and int8 weights) and
+A decode step's matmul of a few rows costs a call, a cast of its input (bf16, int8 and int4 weights) and
 a pass over its weights; one call for q, k and v saves two calls and two casts a layer, and one
 for gate and up saves one of each. The parts' weights become row blocks (views) of the fused
 weight, so fusing adds no memory and the model's own modules (a prompt's prefill, the other

@@ -4,7 +4,7 @@ A step of SmolLM2-135M in torch is about 1,800 small operator calls; on 2 cores 
 dispatch and the Python around them cost more than reading the weights. `NativeStep` hands the
 step to one C call: the layers (norms, q/k/v, rotary, the key/value write, attention, the MLP),
 the final norm and the head, over the model's own weights (float32 or bfloat16 modules, or
-`--quantize` bf16/int8; the weights are not copied) and each row's own key/value cache. It computes
+`--quantize` bf16/int8/int4; the weights are not copied) and each row's own key/value cache. It computes
 each row alone, so a row's logits do not depend on the rows beside it.
 
 Activations, norms, attention and the key/value cache are float32 whatever the weights are

@@ -18,10 +18,10 @@ in float32 for any model). The speed-up needs one OpenMP team on the cores (engi
 
 A pass over many rows (a prompt's prefill) is compute-bound, not memory-bound. A float32 model's
 layers widen the stored weights back to float32 for that pass and run the float32 matmul. A
-bfloat16 model (`int8` only: on a CPU with fast bfloat16 matmuls, where `dtype auto` loads one)
-keeps its bfloat16 weights beside the int8 ones and prefills with them (engine/batching.py feeds such a
+bfloat16 model (`int8` and `int4`: on a CPU with fast bfloat16 matmuls, where `dtype auto` loads
+one) keeps its bfloat16 weights beside the low-bit ones and prefills with them (engine/batching.py feeds such a
 model a prompt longer than DECODE_ROWS tokens in parts longer than that), so its prompts keep the
-bfloat16 matmuls' speed: half as many bytes again as the bfloat16 weights, for decode steps that
+bfloat16 matmuls' speed: half as many bytes again as the bfloat16 weights (int4: a third), for decode steps that
 read half of them. The decoder layers' projections and the output head are converted; the embedding
 stays as it is (a lookup reads a row). What each mode costs in answers is measured on the QA
 benchmark (docs/benchmarks.md).
