@@ -20,7 +20,7 @@ from engine.models.loader import LoadedModel, load_model
 from engine.models.native_step import CACHE_DTYPE
 from engine.models.neurocache import Neurocache
 from engine.models.neurocache_io import load_adapter
-from engine.models.quantize import quantize_linears
+from engine.models.quantize import quantize_linears, stored_mode
 from engine.os_memory import return_free_memory
 from engine.worker import SerialWorker
 
@@ -115,7 +115,7 @@ class ModelRegistry:
             worker = SerialWorker(f"model:{loaded.name}", self.config.generation.max_queue)
             neurocache = None if loaded.own_memory is not None else self._find_adapter(loaded)
             if loaded.own_memory is None:  # after the adapter: the layers it wraps stay in the model's dtype
-                loaded.quantize = spec.quantize if quantize_linears(loaded.model, spec.quantize) else "none"
+                loaded.quantize = stored_mode(loaded.model) if quantize_linears(loaded.model, spec.quantize) else "none"
                 if native_step(loaded.model) is not None:  # its answers keep float32 keys and values
                     loaded.cache_dtype = CACHE_DTYPE
             stop = StopTokens.of(loaded.model, loaded.tokenizer)

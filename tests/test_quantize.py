@@ -328,3 +328,17 @@ def test_a_served_model_gives_back_what_quantizing_freed(make_client, monkeypatc
     monkeypatch.setattr(registry, "warm_up", warm_up)
     make_client(quantize="int8")
     assert calls == ["warm", "trim"]
+
+
+def test_the_stored_mode_is_what_the_layers_got():
+    """A model whose every projection fell back to int8 under int4 is reported as int8."""
+    narrow = nn.Sequential()
+    narrow.add_module("down_proj", nn.Linear(72, 8))
+    narrow.add_module("lm_head", nn.Linear(64, 8))
+    quantize_linears(narrow, "int4")
+    assert quantize.stored_mode(narrow) == "int8"
+    wide = nn.Sequential()
+    wide.add_module("up_proj", nn.Linear(64, 8))
+    wide.add_module("lm_head", nn.Linear(64, 8))
+    quantize_linears(wide, "int4")
+    assert quantize.stored_mode(wide) == "int4" and quantize.stored_mode(nn.Linear(4, 4)) == "none"

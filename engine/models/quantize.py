@@ -202,6 +202,15 @@ def quantize_linears(model: nn.Module, mode: str) -> int:
     return len(replaced)
 
 
+def stored_mode(model: nn.Module) -> str:
+    """How the model's converted layers are stored, as `--quantize` names it: "int4" when any
+    projection is 4-bit (its head is int8), else the one mode they share; "none" if none is."""
+    modes = {m.mode for m in model.modules() if isinstance(m, WeightOnlyLinear)}
+    if "int4" in modes:
+        return "int4"
+    return modes.pop() if len(modes) == 1 else "none"
+
+
 def _layer_mode(name: str, linear: nn.Linear, mode: str) -> str:
     """int4 keeps the output head, and a layer whose inputs are not a multiple of GROUP, in int8."""
     if mode == "int4" and (name == "lm_head" or linear.in_features % GROUP):
