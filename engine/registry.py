@@ -115,7 +115,8 @@ class ModelRegistry:
             worker = SerialWorker(f"model:{loaded.name}", self.config.generation.max_queue)
             neurocache = None if loaded.own_memory is not None else self._find_adapter(loaded)
             if loaded.own_memory is None:  # after the adapter: the layers it wraps stay in the model's dtype
-                loaded.quantize = stored_mode(loaded.model) if quantize_linears(loaded.model, spec.quantize) else "none"
+                quantize_linears(loaded.model, spec.quantize)
+                loaded.quantize = stored_mode(loaded.model)
                 if native_step(loaded.model) is not None:  # its answers keep float32 keys and values
                     loaded.cache_dtype = CACHE_DTYPE
             stop = StopTokens.of(loaded.model, loaded.tokenizer)

@@ -156,13 +156,13 @@ class WeightOnlyLinear(nn.Module):
             weight = self.weight_full if self.weight_full is not None else self.dequantized()
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(rows, weight.to(x.dtype), bias).view(*x.shape[:-1], self.out_features)
-        if self.mode == "int4":
-            if not torch.is_grad_enabled() and cpu_kernels.usable(self.weight_low, self.in_features):
+        if not torch.is_grad_enabled() and cpu_kernels.usable(self.weight_low, self.in_features):  # no gradient in C
+            if self.mode == "int4":
                 out = cpu_kernels.int4_matmul(rows, self.weight_low, self.scales).to(x.dtype)
             else:
-                out = F.linear(rows.float(), self.dequantized()).to(x.dtype)
-        elif not torch.is_grad_enabled() and cpu_kernels.usable(self.weight_low):  # the C kernel keeps no gradient
-            out = cpu_kernels.matmul(rows, self.weight_low, self.scales if self.mode == "int8" else None).to(x.dtype)
+                out = cpu_kernels.matmul(rows, self.weight_low, self.scales if self.mode == "int8" else None).to(x.dtype)
+        elif self.mode == "int4":  # torch has no kernel for this layout: the widened weight
+            out = F.linear(rows.float(), self.dequantized()).to(x.dtype)
         elif self.mode == "bf16":
             out = F.linear(rows.to(torch.bfloat16), self.weight_low).to(x.dtype)
         elif self.in_features % INT8PACK_ALIGN == 0:
