@@ -71,7 +71,8 @@ class Embedder:
 
 def _pool_parts(hidden: torch.Tensor, offsets: torch.Tensor, parts: list[tuple[int, int]]) -> np.ndarray:
     """[len(parts), C]: the mean of the token states [T, C] whose characters lie in each part."""
-    spans = torch.tensor(parts, dtype=offsets.dtype)  # P, 2
+    offsets = offsets.to(hidden.device)
+    spans = torch.tensor(parts, dtype=offsets.dtype, device=hidden.device)  # P, 2
     real = offsets[:, 1] > offsets[:, 0]  # T: tokens with characters
     inside = real & (offsets[None, :, 0] >= spans[:, :1]) & (offsets[None, :, 1] <= spans[:, 1:])  # P, T
     inside = inside.to(hidden.dtype)

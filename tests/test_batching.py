@@ -35,6 +35,9 @@ from engine.worker import SerialWorker
 from research.lms.byte_tokenizer import ByteTokenizer
 from tests.helpers import TEST_DEVICE
 
+# --quantize is for models on the CPU (weight-only kernels); the server refuses it elsewhere
+ON_CPU = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="weight-only quantization runs on the CPU only")
+
 NO_STOP = StopTokens(frozenset())
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -73,7 +76,7 @@ def tiny(family: str, vocab: int, **overrides: Any) -> Any:
 def requests(vocab: int) -> list[tuple[list[int], GenerationParams]]:
     """Prompts of different lengths and answers of different lengths (rows leave at different
     steps, one right after its prefill), one cut by a stop string, one sampled with a seed."""
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(1)
     lengths, max_tokens = (3, 17, 40, 9, 11), (5, 24, 12, 18, 1)
     prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
     params = [GenerationParams(max_tokens=m, temperature=0.0) for m in max_tokens]
@@ -111,7 +114,7 @@ def test_batched_steps_equal_full_recomputation(family):
     on that row's whole sequence at once."""
     model = tiny(family, 101)
     decoder = BatchDecoder(model)
-    generator = torch.Generator().manual_seed(2)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(2)
     sequences = [torch.randint(0, 101, (n,), generator=generator).tolist() for n in (5, 30, 12)]
     rows = []
     for sequence in sequences:
@@ -305,7 +308,7 @@ def prefilled_rows(decoder: BatchDecoder, lengths: list[int]) -> list[Row]:
     """A row per length, its prompt drawn from a seed of that length, prefilled."""
     made = []
     for n in lengths:
-        sequence = torch.randint(0, 101, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        sequence = torch.randint(0, 101, (n,), generator=torch.Generator(torch.get_default_device()).manual_seed(n)).tolist()
         row = Row(sequence, GenerationParams(max_tokens=4))
         row.state = AnswerState(cast(PreTrainedTokenizerBase, ByteTokenizer()), sequence, row.params, NO_STOP)
         decoder.prefill(row)
@@ -319,7 +322,7 @@ def test_an_invariant_step_gives_a_row_the_same_logits_in_any_company():
     others, so its greedy answer cannot depend on who else is being answered."""
     model = tiny("llama", 101)
     decoder = BatchDecoder(model, invariant=True)
-    generator = torch.Generator().manual_seed(4)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(4)
 
     lone, crowd = prefilled_rows(decoder, [20]), prefilled_rows(decoder, [20, 7, 33, 12, 25, 9])
     for _ in range(4):
@@ -375,6 +378,7 @@ def test_a_quantized_model_is_never_padded_and_a_row_gets_the_same_logits_in_any
         assert torch.equal(decoder.step(six)[0], reference)
 
 
+@ON_CPU
 def test_a_kernel_whose_rows_depend_on_their_company_keeps_the_padding(monkeypatch):
     model = tiny("llama", 101)
     quantize_linears(model, "int8")
@@ -387,7 +391,7 @@ def test_a_kernel_whose_rows_depend_on_their_company_keeps_the_padding(monkeypat
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("mode", ["none", "int8"])
+@pytest.mark.parametrize("mode", ["none", pytest.param("int8", marks=ON_CPU)])
 def test_every_layer_steps_fused_and_a_second_decoder_shares_the_weights(family, mode):
     model = tiny(family, 101)
     quantize_linears(model, mode)
@@ -396,6 +400,7 @@ def test_every_layer_steps_fused_and_a_second_decoder_shares_the_weights(family,
     assert all(a is b for a, b in zip(first.qkv + first.gate_up, second.qkv + second.gate_up, strict=True))
 
 
+@ON_CPU
 def test_a_neurocache_adapters_lora_layers_are_stepped_as_their_float32_bases_and_keep_the_padding():
     """Outside a Neurocache binding (a batched step is always outside) an adapter's LoRA layer is
     its base layer: the step fuses and calls the bases. With `--quantize` the bases stay float32 (as
@@ -415,7 +420,7 @@ def test_a_neurocache_adapters_lora_layers_are_stepped_as_their_float32_bases_an
 def test_a_prompt_fed_in_parts_keeps_what_the_whole_prompt_keeps():
     model = tiny("llama", 101)
     decoder = BatchDecoder(model)
-    prompt = torch.randint(0, 101, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    prompt = torch.randint(0, 101, (30,), generator=torch.Generator(torch.get_default_device()).manual_seed(5)).tolist()
     whole, parts = Row(prompt, GenerationParams(max_tokens=4)), Row(prompt, GenerationParams(max_tokens=4))
     want = decoder.prefill(whole)
     assert [decoder.prefill_part(parts, 7) for _ in range(4)] == [None] * 4 and parts.fed == 28
@@ -431,7 +436,7 @@ def test_a_long_prompt_is_fed_between_the_steps_of_the_answers_decoding(tiny_tok
     """With `prefill_chunk` 4, a 40-token prompt arriving while another answer decodes is fed over
     10 steps, and the other answer gets a token at each of them; both get their answers."""
     model = tiny("llama", len(tiny_tokenizer))
-    generator = torch.Generator().manual_seed(6)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(6)
     short, long = (torch.randint(0, len(tiny_tokenizer), (n,), generator=generator).tolist() for n in (5, 40))
     first, second = GenerationParams(max_tokens=30, temperature=0.0), GenerationParams(max_tokens=3, temperature=0.0)
     expected = alone(model, tiny_tokenizer, short, first)
@@ -461,7 +466,7 @@ def test_a_long_prompt_is_fed_between_the_steps_of_the_answers_decoding(tiny_tok
 
 def test_a_prompt_cancelled_while_it_is_fed_leaves_the_batch(tiny_tokenizer):
     model = tiny("llama", len(tiny_tokenizer))
-    generator = torch.Generator().manual_seed(7)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(7)
     short, long = (torch.randint(0, len(tiny_tokenizer), (n,), generator=generator).tolist() for n in (5, 200))
     params = GenerationParams(max_tokens=20, temperature=0.0)
     expected = alone(model, tiny_tokenizer, short, params)
@@ -482,7 +487,7 @@ def test_a_prompt_cancelled_while_it_is_fed_leaves_the_batch(tiny_tokenizer):
 
 def test_a_prompt_failing_while_it_is_fed_fails_alone(tiny_tokenizer, monkeypatch):
     model = tiny("llama", len(tiny_tokenizer))
-    generator = torch.Generator().manual_seed(8)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(8)
     short, long = (torch.randint(0, len(tiny_tokenizer), (n,), generator=generator).tolist() for n in (5, 40))
     params = GenerationParams(max_tokens=12, temperature=0.0)
     expected = alone(model, tiny_tokenizer, short, params)

@@ -16,11 +16,14 @@ fi
 mkdir -p data && cp -rn /tmp/payload/corpus data/  # research.training.corpus.fetch() finds it and downloads nothing
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 LONGDOC_CACHE_DIR=/tmp/longdoc-cache
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+# 16 cores there: the CUDA-vs-CPU tests spread over workers, one test file per worker. The whole suite stays in
+# one process: under xdist its workers collected different test_api_errors.py lists (2026-11-26, not reproduced here)
+XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${JOBS:-8} --dist loadfile")
 case "${1:-tests}" in
   tests)
-    python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_state_cache.py 2>&1 | tee "$OUT/pytest-cuda-vs-cpu.log"
-    LONGDOC_TEST_DEVICE=cuda timeout 420 python3 -m pytest -q -rf -p no:cacheprovider --timeout 240 \
-      --deselect tests/test_cuda.py --ignore tests/test_ui_browser.py 2>&1 | tee "$OUT/pytest-cuda-default.log" | tail -60
+    python3 -m pytest -q -rs -p no:cacheprovider $XDIST tests/test_cuda.py tests/test_state_cache.py 2>&1 | tee "$OUT/pytest-cuda-vs-cpu.log"
+    LONGDOC_TEST_DEVICE=cuda timeout ${SUITE_TIMEOUT:-420} python3 -m pytest -q -rf -p no:cacheprovider --timeout 240 --durations 15 \
+      --deselect tests/test_cuda.py --ignore tests/test_ui_browser.py ${SUITE_FILES:-} 2>&1 | tee "$OUT/pytest-cuda-default.log" | tail -60
     cp test-artifacts/e2e-server.log "$OUT/" 2>/dev/null
     ;;
   kvcache)
