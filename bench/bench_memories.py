@@ -60,8 +60,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "clients.cli", "serve", "--port", str(port), "--log-level", "warning", "--model", SMALL_MODEL]
+def start_server(port: int, model: str = SMALL_MODEL) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "clients.cli", "serve", "--port", str(port), "--log-level", "warning", "--model", model]
     process = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -184,11 +184,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--streams", type=int, default=1, help="also ask this many questions at once (1: skip)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    parser.add_argument("--model", default=SMALL_MODEL, help="the served model, by name")
     args = parser.parse_args()
     document = args.document or fetch(ROOT / "data" / "corpus") / "plrabn12.txt"
     text = document.read_text(encoding="utf-8")
     port = free_port()
-    server = start_server(port)
+    server = start_server(port, args.model)
     try:
         base_url = f"http://127.0.0.1:{port}"
         rows = [bench_memory(base_url, m, text, args.repeats, args.max_tokens, args.streams) for m in args.memories]
@@ -199,8 +200,9 @@ def main() -> None:
     print(result)
     command = "make bench  # .venv/bin/python -m bench.bench_memories " + " ".join(sys.argv[1:])
     machine, where = machine_description()
+    title = "SmolLM2-135M-Instruct" if args.model == SMALL_MODEL else args.model  # the small model's sections keep their headings
     section = (
-        f"## Memory modes on SmolLM2-135M-Instruct{where}\n\n"
+        f"## Memory modes on {title}{where}\n\n"
         f"Document: `{document.name}`. Machine: {machine}. Command:\n\n```\n{command.strip()}\n```\n\n"
         f"{result}\n\nTTFT is measured by the client from sending the question to the first streamed text; "
         "decode tokens/s = (output tokens - 1) / (E2E - TTFT). Medians over warm runs (one warm-up "

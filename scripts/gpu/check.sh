@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # On the GPU machine (device tool), after scripts/gpu/stage.sh's parts are in /tmp/stage:
 #   bash scripts/gpu/check.sh tests   # CUDA-vs-CPU tests, then the whole suite with CUDA as default device
-#   bash scripts/gpu/check.sh bench   # serving speed per memory on a 100K+ token book
+#   bash scripts/gpu/check.sh bench   # serving speed per memory on a 100K+ token book; more arguments go to
+#                                     # bench.bench_memories (--model qwen2.5-coder-1.5b-instruct --memories text kvcache,
+#                                     # with STAGE_MODEL's wheels staged)
 #   bash scripts/gpu/check.sh kvcache # the kvcache memory's tests on CUDA (CUDA as default device)
-#   bash scripts/gpu/check.sh longdoc eval needles --model smollm2-135m-instruct ...   # any longdoc command (the evals need data/qa carried; the staged model is the small one)
+#   bash scripts/gpu/check.sh longdoc eval needles --model smollm2-135m-instruct ...   # any longdoc command (the evals need data/qa carried; the small model is staged, the default with STAGE_MODEL)
 # Logs and the benchmark table go to $OUT (what the device tool brings back).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -35,9 +37,11 @@ case "${1:-tests}" in
     python3 -c "import sys; sys.argv[0] = 'longdoc'; from clients.cli import app; app()" "$@"
     ;;
   bench)
+    shift
     cp docs/benchmarks.md "$OUT/benchmarks.md"
-    LONGDOC_SESSION_MEMORY_BYTES=${LONGDOC_SESSION_MEMORY_BYTES:-8589934592} python3 -m bench.bench_memories --document data/corpus/plrabn12.txt --memories truncate text neurocache kvcache \
-      --repeats 4 --streams 8 --out "$OUT/benchmarks.md" 2>&1 | tee "$OUT/bench.log"
+    [ $# -gt 0 ] || set -- --memories truncate text neurocache kvcache
+    LONGDOC_SESSION_MEMORY_BYTES=${LONGDOC_SESSION_MEMORY_BYTES:-8589934592} python3 -m bench.bench_memories --document data/corpus/plrabn12.txt \
+      --repeats 4 --streams 8 --out "$OUT/benchmarks.md" "$@" 2>&1 | tee "$OUT/bench.log"
     ;;
 esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
