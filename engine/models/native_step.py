@@ -105,7 +105,7 @@ def _weight(linear: nn.Module | None, kept: list[torch.Tensor]) -> CWeight | Non
         return None
     bias = getattr(linear, "bias", None)
     features = linear.in_features
-    if not stored.is_contiguous() or features % cpu_kernels.ALIGN or stored.device.type != "cpu":
+    if not cpu_kernels.usable(stored, features):
         return None
     if bias is not None:
         bias = bias.detach().to(torch.float32).contiguous()

@@ -45,7 +45,6 @@ QUANTIZED_DTYPES = {
     "int8": (torch.float32, torch.bfloat16),
     "int4": (torch.float32, torch.bfloat16),
 }  # the models each mode takes
-QUANTIZED_DTYPE_NAMES = {"bf16": "float32", "int8": "float32 or bfloat16", "int4": "float32 or bfloat16"}
 GROUP = 32  # int4: inputs sharing a scale and a minimum
 LINEAR_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"})
 
@@ -196,7 +195,8 @@ def quantize_linears(model: nn.Module, mode: str) -> int:
                 replaced.append((parent, name, child))
     for _, _, child in replaced:
         if child.weight.dtype not in QUANTIZED_DTYPES[mode] or child.weight.device.type != "cpu":
-            raise ValueError(f"{mode} weight-only quantization is for {QUANTIZED_DTYPE_NAMES[mode]} models on CPU")
+            takes = " or ".join(str(dtype).removeprefix("torch.") for dtype in QUANTIZED_DTYPES[mode])
+            raise ValueError(f"{mode} weight-only quantization is for {takes} models on CPU")
     for parent, name, child in replaced:
         setattr(parent, name, WeightOnlyLinear(child, _layer_mode(name, child, mode)))
     return len(replaced)
