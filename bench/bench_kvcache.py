@@ -31,7 +31,7 @@ import time
 import torch
 
 from engine.batching import BatchDecoder, Row
-from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL, IngestConfig
+from engine.config import DEFAULT_CACHE_DIR, SHIPPED_EMBEDDER_ADAPTER, SMALL_MODEL, IngestConfig
 from engine.embedder import Embedder
 from engine.generation import AnswerState, StopTokens
 from engine.ingest import TokenizedDocument, ingest_steps, tokenize_document
@@ -71,7 +71,9 @@ def kvcache_memory(loaded: LoadedModel, options: dict) -> KVCacheMemory:
     embedder, which selection "text" indexes the document with)."""
     context = MemoryContext(
         tokenizer=loaded.tokenizer,
-        embedder=Embedder(device=loaded.device, dtype=loaded.dtype) if KVCacheOptions(**options).selection == "text" else None,
+        embedder=Embedder(adapter=SHIPPED_EMBEDDER_ADAPTER, device=loaded.device, dtype=loaded.dtype)
+        if KVCacheOptions(**options).selection == "text"
+        else None,
         model=loaded.model,
         context_len=loaded.context_len,
     )

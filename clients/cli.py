@@ -357,10 +357,20 @@ AdapterOption = Annotated[Path | None, typer.Option(help="adapter folder (defaul
 QuantizeOption = Annotated[str, typer.Option(help="none, bf16, int8 or int4: weight-only, as longdoc serve --quantize")]
 
 
-def _setup(model: str, adapter: Path | None, device: str, quantize: str = "none"):
+EmbedderAdapterOption = Annotated[
+    str, typer.Option(help="the text memory's MiniLM adapter, as longdoc serve --embedder-adapter: shipped, none or a folder")
+]
+
+
+def _setup(model: str, adapter: Path | None, device: str, quantize: str = "none", embedder_adapter: str = "shipped"):
+    from engine.config import embedder_adapter_path
     from research.training.evaluate import EvalSetup
 
-    return EvalSetup(model=model, adapter=adapter, device=device, quantize=quantize)
+    try:
+        embedder = embedder_adapter_path(embedder_adapter)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    return EvalSetup(model=model, adapter=adapter, device=device, quantize=quantize, embedder_adapter=embedder)
 
 
 @eval_app.command("ppl")
@@ -438,6 +448,7 @@ def eval_qa(
     ] = False,
     device: str = "auto",
     quantize: QuantizeOption = "none",
+    embedder_adapter: EmbedderAdapterOption = "shipped",
     write: Annotated[Path | None, typer.Option(help="also write the table into this Markdown file (docs/benchmarks.md)")] = None,
 ) -> None:
     """The QA benchmark: 110 questions about five held-out texts (with --dev, 120 development ones), per memory, with the oracle row."""
@@ -447,7 +458,7 @@ def eval_qa(
         raise typer.BadParameter("--write records the held-out questions' table; a --dev run is only printed")
     runs = _memory_runs(memory)
     questions = DEV_QUESTIONS if dev else QUESTIONS
-    rows = bench(_setup(model, adapter, device, quantize), runs, limit=limit, questions_path=questions)
+    rows = bench(_setup(model, adapter, device, quantize, embedder_adapter), runs, limit=limit, questions_path=questions)
     _echo_rows(rows)
     if write:
         from research.evals.docs import write_section
@@ -466,12 +477,13 @@ def eval_needles(
     seeds: Annotated[int, typer.Option(help="documents per length, each with six needles")] = 3,
     device: str = "auto",
     quantize: QuantizeOption = "none",
+    embedder_adapter: EmbedderAdapterOption = "shipped",
 ) -> None:
     """Invented facts of six kinds placed in held-out filler, asked about per memory and length."""
     from research.evals.needles import bench
 
     runs = _memory_runs(memory)
-    rows = bench(_setup(model, adapter, device, quantize), runs, list(length), seeds)
+    rows = bench(_setup(model, adapter, device, quantize, embedder_adapter), runs, list(length), seeds)
     _echo_rows(rows)
 
 
@@ -483,6 +495,7 @@ def eval_ranks(
     needles: Annotated[int | None, typer.Option(help="the fact needles in documents of this many tokens, not questions")] = None,
     seeds: Annotated[int, typer.Option(help="needle documents, each with six needles")] = 3,
     device: str = "auto",
+    embedder_adapter: EmbedderAdapterOption = "shipped",
 ) -> None:
     """Where the gold passage ranks in text retrieval, no answers generated: recall@1-16 per setting."""
     from research.evals.qa import DEV_QUESTIONS, QUESTIONS, table
@@ -493,7 +506,11 @@ def eval_ranks(
         raise typer.BadParameter("ranks measures the text memory only")
     questions = None if needles else DEV_QUESTIONS if dev else QUESTIONS
     rows = bench(
-        _setup(model, None, device), [options for _, options in runs], questions_path=questions, length=needles or 0, seeds=seeds
+        _setup(model, None, device, embedder_adapter=embedder_adapter),
+        [options for _, options in runs],
+        questions_path=questions,
+        length=needles or 0,
+        seeds=seeds,
     )
     typer.echo(table(rows))
 

@@ -14,6 +14,19 @@ DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 SMALL_MODEL = "smollm2-135m-instruct"
 DEFAULT_CACHE_DIR = Path("~/.cache/longdoc").expanduser()  # converted models; sessions under it by default
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent / "adapters"
+# the text memory's MiniLM adapted to questions about old books (research/training/retriever_train.py)
+SHIPPED_EMBEDDER_ADAPTER = SHIPPED_ADAPTERS / "all-minilm-l6-v2"
+
+
+def embedder_adapter_path(choice: str) -> Path | None:
+    """A setting's value as the embedder adapter's folder: 'shipped', 'none' (None) or a folder,
+    which must hold an adapter (engine/embedder_adapter.py)."""
+    if choice == "none":
+        return None
+    folder = SHIPPED_EMBEDDER_ADAPTER if choice == "shipped" else Path(choice).expanduser()
+    if not (folder / "adapter.json").is_file():
+        raise ValueError(f"embedder adapter {choice!r}: no adapter.json in {folder}")
+    return folder
 
 
 def _require(condition: bool, message: str) -> None:
@@ -141,3 +154,5 @@ class EngineConfig:
     # this server does not hold it, and read again before use when another server changed it
     shared_data_dir: bool = False
     session_id_prefix: str = "s-"  # new session ids start with it (a replica names itself there)
+    # merged into the sentence embedder's weights (engine/embedder_adapter.py); None: MiniLM as shipped
+    embedder_adapter: Path | None = SHIPPED_EMBEDDER_ADAPTER

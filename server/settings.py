@@ -18,6 +18,7 @@ from engine.config import (
     ModelSpec,
     SessionLimits,
     default_server_memory_bytes,
+    embedder_adapter_path,
 )
 from server.auth import KeyRing, key_name, read_keys_file
 
@@ -111,6 +112,10 @@ class Settings(BaseSettings):
         default_factory=list,
         description="extra folders searched for <model name>/adapter.json (Neurocache adapters), before the shipped ones",
     )
+    embedder_adapter: str = Field(
+        "shipped",
+        description="the text memory's MiniLM adapter: 'shipped' (adapted to questions about books), 'none' (MiniLM as it is) or a folder with adapter.json",
+    )
     log_level: str = "info"
 
     @field_validator("model", "adapter_dir", mode="before")
@@ -177,4 +182,5 @@ class Settings(BaseSettings):
             default_memory=self.default_memory,
             data_dir=(self.data_dir or self.cache_dir / "sessions").expanduser() if self.persist_sessions else None,
             shared_data_dir=self.shared_data_dir,
+            embedder_adapter=embedder_adapter_path(self.embedder_adapter),
         )

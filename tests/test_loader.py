@@ -13,7 +13,7 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from engine.config import SMALL_MODEL, GenerationLimits, IngestConfig, SessionLimits
+from engine.config import SHIPPED_EMBEDDER_ADAPTER, SMALL_MODEL, GenerationLimits, IngestConfig, SessionLimits
 from engine.models.loader import load_model, resolve_dtype, small_model_dir
 from server.settings import Settings
 from tests.helpers import CACHE_DIR, make_tiny_llama
@@ -120,6 +120,13 @@ def test_settings_defaults_are_the_engines():
     engine = Settings().engine_config()
     assert engine.sessions == replace(SessionLimits(), server_memory_bytes=engine.sessions.server_memory_bytes)
     assert engine.generation == GenerationLimits() and engine.ingest == IngestConfig()
+
+
+def test_the_embedder_adapter_is_a_setting(tmp_path):
+    assert Settings().engine_config().embedder_adapter == SHIPPED_EMBEDDER_ADAPTER
+    assert Settings(embedder_adapter="none").engine_config().embedder_adapter is None
+    with pytest.raises(ValidationError, match="no adapter.json"):
+        Settings(embedder_adapter=str(tmp_path))
 
 
 def test_server_never_imports_torch():

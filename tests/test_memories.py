@@ -162,6 +162,25 @@ def test_focus_sessions_saved_without_sentences_embed_them_again(context, tiny_t
     np.testing.assert_allclose(loaded, saved, atol=1e-3)  # batched differently: float rounding only
 
 
+@pytest.mark.parametrize("options", [{}, {"focus_tokens": 48}])
+def test_text_sessions_saved_by_another_embedder_embed_again(context, tiny_tokenizer, options):
+    """Vectors saved by a server with another embedder (an adapter, or none) do not match this one's
+    questions: they are made again from the chunks' texts, not loaded."""
+    memory = build_memory("text", context, options)
+    ingest(memory, tiny_tokenizer, "a", filler(50) + " " + FACT)
+    state = memory.state_dict()
+    assert state["embedder"] == context.embedder.name
+    foreign = {**state, "embedder": "another-embedder", "vectors": np.zeros_like(state["vectors"])}
+    foreign["sentence_vectors"] = np.zeros_like(state["sentence_vectors"])
+    restored = build_memory("text", context, options)
+    restored.load_state_dict(foreign)
+    for key in ("vectors", "sentence_vectors"):
+        np.testing.assert_allclose(restored.state_dict()[key].astype(np.float32), state[key].astype(np.float32), atol=1e-3)
+    query = "Velmora lighthouse colour"
+    found = [[(p.text, p.item.char_start, p.item.char_end) for p in m.retrieve(query, 3000)] for m in (restored, memory)]
+    assert found[0] == found[1]  # the same excerpts (scores differ in float rounding only)
+
+
 @pytest.mark.parametrize("kind", ["truncate", "text"])
 def test_reset_forgets_everything(context, tiny_tokenizer, kind):
     memory = build_memory(kind, context, {})

@@ -24,7 +24,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from engine.embedder import Embedder
+from engine.embedder import BASE_NAME, Embedder
 from engine.errors import BudgetExceededError
 from engine.interface import CacheInfo, RetrievedItem
 from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment
@@ -529,6 +529,7 @@ class TextMemory(Memory):
 
     def state_dict(self) -> dict[str, Any]:
         return {
+            "embedder": self._embedder.name,
             "documents": [document_id for document_id, _ in self._documents],
             "document_texts": [text for _, text in self._documents],
             "vectors": self._index.reconstruct_n(0, self._index.ntotal),
@@ -545,10 +546,14 @@ class TextMemory(Memory):
         self._documents = list(zip(state["documents"], state["document_texts"], strict=True))
         self._text_bytes = sum(sys.getsizeof(text) for _, text in self._documents)
         self._chunks = _Chunks.of(state["chunk_documents"], state["chunk_spans"], state["chunk_tokens"])
-        self._index.add(np.ascontiguousarray(state["vectors"], np.float32).reshape(-1, self._embedder.dim))
+        same_vectors = state.get("embedder", BASE_NAME) == self._embedder.name
+        if same_vectors:
+            self._index.add(np.ascontiguousarray(state["vectors"], np.float32).reshape(-1, self._embedder.dim))
+        else:  # saved by a server with another embedder (adapter): its vectors do not match this one's questions
+            self._index.add(self._embedder.encode(self._chunk_texts()).reshape(-1, self._embedder.dim))
         self._lexical = self._lexical.build(self._chunk_texts())
         if self.options.focus_tokens:
-            self._sentences = self._loaded_sentences(state)
+            self._sentences = self._loaded_sentences(state if same_vectors else {})
 
     def _loaded_sentences(self, state: dict[str, Any]) -> _Sentences:
         """The saved sentences, or, from a session saved without them, the chunks embedded again."""

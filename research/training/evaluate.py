@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from engine.config import DEFAULT_CACHE_DIR, SHIPPED_ADAPTERS, SMALL_MODEL, EngineConfig, ModelSpec
+from engine.config import DEFAULT_CACHE_DIR, SHIPPED_ADAPTERS, SHIPPED_EMBEDDER_ADAPTER, SMALL_MODEL, EngineConfig, ModelSpec
 from engine.engine import Engine
 from engine.interface import GenerationParams, Retrieval, RetrievedItem, TokenDelta
 from engine.models.loader import load_model
@@ -40,6 +40,7 @@ class EvalSetup:
     cache_dir: Path = DEFAULT_CACHE_DIR
     device: str = "auto"
     quantize: str = "none"  # weight-only: "bf16" or "int8" (engine/models/quantize.py)
+    embedder_adapter: Path | None = SHIPPED_EMBEDDER_ADAPTER  # the text memory's MiniLM adapter; None: none
 
 
 def _adapter_dirs(setup: EvalSetup) -> tuple[Path, ...]:
@@ -166,7 +167,7 @@ def _engine(setup: EvalSetup, max_tokens: int) -> Engine:
         cache_dir=setup.cache_dir,
         adapter_dirs=_adapter_dirs(setup),
     )
-    config = EngineConfig(models=spec)
+    config = EngineConfig(models=spec, embedder_adapter=setup.embedder_adapter)
     # one session may use the server's whole budget: a kvcache session of a book is gigabytes
     sessions = replace(config.sessions, memory_budget_bytes=config.sessions.server_memory_bytes)
     config = replace(config, ingest=replace(config.ingest, max_document_tokens=max_tokens * 2), sessions=sessions)
