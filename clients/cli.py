@@ -404,12 +404,13 @@ def eval_passkey(
     capacity: CapacityOption = None,
     seed: Annotated[int, typer.Option(help="seed of the keys drawn, one per trial in order")] = 0,
     device: str = "auto",
+    embedder_adapter: EmbedderAdapterOption = "shipped",
 ) -> None:
     """Pass-key retrieval accuracy by memory and document length."""
     from research.training.evaluate import markdown, passkey
 
     rows = passkey(
-        _setup(model, adapter, device),
+        _setup(model, adapter, device, embedder_adapter=embedder_adapter),
         memories=tuple(_memory_runs(memory)),
         lengths=tuple(length),
         depths=tuple(depth),

@@ -24,8 +24,9 @@ def embedder_adapter_path(choice: str) -> Path | None:
     if choice == "none":
         return None
     folder = SHIPPED_EMBEDDER_ADAPTER if choice == "shipped" else Path(choice).expanduser()
-    if not (folder / "adapter.json").is_file():
-        raise ValueError(f"embedder adapter {choice!r}: no adapter.json in {folder}")
+    for name in ("adapter.json", "adapter.safetensors"):
+        if not (folder / name).is_file():
+            raise ValueError(f"embedder adapter {choice!r}: no {name} in {folder}")
     return folder
 
 

@@ -61,9 +61,10 @@ def save_adapter(folder: Path, config: AdapterConfig, factors: dict[str, tuple[t
 
 
 def adapter_name(folder: Path) -> str:
-    """The adapter's folder name and the start of its weights' SHA-256: a new training run is a new name."""
-    digest = hashlib.sha256((folder / WEIGHTS).read_bytes()).hexdigest()[:12]
-    return f"{folder.name}@{digest}"
+    """The start of the SHA-256 of the adapter's settings and weights: vectors made with another
+    adapter (or another alpha) never pass for this one's, and a copy elsewhere is the same adapter."""
+    digest = hashlib.sha256((folder / CONFIG).read_bytes() + (folder / WEIGHTS).read_bytes()).hexdigest()[:12]
+    return f"adapter@{digest}"
 
 
 def merge_adapter(model: torch.nn.Module, folder: Path) -> AdapterConfig:
@@ -71,16 +72,16 @@ def merge_adapter(model: torch.nn.Module, folder: Path) -> AdapterConfig:
     with matching shapes (a ValueError says which does not)."""
     meta = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
     config = AdapterConfig(int(meta["rank"]), float(meta["alpha"]), tuple(meta["targets"]))
+    if config.rank < 1:
+        raise ValueError(f"embedder adapter {folder}: rank must be positive")
     tensors = load_file(str(folder / WEIGHTS))
     modules = dict(model.named_modules())
     for name in config.targets:
         module = modules.get(name)
-        a, b = tensors[f"{name}.A"], tensors[f"{name}.B"]
-        if (
-            not isinstance(module, torch.nn.Linear)
-            or module.weight.shape != (b.shape[0], a.shape[1])
-            or a.shape[0] != config.rank
-        ):
+        a, b = tensors.get(f"{name}.A"), tensors.get(f"{name}.B")
+        if not isinstance(module, torch.nn.Linear) or a is None or b is None:
+            raise ValueError(f"embedder adapter {folder}: {name} does not fit the model")
+        if (tuple(a.shape), tuple(b.shape)) != ((config.rank, module.in_features), (module.out_features, config.rank)):
             raise ValueError(f"embedder adapter {folder}: {name} does not fit the model")
         with torch.no_grad():
             delta = config.scale * (b @ a)

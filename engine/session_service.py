@@ -256,11 +256,21 @@ class SessionService:
             with self.store.reserve(session, need):
                 try:
                     session.memory = await self.memory_worker(session).run(self._load_memory, session, context)
+                    if session.memory.remade_on_load:
+                        await self.memory_worker(session).run(self._save_remade, session)
                 except Exception as exc:
                     if session.deleted:
                         raise NotFoundError(f"no session {session.id!r}") from exc
                     self._snapshot_failed(session.id, exc)
                     raise SnapshotUnreadableError(f"session {session.id} is saved on disk but cannot be read back") from exc
+
+    def _save_remade(self, session: Session) -> None:
+        """Save a session whose memory made part of its state again while loading; a failure
+        leaves it in RAM as loaded (the next load makes it again)."""
+        try:
+            self.save(session)
+        except (ConflictError, StorageError) as exc:
+            log.warning("session %s: remade on load but not saved: %s", session.id, exc)
 
     def _load_memory(self, session: Session, context: MemoryContext) -> Memory:
         assert self.snapshots is not None

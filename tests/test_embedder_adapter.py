@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import SHIPPED_EMBEDDER_ADAPTER
+from engine.config import SHIPPED_EMBEDDER_ADAPTER, embedder_adapter_path
 from engine.embedder import BASE_NAME, Embedder
 from engine.embedder_adapter import AdapterConfig, merge_adapter, save_adapter, target_names
 from research.training.retriever_train import Pair, batches, loss_of, with_lora
@@ -69,35 +69,38 @@ def test_an_adapter_for_another_model_is_refused(base, tmp_path: Path) -> None:
         merge_adapter(copy.deepcopy(base.model), tmp_path)
 
 
-def test_a_training_step_moves_only_the_factors(base) -> None:
+def test_a_training_step_trains_the_factors_and_freezes_the_base(base) -> None:
     config = AdapterConfig(4, 8.0, tuple(target_names(base.model)))
     lora = with_lora(base.model, config, seed=0)
-    frozen = {n: p.detach().clone() for n, p in base.model.named_parameters() if not n.endswith((".A", ".B"))}
+    trainable = [n for n, p in base.model.named_parameters() if p.requires_grad]
+    assert trainable and all(n.endswith((".A", ".B")) for n in trainable)
     pairs = [
         Pair("b", "Which animals carried the queen's spices?", "She came with camels that bare spices, and very much gold."),
         Pair("b", "What did the mother coat the basket with?", "She daubed it with slime and with pitch."),
     ]
-    parameters = [p for m in lora.values() for p in (m.A, m.B)]
-    optimizer = torch.optim.AdamW(parameters, lr=1e-2)
-    loss = loss_of(base, pairs, ["And the LORD spake unto Moses, saying,"], scale=20.0)
-    loss.backward()
+    optimizer = torch.optim.AdamW([p for m in lora.values() for p in (m.A, m.B)], lr=1e-2)
+    loss_of(base, pairs, ["And the LORD spake unto Moses, saying,"], scale=20.0).backward()
     optimizer.step()
     assert all(m.B.abs().sum() > 0 for m in lora.values())
-    for name, parameter in base.model.named_parameters():
-        if name in frozen:
-            assert torch.equal(parameter, frozen[name]), name
 
 
-def test_batches_hold_one_books_questions_where_they_can() -> None:
-    pairs = [Pair(book, f"q{book}{i}", f"p{book}{i}") for book in "abc" for i in range(8)]
+def test_batches_take_a_books_questions_together() -> None:
+    pairs = [Pair(book, f"q{book}{i}", f"p{book}{i}") for book, n in (("a", 5), ("b", 7), ("c", 9)) for i in range(n)]
     cut = batches(pairs, 4, random.Random(0))
     assert sorted(p.question for b in cut for p in b) == sorted(p.question for p in pairs)
-    assert all(len({p.book for p in batch}) == 1 for batch in cut)
+    assert all(len(batch) <= 4 and len({p.book for p in batch}) <= 2 for batch in cut)
+    assert sum(len({p.book for p in batch}) == 1 for batch in cut) >= 3
+
+
+def test_an_adapter_needs_both_files(tmp_path: Path) -> None:
+    (tmp_path / "adapter.json").write_text("{}")
+    with pytest.raises(ValueError, match="no adapter.safetensors"):
+        embedder_adapter_path(str(tmp_path))
 
 
 def test_the_shipped_adapter_fits_and_names_its_vectors(embedder) -> None:
     adapted = Embedder(adapter=SHIPPED_EMBEDDER_ADAPTER)
     assert embedder.name == BASE_NAME
-    assert adapted.name.startswith(f"{BASE_NAME}+{SHIPPED_EMBEDDER_ADAPTER.name}@")
+    assert adapted.name.startswith(f"{BASE_NAME}+adapter@")
     question = ["Which son is likened to a female deer let loose?"]
     assert not np.allclose(embedder.encode(question), adapted.encode(question), atol=1e-3)

@@ -174,11 +174,24 @@ def test_text_sessions_saved_by_another_embedder_embed_again(context, tiny_token
     foreign["sentence_vectors"] = np.zeros_like(state["sentence_vectors"])
     restored = build_memory("text", context, options)
     restored.load_state_dict(foreign)
+    assert restored.remade_on_load  # so the engine saves it once made again
     for key in ("vectors", "sentence_vectors"):
         np.testing.assert_allclose(restored.state_dict()[key].astype(np.float32), state[key].astype(np.float32), atol=1e-3)
     query = "Velmora lighthouse colour"
     found = [[(p.text, p.item.char_start, p.item.char_end) for p in m.retrieve(query, 3000)] for m in (restored, memory)]
     assert found[0] == found[1]  # the same excerpts (scores differ in float rounding only)
+
+
+def test_text_sessions_saved_before_embedders_were_named_are_plain_minilms(context, tiny_tokenizer):
+    """A state without "embedder" was made by MiniLM without an adapter: loaded as it is there."""
+    memory = build_memory("text", context, {})
+    ingest(memory, tiny_tokenizer, "a", filler(50) + " " + FACT)
+    legacy = {k: v for k, v in memory.state_dict().items() if k != "embedder"}
+    marked = {**legacy, "vectors": legacy["vectors"] + 1.0}  # kept as saved, so the change shows
+    restored = build_memory("text", context, {})
+    restored.load_state_dict(marked)
+    assert context.embedder.name == "all-MiniLM-L6-v2" and not restored.remade_on_load
+    np.testing.assert_array_equal(restored.state_dict()["vectors"], marked["vectors"])
 
 
 @pytest.mark.parametrize("kind", ["truncate", "text"])

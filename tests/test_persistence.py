@@ -267,3 +267,22 @@ def test_a_full_disk_is_507_and_keeps_the_session_in_ram(make_client, tmp_path, 
     monkeypatch.undo()
     assert client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT}).status_code == 201
     assert not session.dirty
+
+
+def test_a_text_session_saved_by_another_embedder_is_embedded_again_once(make_client, tmp_path):
+    """Vectors saved by plain MiniLM are made again by a server with the adapter when the session
+    is first used, and saved, so the next load reads them as they are."""
+    folder = tmp_path / "sessions"
+    client = make_client(data_dir=folder, embedder_adapter="none")
+    session_id = new_session(client, memory="text")
+    client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT})
+    saved = SnapshotStore(folder).read(session_id)
+    assert saved.state["embedder"] == "all-MiniLM-L6-v2"
+    client.__exit__(None, None, None)
+    restarted = make_client(data_dir=folder)
+    answer = restarted.post(f"/v1/sessions/{session_id}/ask", json={"question": "Which colour?", "max_tokens": 2})
+    assert answer.status_code == 200, answer.text
+    again = SnapshotStore(folder).read(session_id)
+    assert again.state["embedder"].startswith("all-MiniLM-L6-v2+adapter@")
+    assert again.generation > saved.generation
+    assert not np.allclose(again.state["vectors"], saved.state["vectors"], atol=1e-3)

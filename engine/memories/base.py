@@ -220,6 +220,10 @@ class Memory(ABC):
     def state_dict(self) -> dict[str, Any]:
         """Everything committed, as arrays and plain values."""
 
+    # set by load_state_dict when what it loaded was made again (vectors of another embedder): the
+    # engine then saves the session, so the work is done once, not at every load
+    remade_on_load: bool = False
+
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace the memory's content with `state` from `state_dict`."""

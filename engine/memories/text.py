@@ -546,14 +546,15 @@ class TextMemory(Memory):
         self._documents = list(zip(state["documents"], state["document_texts"], strict=True))
         self._text_bytes = sum(sys.getsizeof(text) for _, text in self._documents)
         self._chunks = _Chunks.of(state["chunk_documents"], state["chunk_spans"], state["chunk_tokens"])
-        same_vectors = state.get("embedder", BASE_NAME) == self._embedder.name
-        if same_vectors:
-            self._index.add(np.ascontiguousarray(state["vectors"], np.float32).reshape(-1, self._embedder.dim))
-        else:  # saved by a server with another embedder (adapter): its vectors do not match this one's questions
-            self._index.add(self._embedder.encode(self._chunk_texts()).reshape(-1, self._embedder.dim))
         self._lexical = self._lexical.build(self._chunk_texts())
+        if state.get("embedder", BASE_NAME) != self._embedder.name:
+            # saved by a server with another embedder (adapter): its vectors do not match this one's questions
+            self._embed_again()
+            self.remade_on_load = True
+            return
+        self._index.add(np.ascontiguousarray(state["vectors"], np.float32).reshape(-1, self._embedder.dim))
         if self.options.focus_tokens:
-            self._sentences = self._loaded_sentences(state if same_vectors else {})
+            self._sentences = self._loaded_sentences(state)
 
     def _loaded_sentences(self, state: dict[str, Any]) -> _Sentences:
         """The saved sentences, or, from a session saved without them, the chunks embedded again."""
@@ -562,12 +563,25 @@ class TextMemory(Memory):
             return _Sentences(
                 np.asarray(state["sentence_starts"], np.int64), np.asarray(state["sentence_spans"], np.int64), vectors
             )
-        sentences = self._no_sentences()
+        return self._embedded()[1]
+
+    def _embed_again(self) -> None:
+        """The chunks' vectors (and with focus their sentences') made again from their texts."""
+        vectors, sentences = self._embedded()
+        self._index.reset()
+        self._index.add(vectors)
+        if self.options.focus_tokens:
+            self._sentences = sentences
+
+    def _embedded(self) -> tuple[np.ndarray, _Sentences]:
+        """Every chunk's vector and, with focus, its sentences', in one MiniLM pass a chunk."""
+        vectors, sentences = [], self._no_sentences()
         for number, (document_id, text) in enumerate(self._documents):
             staged = _Staged(document_id, text)
-            spans = [(a, b) for a, b in self._chunks.spans[self._chunks.documents == number].tolist()]
-            self._embed(staged, spans)
+            self._embed(staged, [(a, b) for a, b in self._chunks.spans[self._chunks.documents == number].tolist()])
+            vectors += staged.vectors
             sentences = sentences.extend(
                 _Sentences.of(staged.sentence_counts, staged.sentence_spans, staged.sentence_vectors, self._embedder.dim)
             )
-        return sentences
+        matrix = np.concatenate(vectors) if vectors else np.zeros((0, self._embedder.dim), np.float32)
+        return matrix, sentences

@@ -18,8 +18,10 @@ import json
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
 from engine.models.loader import load_model
@@ -45,12 +47,14 @@ def _turn(passage: str) -> dict[str, str]:
     return {"role": "user", "content": f"Passage:\n{passage}\n\n{ASK}"}
 
 
-def prompt(tokenizer, passage: str) -> list[int]:
+def prompt(tokenizer: PreTrainedTokenizerBase, passage: str) -> list[int]:
     shot = [_turn(EXAMPLE[0]), {"role": "assistant", "content": EXAMPLE[1]}]
     return render(tokenizer, [*shot, _turn(passage)])
 
 
-def passages(tokenizer, books: list[Path], count: int, seed: int, skip: int = 0) -> list[tuple[str, int, int]]:
+def passages(
+    tokenizer: PreTrainedTokenizerBase, books: list[Path], count: int, seed: int, skip: int = 0
+) -> list[tuple[str, int, int]]:
     """(book name, start, end) of `count` passages drawn from every PASSAGE_TOKENS-token cut of `books`,
     after the first `skip` of the same draw (so runs with the same seed never share a passage)."""
     pool = []
@@ -58,14 +62,14 @@ def passages(tokenizer, books: list[Path], count: int, seed: int, skip: int = 0)
         offsets = tokenizer(book.read_text(encoding="utf-8"), add_special_tokens=False, return_offsets_mapping=True)[
             "offset_mapping"
         ]
-        for s in range(0, len(offsets) - PASSAGE_TOKENS, PASSAGE_TOKENS):
-            pool.append((book.name, offsets[s][0], offsets[s + PASSAGE_TOKENS - 1][1]))
+        for first in range(0, len(offsets) - PASSAGE_TOKENS, PASSAGE_TOKENS):
+            pool.append((book.name, offsets[first][0], offsets[first + PASSAGE_TOKENS - 1][1]))
     random.Random(seed).shuffle(pool)
     return pool[skip : skip + count]
 
 
 @torch.inference_mode()
-def questions(model, tokenizer, prompts: list[list[int]], max_tokens: int) -> list[str]:
+def questions(model: Any, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], max_tokens: int) -> list[str]:
     """Greedy questions for a batch of prompts (left-padded), each its first line."""
     width = max(map(len, prompts))
     ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
@@ -73,7 +77,8 @@ def questions(model, tokenizer, prompts: list[list[int]], max_tokens: int) -> li
     out = model.generate(
         input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
     )
-    return [tokenizer.decode(row, skip_special_tokens=True).strip().split("\n")[0] for row in out[:, width:]]
+    texts = [str(tokenizer.decode(row, skip_special_tokens=True)) for row in out[:, width:]]
+    return [text.strip().split("\n")[0] for text in texts]
 
 
 def main() -> None:
@@ -96,7 +101,9 @@ def main() -> None:
     with args.out.open("w", encoding="utf-8") as out:
         for start in range(0, len(chosen), args.batch):
             started, rows = time.perf_counter(), chosen[start : start + args.batch]
-            asked = questions(model, tokenizer, [prompt(tokenizer, texts[n][a:b].strip()) for n, a, b in rows], 32)
+            asked = questions(
+                model, tokenizer, [prompt(tokenizer, texts[name][start:end].strip()) for name, start, end in rows], 32
+            )
             for (name, a, b), question in zip(rows, asked, strict=True):
                 out.write(json.dumps({"book": name, "start": a, "end": b, "question": question}) + "\n")
             out.flush()
