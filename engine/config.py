@@ -16,6 +16,7 @@ DEFAULT_CACHE_DIR = Path("~/.cache/longdoc").expanduser()  # converted models; s
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent / "adapters"
 # the text memory's MiniLM adapted to questions about old books (research/training/retriever_train.py)
 SHIPPED_EMBEDDER_ADAPTER = SHIPPED_ADAPTERS / "all-minilm-l6-v2"
+EMBEDDER_ADAPTER_FILES = ("adapter.json", "adapter.safetensors")  # its settings, its factors (engine/embedder_adapter.py)
 
 
 def embedder_adapter_path(choice: str) -> Path | None:
@@ -24,7 +25,7 @@ def embedder_adapter_path(choice: str) -> Path | None:
     if choice == "none":
         return None
     folder = SHIPPED_EMBEDDER_ADAPTER if choice == "shipped" else Path(choice).expanduser()
-    for name in ("adapter.json", "adapter.safetensors"):
+    for name in EMBEDDER_ADAPTER_FILES:
         if not (folder / name).is_file():
             raise ValueError(f"embedder adapter {choice!r}: no {name} in {folder}")
     return folder

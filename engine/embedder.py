@@ -69,13 +69,19 @@ class Embedder:
             offsets = batch.pop("offset_mapping")  # B, T, 2: (0, 0) for special and padding tokens
             batch = batch.to(self.device)
             hidden = self.model(**batch).last_hidden_state.float().cpu()  # B, T, C
-            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype).cpu()  # B, T, 1
-            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)  # B, C
-            out[start : start + len(pooled)] = torch.nn.functional.normalize(pooled, dim=-1).numpy()
+            pooled = mean_pooled(hidden, batch["attention_mask"].cpu())  # B, C
+            out[start : start + len(pooled)] = pooled.numpy()
             for b in range(len(pooled)):
                 if parts[start + b]:
                     part_vectors[start + b] = _pool_parts(hidden[b], offsets[b], parts[start + b])
         return out, part_vectors
+
+
+def mean_pooled(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, C] unit vectors: the mean of each row's token states [B, T, C] where the mask is 1
+    (how MiniLM's sentence vectors are made, here and where its adapter is trained)."""
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # B, T, 1
+    return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0), dim=-1)
 
 
 def _pool_parts(hidden: torch.Tensor, offsets: torch.Tensor, parts: list[tuple[int, int]]) -> np.ndarray:

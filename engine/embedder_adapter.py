@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-CONFIG = "adapter.json"
-WEIGHTS = "adapter.safetensors"
+from engine.config import EMBEDDER_ADAPTER_FILES
+
+CONFIG, WEIGHTS = EMBEDDER_ADAPTER_FILES
 TARGETS = (
     "attention.self.query",
     "attention.self.key",

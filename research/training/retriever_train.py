@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.embedder import Embedder
+from engine.embedder import Embedder, mean_pooled
 from engine.embedder_adapter import AdapterConfig, save_adapter, target_names
 from engine.memories.lexical import LexicalIndex
 from research.training.corpus import DEFAULT_DIR
@@ -120,9 +120,7 @@ def batches(pairs: list[Pair], size: int, rng: random.Random) -> list[list[Pair]
 def encode(embedder: Embedder, texts: list[str]) -> torch.Tensor:
     """Mean-pooled, normalised vectors with gradients (as Embedder.encode computes them)."""
     batch = embedder.tokenizer(texts, padding=True, truncation=True, max_length=embedder.max_length, return_tensors="pt")
-    hidden = embedder.model(**batch).last_hidden_state
-    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-    return F.normalize((hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0), dim=-1)
+    return mean_pooled(embedder.model(**batch).last_hidden_state, batch["attention_mask"])
 
 
 def loss_of(embedder: Embedder, batch: list[Pair], extra: list[str], scale: float) -> torch.Tensor:
