@@ -315,6 +315,41 @@ def test_ranked_spans_are_the_order_retrieval_takes_chunks_in(context, tiny_toke
     assert covered <= sum(b - a for _, a, b in first) + 2 * len(first)  # nothing else (gaps of a space at most)
 
 
+def test_margin_takes_only_chunks_scored_near_the_best(context, tiny_tokenizer):
+    """`margin`: of the first `top_k` fused chunks, only those within `margin` of the best one's
+    score reach the prompt; a margin wider than every gap takes what no margin takes."""
+    text = filler(60) + " " + FACT + " " + filler(60) + " " + RARE + " " + filler(60)
+    question = "Who was handed the Z80 bootloader, and what colour is the Velmora lighthouse?"
+    options = {"chunk_tokens": 16, "top_k": 6, "context_tokens": 1000, "sentence_tokens": 0}
+    plain = text_memory(context, options)
+    ingest(plain, tiny_tokenizer, "book", text)
+    scores = [score for _, score in plain._ordered(question, plain._query_vector(question))][:6]
+    assert scores[1] > scores[2]
+    margin = scores[0] - (scores[1] + scores[2]) / 2  # between the second's gap and the third's
+    near = text_memory(context, {**options, "margin": margin})
+    ingest(near, tiny_tokenizer, "book", text)
+    spans = [(a, b) for _, a, b in plain.ranked_spans(question)]
+    pieces = near.retrieve(question, 1000)
+    assert sum(p.item.char_end - p.item.char_start for p in pieces) <= sum(b - a for a, b in spans[:2]) + 2
+    assert all(any(p.item.char_start <= a and b <= p.item.char_end for p in pieces) for a, b in spans[:2])
+    wide = text_memory(context, {**options, "margin": 100.0})
+    ingest(wide, tiny_tokenizer, "book", text)
+    assert wide.retrieve(question, 1000) == plain.retrieve(question, 1000)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"margin": -1.0}, "between 0"),
+        ({"margin": 1.0, "fusion": "rank"}, "fusion score"),
+        ({"margin": 1.0, "rerank": 8}, "no rerank"),
+    ],
+)
+def test_margin_needs_fused_scores(context, options, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        build_memory("text", context, options)
+
+
 def test_hybrid_retrieval_is_deterministic_and_merges_touching_chunks(context, tiny_tokenizer):
     text = filler(80) + " " + FACT + " " + RARE + " " + filler(80)
     runs = []

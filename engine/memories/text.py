@@ -14,6 +14,7 @@ question costs no more MiniLM work than its own vector.
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -121,6 +122,7 @@ class TextOptions:
     focus_tokens: int = 0  # > 0: of the chosen chunks, only their best sentences, this many tokens; 0: whole chunks
     rerank: int = 0  # > 0: the chunks are chosen from this many best fused ones, reordered by the reader
     sentence_tokens: int = 50  # whole chunks: at most about this many tokens added at each end, to whole sentences
+    margin: float = 0.0  # > 0: a chunk is taken only when its fused score is within this of the best one's
 
     def __post_init__(self) -> None:
         if not 16 <= self.chunk_tokens <= 512:
@@ -145,6 +147,10 @@ class TextOptions:
             raise ValueError("focus_tokens must be between 0 and 32768 (0: whole chunks)")
         if not 0 <= self.sentence_tokens <= 512:
             raise ValueError("sentence_tokens must be between 0 and 512 (0: excerpts end where their chunks do)")
+        if not 0.0 <= self.margin <= 100.0:
+            raise ValueError("margin must be between 0 (off) and 100")
+        if self.margin and (self.retrieval, self.fusion, self.rerank) != ("hybrid", "score", 0):
+            raise ValueError("margin is in standardized fused scores: it needs retrieval hybrid, fusion score and no rerank")
 
 
 @dataclass
@@ -395,11 +401,13 @@ class TextMemory(Memory):
         return ContextPiece(text[start:end], item)
 
     def _chosen_chunks(self, query: str, query_vector: np.ndarray | None, max_tokens: int) -> dict[int, float]:
-        """Chunk -> fused score, best first, within `top_k` and the token budget."""
+        """Chunk -> fused score, best first, within `top_k`, the token budget and `margin` of the best."""
         chosen: dict[int, float] = {}
         budget = min(max_tokens, self.options.context_tokens)
-        for row, score in self._ordered(query, query_vector):
-            if len(chosen) == self.options.top_k or budget < 1:
+        ranked = self._ordered(query, query_vector)
+        floor = ranked[0][1] - self.options.margin if ranked and self.options.margin else -math.inf
+        for row, score in ranked:
+            if len(chosen) == self.options.top_k or budget < 1 or score < floor:
                 break
             if self._chunks.tokens[row] <= budget:
                 chosen[row] = score
