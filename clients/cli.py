@@ -497,10 +497,12 @@ def eval_ranks(
     seeds: Annotated[int, typer.Option(help="needle documents, each with six needles")] = 3,
     device: str = "auto",
     embedder_adapter: EmbedderAdapterOption = "shipped",
+    margin: Annotated[list[float], typer.Option(help="also: what text's margin would take of the first top_k")] = [],
 ) -> None:
     """Where the gold passage ranks in text retrieval, no answers generated: recall@1-16 per setting."""
     from research.evals.qa import DEV_QUESTIONS, QUESTIONS, table
     from research.evals.ranks import bench
+    from research.training.evaluate import markdown
 
     runs = _memory_runs(memory)
     if any(kind != "text" for kind, _ in runs):
@@ -514,6 +516,8 @@ def eval_ranks(
         seeds=seeds,
     )
     typer.echo(table(rows))
+    if margin:
+        typer.echo(markdown([row.with_margin(m) for row in rows for m in margin]))
 
 
 @eval_app.command("lm")

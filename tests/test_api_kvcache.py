@@ -116,7 +116,7 @@ def test_selection_by_text_attends_the_text_indexs_best_chunks_in_every_layer(cl
     items = client.post(f"/v1/sessions/{session}/ask", json=question).json()["retrieval"]["items"]
     memory = session_of(client, session).memory
     assert len(items) == SIZES["top_k"] * SIZES["neighbours"] and all(item["layers"] == 2 for item in items)
-    _, start, end = memory._text.ranked_spans(question["question"])[0]
+    _, start, end, _ = memory._text.ranked_spans(question["question"])[0]
     assert any(item["char_start"] < end and start < item["char_end"] for item in items)  # the best chunk is attended
     with_index, without = (client.get(f"/v1/sessions/{s}/cache").json()["bytes"] for s in (session, plain))
     assert with_index > without

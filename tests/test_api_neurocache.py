@@ -46,6 +46,8 @@ def test_a_manifest_sets_a_memorys_default_options_and_a_request_overrides_them(
     chosen = client.post("/v1/sessions", json={"memory": "text", "options": {"top_k": 3}}).json()["options"]
     assert chosen == {"top_k": 3, "rrf_k": 30}
     assert client.post("/v1/sessions", json={"memory": "truncate"}).json()["options"] == {}  # another kind: untouched
+    reranking = client.post("/v1/sessions", json={"options": {"rerank": 4, "margin": 2.0}})  # a margin, inert with rerank
+    assert reranking.status_code == 201, reranking.text
 
     def excerpt_chars(options: dict) -> int:
         """Characters of the excerpts an answer was given (touching chunks are one excerpt)."""

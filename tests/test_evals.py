@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from itertools import pairwise
 
 import pytest
 
@@ -103,6 +104,19 @@ def test_ranks_place_the_gold_passage_among_the_chunks_retrieval_takes(tiny_dir,
     summary = rows[1].summary()
     assert summary["memory"] == 'text {"retrieval": "lexical", "chunk_tokens": 32}' and summary["recall@1"] == "1.00"
     assert ranks.RankRow("text", {}, ranks=[0, 3, None, 20]).summary()["recall@4"] == "0.50"
+    assert rows[0].gaps[0][0] == 0.0 and all(a <= b for a, b in pairwise(rows[0].gaps[0]))  # below the first, growing
+
+
+def test_a_margin_counts_the_excerpts_it_would_keep_and_the_golds_among_them():
+    gaps = [[0.0, 0.5, 1.0, 3.0, 4.0], [0.0, 2.5, 2.6, 2.7, 2.8], [0.0, 0.1, 0.2, 0.3, 0.4]]
+    row = ranks.RankRow("text", {"top_k": 4}, ranks=[3, 0, None], gaps=gaps)
+    assert row.with_margin(2.0) == {
+        "memory": 'text {"top_k": 4}',
+        "margin": "2",
+        "excerpts a question (mean)": "2.67",
+        "gold among them": "1/3",
+    }
+    assert row.with_margin(3.0)["gold among them"] == "2/3" and row.with_margin(3.0)["excerpts a question (mean)"] == "4.00"
 
 
 def test_a_row_names_the_options_its_sessions_were_made_with(tiny_dir, tmp_path):

@@ -307,12 +307,13 @@ def test_ranked_spans_are_the_order_retrieval_takes_chunks_in(context, tiny_toke
     ingest(memory, tiny_tokenizer, "book", text)
     question = "Who was handed the Z80 bootloader, and what colour is the Velmora lighthouse?"
     ranked = memory.ranked_spans(question)
-    assert len(ranked) >= 50 and len(set(ranked)) == len(ranked) and {d for d, _, _ in ranked} == {"book"}
+    assert len(ranked) >= 50 and len(set(ranked)) == len(ranked) and {d for d, _, _, _ in ranked} == {"book"}
+    assert all(x[3] >= y[3] for x, y in pairwise(ranked))  # best first, with their scores
     pieces = memory.retrieve(question, 1000)
     first = ranked[:3]
-    assert all(any(p.item.char_start <= a and b <= p.item.char_end for p in pieces) for _, a, b in first)
+    assert all(any(p.item.char_start <= a and b <= p.item.char_end for p in pieces) for _, a, b, _ in first)
     covered = sum(p.item.char_end - p.item.char_start for p in pieces)
-    assert covered <= sum(b - a for _, a, b in first) + 2 * len(first)  # nothing else (gaps of a space at most)
+    assert covered <= sum(b - a for _, a, b, _ in first) + 2 * len(first)  # nothing else (gaps of a space at most)
 
 
 def test_margin_takes_only_chunks_scored_near_the_best(context, tiny_tokenizer):
@@ -323,31 +324,38 @@ def test_margin_takes_only_chunks_scored_near_the_best(context, tiny_tokenizer):
     options = {"chunk_tokens": 16, "top_k": 6, "context_tokens": 1000, "sentence_tokens": 0}
     plain = text_memory(context, options)
     ingest(plain, tiny_tokenizer, "book", text)
-    scores = [score for _, score in plain._ordered(question, plain._query_vector(question))][:6]
+    ranked = plain.ranked_spans(question)
+    scores = [score for _, _, _, score in ranked]
     assert scores[1] > scores[2]
     margin = scores[0] - (scores[1] + scores[2]) / 2  # between the second's gap and the third's
     near = text_memory(context, {**options, "margin": margin})
     ingest(near, tiny_tokenizer, "book", text)
-    spans = [(a, b) for _, a, b in plain.ranked_spans(question)]
     pieces = near.retrieve(question, 1000)
-    assert sum(p.item.char_end - p.item.char_start for p in pieces) <= sum(b - a for a, b in spans[:2]) + 2
-    assert all(any(p.item.char_start <= a and b <= p.item.char_end for p in pieces) for a, b in spans[:2])
+    assert sum(p.item.char_end - p.item.char_start for p in pieces) <= sum(b - a for _, a, b, _ in ranked[:2]) + 2
+    assert all(any(p.item.char_start <= a and b <= p.item.char_end for p in pieces) for _, a, b, _ in ranked[:2])
     wide = text_memory(context, {**options, "margin": 100.0})
     ingest(wide, tiny_tokenizer, "book", text)
     assert wide.retrieve(question, 1000) == plain.retrieve(question, 1000)
 
 
-@pytest.mark.parametrize(
-    ("options", "message"),
-    [
-        ({"margin": -1.0}, "between 0"),
-        ({"margin": 1.0, "fusion": "rank"}, "fusion score"),
-        ({"margin": 1.0, "rerank": 8}, "no rerank"),
-    ],
-)
-def test_margin_needs_fused_scores(context, options, message):
-    with pytest.raises(InvalidRequestError, match=message):
-        build_memory("text", context, options)
+@pytest.mark.parametrize("options", [{"fusion": "rank"}, {"retrieval": "dense"}, {"retrieval": "lexical"}])
+def test_margin_is_inert_where_scores_are_not_fused_z_scores(context, tiny_tokenizer, options):
+    """Rank fusion's and one ranking's scores are in other units: a margin (say, a model manifest's)
+    changes nothing there rather than refusing the session."""
+    text = filler(60) + " " + FACT + " " + filler(60) + " " + RARE + " " + filler(60)
+    question = "Who was handed the Z80 bootloader, and what colour is the Velmora lighthouse?"
+    taken = []
+    for margin in (0.0, 1e-9):
+        memory = text_memory(context, {"chunk_tokens": 16, "top_k": 6, "sentence_tokens": 0, "margin": margin, **options})
+        ingest(memory, tiny_tokenizer, "book", text)
+        taken.append(memory.retrieve(question, 1000))
+    assert len(taken[0]) > 1 and taken[0] == taken[1]
+
+
+@pytest.mark.parametrize("margin", [-1.0, 101.0])
+def test_margin_out_of_range_is_refused(context, margin):
+    with pytest.raises(InvalidRequestError, match="margin must be between 0"):
+        build_memory("text", context, {"margin": margin})
 
 
 def test_hybrid_retrieval_is_deterministic_and_merges_touching_chunks(context, tiny_tokenizer):

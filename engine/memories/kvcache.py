@@ -231,7 +231,7 @@ class KVCacheMemory(Memory):
         eligible = self.selective.eligible(self.store, self.store.tokens)
         want = self.selective.config.places(eligible)
         chosen: list[int] = []
-        for document_id, start, end in self._text.ranked_spans(question) if want else ():
+        for document_id, start, end, _ in self._text.ranked_spans(question) if want else ():
             chosen += [
                 s for s in self._segments(self._documents.index(document_id), start, end) if s < eligible and s not in chosen
             ]

@@ -14,7 +14,6 @@ question costs no more MiniLM work than its own vector.
 
 from __future__ import annotations
 
-import math
 import re
 import sys
 from collections.abc import Callable
@@ -122,7 +121,7 @@ class TextOptions:
     focus_tokens: int = 0  # > 0: of the chosen chunks, only their best sentences, this many tokens; 0: whole chunks
     rerank: int = 0  # > 0: the chunks are chosen from this many best fused ones, reordered by the reader
     sentence_tokens: int = 50  # whole chunks: at most about this many tokens added at each end, to whole sentences
-    margin: float = 0.0  # > 0: a chunk is taken only when its fused score is within this of the best one's
+    margin: float = 0.0  # > 0: a chunk is taken only when its fused score is within this of the first taken's
 
     def __post_init__(self) -> None:
         if not 16 <= self.chunk_tokens <= 512:
@@ -149,8 +148,12 @@ class TextOptions:
             raise ValueError("sentence_tokens must be between 0 and 512 (0: excerpts end where their chunks do)")
         if not 0.0 <= self.margin <= 100.0:
             raise ValueError("margin must be between 0 (off) and 100")
-        if self.margin and (self.retrieval, self.fusion, self.rerank) != ("hybrid", "score", 0):
-            raise ValueError("margin is in standardized fused scores: it needs retrieval hybrid, fusion score and no rerank")
+
+    def score_margin(self) -> float:
+        """`margin` where scores are fused z-scores (hybrid, score fusion, no rerank); 0 elsewhere,
+        where it would be in other units. Not refused there: a model's manifest may set a margin
+        that a session choosing rank fusion or rerank inherits."""
+        return self.margin if (self.retrieval, self.fusion, self.rerank) == ("hybrid", "score", 0) else 0.0
 
 
 @dataclass
@@ -339,17 +342,19 @@ class TextMemory(Memory):
         dense = self.options.retrieval != "lexical" or self.options.focus_tokens > 0
         return self._embedder.encode([query])[0] if dense else None
 
-    def ranked_spans(self, query: str) -> list[tuple[str, int, int]]:
-        """(document id, start, end) of the chunks in the order `retrieve` takes them for `query`,
-        before `top_k` and the token budget cut it; to measure where a passage ranks (`longdoc eval
-        ranks`). Not every chunk: the best max(50, 4·top_k) of each ranking (with rank fusion, the
-        union of two; BM25 alone, only chunks that hold a word of the question), with `rerank` the
-        first `rerank` in the reader's order."""
+    def ranked_spans(self, query: str) -> list[tuple[str, int, int, float]]:
+        """(document id, start, end, score) of the chunks in the order `retrieve` takes them for
+        `query`, before `top_k`, the token budget and `margin` cut it; to measure where a passage
+        ranks and how far below the first (`longdoc eval ranks`). Not every chunk: the best
+        max(50, 4·top_k) of each ranking (with rank fusion, the union of two; BM25 alone, only
+        chunks that hold a word of the question), with `rerank` the first `rerank` in the reader's
+        order."""
         if self._index.ntotal == 0:
             return []
-        rows = [row for row, _ in self._ordered(query, self._query_vector(query))]
+        ranked = self._ordered(query, self._query_vector(query))
+        rows = [row for row, _ in ranked]
         documents, spans = self._chunks.documents[rows].tolist(), self._chunks.spans[rows].tolist()
-        return [(self._documents[d][0], a, b) for d, (a, b) in zip(documents, spans, strict=True)]
+        return [(self._documents[d][0], a, b, score) for d, (a, b), (_, score) in zip(documents, spans, ranked, strict=True)]
 
     def _focus(self, query: str, query_vector: np.ndarray, chosen: dict[int, float], budget: int) -> list[ContextPiece]:
         """The sentences of the chosen chunks closest to the question (their vectors from
@@ -401,13 +406,15 @@ class TextMemory(Memory):
         return ContextPiece(text[start:end], item)
 
     def _chosen_chunks(self, query: str, query_vector: np.ndarray | None, max_tokens: int) -> dict[int, float]:
-        """Chunk -> fused score, best first, within `top_k`, the token budget and `margin` of the best."""
+        """Chunk -> fused score, best first, within `top_k`, the token budget and `margin` of the
+        first chunk taken."""
         chosen: dict[int, float] = {}
         budget = min(max_tokens, self.options.context_tokens)
-        ranked = self._ordered(query, query_vector)
-        floor = ranked[0][1] - self.options.margin if ranked and self.options.margin else -math.inf
-        for row, score in ranked:
-            if len(chosen) == self.options.top_k or budget < 1 or score < floor:
+        margin = self.options.score_margin()
+        for row, score in self._ordered(query, query_vector):
+            if len(chosen) == self.options.top_k or budget < 1:
+                break
+            if margin and chosen and score < next(iter(chosen.values())) - margin:
                 break
             if self._chunks.tokens[row] <= budget:
                 chosen[row] = score

@@ -26,7 +26,7 @@ from engine.interface import GenerationDone, GenerationEvent, GenerationParams, 
 from engine.memories import ContextPiece
 from engine.prompts import with_context
 from research.evals import texts
-from research.training.evaluate import EvalSetup, run_with_engine
+from research.training.evaluate import EvalSetup, markdown, run_with_engine
 
 QUESTIONS = Path(__file__).with_name("qa.jsonl")
 DEV_QUESTIONS = Path(__file__).with_name("qa_dev.jsonl")  # about texts.DEV_TEXTS: settings are chosen on these
@@ -210,11 +210,7 @@ class Summarized(Protocol):
 
 
 def table(rows: Sequence[Summarized]) -> str:
-    summaries = [row.summary() for row in rows]
-    keys = list(summaries[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(str(s[k]) for k in keys) + " |" for s in summaries]
-    return "\n".join(lines)
+    return markdown([row.summary() for row in rows])
 
 
 def section(rows: list[Row], command: str) -> str:

@@ -3,10 +3,12 @@
 A question's rank is the place of the first chunk that meets its gold span, in the order the
 memory takes chunks (`TextMemory.ranked_spans`: fused scores, or the reader's order with `rerank`);
 recall@k is the share of questions ranked within the first k. It tells retrieval settings apart in
-seconds where the QA and needle benchmarks take minutes, and it says which k a prompt would need.
+seconds where the QA and needle benchmarks take minutes, and it says which k a prompt would need;
+with margins, how many excerpts each would leave and how often the gold chunk is among them.
 
     longdoc eval ranks --dev --memory text --memory 'text {"fusion": "rank"}'
     longdoc eval ranks --needles 32768 --seeds 6 --memory text
+    longdoc eval ranks --dev --memory 'text {"margin": 0}' --margin 1.5 --margin 2.0
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.engine import Engine
-from engine.memories.text import TextMemory
+from engine.memories.text import TextMemory, TextOptions
 from research.evals import needles, texts
 from research.evals.qa import Row, ingested, load_questions
 from research.training.evaluate import EvalSetup, run_with_engine
@@ -40,6 +42,9 @@ class RankRow:
     label: str
     options: dict[str, Any]
     ranks: list[int | None] = field(default_factory=list)  # None: not among the ranked chunks
+    gaps: list[list[float]] = field(
+        default_factory=list
+    )  # per question: the first RECALL_AT[-1] chunks' scores below the first's
     seconds: list[float] = field(default_factory=list)  # ranking one question
 
     def summary(self) -> dict[str, Any]:
@@ -49,6 +54,19 @@ class RankRow:
             row[f"recall@{k}"] = f"{sum(r is not None and r < k for r in self.ranks) / max(1, asked):.2f}"
         row["ranking ms median"] = f"{1000 * statistics.median(self.seconds):.0f}" if self.seconds else "-"
         return row
+
+    def with_margin(self, margin: float) -> dict[str, Any]:
+        """What `text`'s `margin` would take of each question's first `top_k` chunks (the token
+        budget aside): excerpts a question, and questions whose gold chunk is among them."""
+        top_k = int(self.options.get("top_k", TextOptions.top_k))
+        kept = [sum(gap <= margin for gap in gaps[:top_k]) for gaps in self.gaps]
+        golds = sum(rank is not None and rank < n for rank, n in zip(self.ranks, kept, strict=True))
+        return {
+            "memory": self.label + (f" {json.dumps(self.options)}" if self.options else ""),
+            "margin": f"{margin:g}",
+            "excerpts a question (mean)": f"{statistics.mean(kept):.2f}" if kept else "-",
+            "gold among them": f"{golds}/{len(kept)}",
+        }
 
 
 def gold_rank(spans: Iterable[tuple[int, int]], start: int, end: int) -> int | None:
@@ -66,7 +84,8 @@ async def _rank(engine: Engine, row: RankRow, options: dict[str, Any], text: str
             started = time.perf_counter()  # on the memory's worker, where the server retrieves
             spans = await engine.session_service.memory_worker(session).run(session.memory.ranked_spans, gold.question)
             row.seconds.append(time.perf_counter() - started)
-            row.ranks.append(gold_rank(((a, b) for _, a, b in spans), gold.start, gold.end))
+            row.ranks.append(gold_rank(((a, b) for _, a, b, _ in spans), gold.start, gold.end))
+            row.gaps.append([spans[0][3] - score for *_, score in spans[: RECALL_AT[-1]]])
 
 
 def qa_documents(questions_path: Path, qa_dir: Path = texts.QA_DIR) -> list[tuple[str, list[Gold]]]:
