@@ -113,10 +113,12 @@ def test_a_margin_counts_the_excerpts_it_would_keep_and_the_golds_among_them():
     assert row.with_margin(2.0) == {
         "memory": 'text {"top_k": 4}',
         "margin": "2",
-        "excerpts a question (mean)": "2.67",
+        "chunks a question (mean)": "2.67",
         "gold among them": "1/3",
     }
-    assert row.with_margin(3.0)["gold among them"] == "2/3" and row.with_margin(3.0)["excerpts a question (mean)"] == "4.00"
+    assert row.with_margin(3.0)["gold among them"] == "2/3" and row.with_margin(3.0)["chunks a question (mean)"] == "4.00"
+    ranked = ranks.RankRow("text", {"top_k": 4, "fusion": "rank"}, ranks=[3, 0, None], gaps=gaps)
+    assert ranked.with_margin(2.0)["chunks a question (mean)"] == "4.00"  # inert where scores are not z-scores
 
 
 def test_a_row_names_the_options_its_sessions_were_made_with(tiny_dir, tmp_path):

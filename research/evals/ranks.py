@@ -14,6 +14,7 @@ with margins, how many excerpts each would leave and how often the gold chunk is
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from collections.abc import Iterable
@@ -42,9 +43,7 @@ class RankRow:
     label: str
     options: dict[str, Any]
     ranks: list[int | None] = field(default_factory=list)  # None: not among the ranked chunks
-    gaps: list[list[float]] = field(
-        default_factory=list
-    )  # per question: the first RECALL_AT[-1] chunks' scores below the first's
+    gaps: list[list[float]] = field(default_factory=list)  # per question: the first chunks' scores below the first's
     seconds: list[float] = field(default_factory=list)  # ranking one question
 
     def summary(self) -> dict[str, Any]:
@@ -57,14 +56,16 @@ class RankRow:
 
     def with_margin(self, margin: float) -> dict[str, Any]:
         """What `text`'s `margin` would take of each question's first `top_k` chunks (the token
-        budget aside): excerpts a question, and questions whose gold chunk is among them."""
-        top_k = int(self.options.get("top_k", TextOptions.top_k))
-        kept = [sum(gap <= margin for gap in gaps[:top_k]) for gaps in self.gaps]
+        budget aside, and touching chunks counted apart): chunks a question, and questions whose
+        gold chunk is among them. Where the margin is inert (`TextOptions.score_margin`), all `top_k`."""
+        options = TextOptions(**{**self.options, "margin": margin})
+        top_k, applied = options.top_k, options.score_margin() or math.inf
+        kept = [sum(gap <= applied for gap in gaps[:top_k]) for gaps in self.gaps]
         golds = sum(rank is not None and rank < n for rank, n in zip(self.ranks, kept, strict=True))
         return {
             "memory": self.label + (f" {json.dumps(self.options)}" if self.options else ""),
             "margin": f"{margin:g}",
-            "excerpts a question (mean)": f"{statistics.mean(kept):.2f}" if kept else "-",
+            "chunks a question (mean)": f"{statistics.mean(kept):.2f}" if kept else "-",
             "gold among them": f"{golds}/{len(kept)}",
         }
 
@@ -85,7 +86,8 @@ async def _rank(engine: Engine, row: RankRow, options: dict[str, Any], text: str
             spans = await engine.session_service.memory_worker(session).run(session.memory.ranked_spans, gold.question)
             row.seconds.append(time.perf_counter() - started)
             row.ranks.append(gold_rank(((a, b) for _, a, b, _ in spans), gold.start, gold.end))
-            row.gaps.append([spans[0][3] - score for *_, score in spans[: RECALL_AT[-1]]])
+            first = spans[: max(RECALL_AT[-1], session.memory.options.top_k)]
+            row.gaps.append([spans[0][3] - score for *_, score in first])
 
 
 def qa_documents(questions_path: Path, qa_dir: Path = texts.QA_DIR) -> list[tuple[str, list[Gold]]]:
