@@ -14,6 +14,7 @@ question costs no more MiniLM work than its own vector.
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -410,13 +411,13 @@ class TextMemory(Memory):
         first chunk taken."""
         chosen: dict[int, float] = {}
         budget = min(max_tokens, self.options.context_tokens)
-        margin = self.options.score_margin()
+        margin, floor = self.options.score_margin(), -math.inf  # with a margin, the floor is set by the first chunk taken
         for row, score in self._ordered(query, query_vector):
-            if len(chosen) == self.options.top_k or budget < 1:
-                break
-            if margin and chosen and score < next(iter(chosen.values())) - margin:
+            if len(chosen) == self.options.top_k or budget < 1 or score < floor:
                 break
             if self._chunks.tokens[row] <= budget:
+                if margin and not chosen:
+                    floor = score - margin
                 chosen[row] = score
                 budget -= int(self._chunks.tokens[row])
         return chosen
