@@ -335,6 +335,70 @@ def test_given_picks_are_attended_in_every_layer_and_checked():
         patch.setattr(selective, "key_scores", lambda *args: keyed_scores)
         expected = [keyed.forward(prompt)] + [keyed.forward([t]) for t in steps]
     torch.testing.assert_close(torch.stack(out), torch.stack(expected), rtol=0, atol=1e-5)
-    for bad in ([3], [3, 3], [3, given.eligible]):
+    for bad in ([3, 3], [3, given.eligible], [3, 5, 7]):
         with pytest.raises(ValueError, match="distinct segments"):
             SelectiveAnswer(selective, store, 14, picks=bad)
+
+
+def test_fewer_given_picks_shorten_the_selected_region():
+    """Fewer picks than the layout's k·u places (selection "text" with a margin): the window
+    follows them, as in a layout with that many places; the same logits as selecting them so."""
+    config = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=16, sinks=4, query_chunk=4, selection="text")
+    selective, store, _ = fed(tiny_model(), config, random_ids(160), chunk=24)
+    prompt, steps = random_ids(10, seed=2), random_ids(3, seed=3)
+    given = SelectiveAnswer(selective, store, 14, picks=[5])
+    out = [given.forward(prompt)] + [given.forward([t]) for t in steps]
+    assert given.window_position == config.sinks + config.segment_len
+    selective.config = dataclasses.replace(config, top_k=1, selection="keys", reselect_every=1)
+    scores = torch.zeros(given.eligible)
+    scores[5] = 1.0
+    keyed = SelectiveAnswer(selective, store, 14)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(selective, "key_scores", lambda *args: scores.expand(selective.kv_heads, -1))
+        expected = [keyed.forward(prompt)] + [keyed.forward([t]) for t in steps]
+    torch.testing.assert_close(torch.stack(out), torch.stack(expected), rtol=0, atol=1e-5)
+    selective.config = config
+    nothing = SelectiveAnswer(selective, store, 14, picks=[])
+    assert nothing.window_position == config.sinks and nothing.forward(prompt).isfinite().all()
+
+
+def test_reread_picks_hold_the_plain_models_keys_and_values_of_the_sinks_and_picks():
+    """`reread`: the given picks' keys and values are computed again from their tokens after the
+    sinks (each attending to the sinks and the picks before it), not read from the store: the
+    buffer's first columns are the plain model's cache over sinks + picks' tokens, which the
+    stored picks (written in their document context) are not."""
+    config = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=16, sinks=4, query_chunk=4, selection="text")
+    ids = random_ids(160)
+    selective, store, _ = fed(tiny_model(), config, ids, chunk=24)
+    picks = [3, 7]
+    tokens = [t for p in picks for t in ids[4 + p * 8 : 4 + (p + 1) * 8]]
+    reread = SelectiveAnswer(selective, store, 14, picks=picks, pick_tokens=tokens)
+    stored = SelectiveAnswer(selective, store, 14, picks=picks)
+    prompt = random_ids(10, seed=2)
+    stored.forward(prompt)  # the prompt pass writes the stored picks into the region
+    with torch.no_grad():
+        cache = selective.model(input_ids=torch.tensor([ids[:4] + tokens]), use_cache=True).past_key_values
+    columns = 4 + len(tokens)
+    for layer in range(len(selective.layers)):
+        torch.testing.assert_close(reread.keys[layer, :, :columns], cache.layers[layer].keys[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(reread.values[layer, :, :columns], cache.layers[layer].values[0], rtol=0, atol=1e-5)
+    assert not torch.allclose(stored.values[1, :, 4:columns], reread.values[1, :, 4:columns], atol=1e-3)
+    assert reread.picked == Counter({3: len(selective.layers), 7: len(selective.layers)})
+    assert reread.forward(prompt).isfinite().all()
+
+
+def test_reread_with_every_segment_given_equals_full_attention():
+    """`reread` with every eligible segment given: the picks, run again after the sinks, are the
+    text before the window, so the answer is the plain model's over the whole text."""
+    model = tiny_model()
+    config = SelectConfig(segment_len=8, top_k=64, neighbours=1, window=16, sinks=4, query_chunk=5, selection="text")
+    ids = random_ids(200)
+    selective, store, _ = fed(model, config, ids[:180], chunk=20)
+    eligible = selective.eligible(store, 180)
+    assert eligible > 10
+    picks = list(range(eligible))
+    answer = SelectiveAnswer(selective, store, 20, picks=picks, pick_tokens=ids[4 : 4 + eligible * 8])
+    out = [answer.forward(ids[180:192])] + [answer.forward([t]) for t in ids[192:200]]
+    full = plain_logits(model, ids)
+    for j, position in enumerate(range(191, 200)):
+        torch.testing.assert_close(out[j], full[position], atol=1e-4, rtol=0)

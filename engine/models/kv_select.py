@@ -75,6 +75,7 @@ class SelectConfig:
         "summary"  # answering: "summary" (against summaries) | "keys" (each segment's best key) | "text" (picks given)
     )
     vote: bool = False  # answering: the prompt pass twice, the second with the segments the first picked most, in every layer
+    reread: bool = False  # answering, picks given: their tokens run again, in place of their stored keys/values
 
     @property
     def max_selected_tokens(self) -> int:
@@ -335,17 +336,28 @@ class SelectiveAnswer:
     its selection (all but every `reselect_every`-th; all with 0 or given picks) is a plain decode step there, and one that
     reselects does it in each layer from the C step's queries, before that layer attends."""
 
-    def __init__(self, selective: SelectiveModel, store: KVStore, new_tokens: int, picks: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        selective: SelectiveModel,
+        store: KVStore,
+        new_tokens: int,
+        picks: list[int] | None = None,
+        pick_tokens: list[int] | None = None,
+    ) -> None:
         """`new_tokens`: the most tokens this answer will feed (prompt and answer). `picks`: the
         segments every layer and head attends, chosen outside (`selection` "text"), in place of
-        selecting; min(k·u, eligible) of them, each eligible."""
+        selecting: at most min(k·u, eligible), each eligible; with fewer the selected region is
+        shorter and the window follows them."""
         self.m, self.store = selective, store
         c = selective.config
         N = store.tokens
         self.sinks = min(c.sinks, N)
         self.eligible = selective.eligible(store, N)
         window_start = c.sinks + self.eligible * c.segment_len if N > c.sinks else N
-        self.window_position = self.sinks + c.places(self.eligible) * c.segment_len
+        want = c.places(self.eligible)
+        if picks is not None and not (len(set(picks)) == len(picks) <= want and all(0 <= p < self.eligible for p in picks)):
+            raise ValueError(f"picks must be at most {want} distinct segments below {self.eligible}")
+        self.window_position = self.sinks + (want if picks is None else len(picks)) * c.segment_len
         window = N - window_start if N > c.sinks else 0
         self._prompt_picks: list[set[int]] = [set() for _ in selective.layers]
         self.selection_seconds = 0.0
@@ -356,9 +368,6 @@ class SelectiveAnswer:
         self._steps = 0  # decode steps fed
         self._fixed = None if picks is None else sorted(picks)  # what every layer and head attends: given, or voted
         self._given = picks is not None
-        want = c.places(self.eligible)
-        if picks is not None and not (len(set(picks)) == len(picks) == want and all(0 <= p < self.eligible for p in picks)):
-            raise ValueError(f"picks must be {want} distinct segments below {self.eligible}")
         if picks is None and c.selection == "text":
             raise ValueError('selection "text" needs the picks given')
         self._votes = self._tiebreak = torch.zeros(0)  # with `vote`, the first prompt pass's
@@ -377,6 +386,22 @@ class SelectiveAnswer:
                 keys[:, self.window_position : self.window_position + window] = rotate(wk.transpose(0, 1), *window_rope)
                 values[:, self.window_position : self.window_position + window] = wv.transpose(0, 1)
         self._length = self.window_position + window  # buffer columns in use; a column is its token's position
+        if pick_tokens is not None:
+            self._reread(pick_tokens)
+
+    @torch.inference_mode()
+    def _reread(self, pick_tokens: list[int]) -> None:
+        """The given picks' keys and values computed again from their tokens (`pick_tokens`, the
+        picks' in order, l each), each attending to the sinks and the picks before it, written
+        where the stored ones would go; the window and the prompt then attend to these."""
+        assert self._fixed is not None and len(pick_tokens) == len(self._fixed) * self.m.config.segment_len
+        self._picks = [[self._fixed] * self.m.kv_heads for _ in self.m.layers]  # the region is written here, not from the store
+        for picked in self._prompt_picks:
+            picked.update(self._fixed)
+        end, self._length = self._length, self.sinks
+        if pick_tokens:
+            self._chunk(pick_tokens)
+        self._length = end
 
     @property
     def picked(self) -> Counter[int]:
