@@ -38,7 +38,8 @@ from engine.ingest import TokenizedDocument, ingest_steps, tokenize_document
 from engine.interface import GenerationParams, IngestDone
 from engine.memories.base import MemoryContext
 from engine.memories.kvcache import KVCacheMemory, KVCacheOptions
-from engine.models.kv_select import SelectiveAnswer, SelectiveModel
+from engine.models import manifest as manifests
+from engine.models.kv_select import SelectiveModel
 from engine.models.loader import LoadedModel, load_model
 from engine.prompts import after_document
 from research.evals import texts
@@ -76,6 +77,7 @@ def kvcache_memory(loaded: LoadedModel, options: dict) -> KVCacheMemory:
         else None,
         model=loaded.model,
         context_len=loaded.context_len,
+        text_options=manifests.memory_options(manifests.manifest_of(loaded.name, loaded.source)).get("text", {}),
     )
     return KVCacheMemory(context, options)
 
@@ -107,7 +109,7 @@ def main() -> None:
     memory = kvcache_memory(loaded, options)
     if args.torch_steps:
         memory.selective = SelectiveModel(model, memory.selective.config, None)
-    selective, window = memory.selective, memory.options.window
+    window = memory.options.window
     decoder = BatchDecoder(model)
     doc = cut(tokenize_document(tokenizer, "bench", "bench", document(args.tokens)), args.tokens)
     chunk = torch.tensor([doc.token_ids[:window].tolist()])
@@ -137,7 +139,7 @@ def main() -> None:
 
     def answer() -> tuple[float, float]:
         begun = time.perf_counter()
-        run = SelectiveAnswer(selective, memory.store, len(prompt) + args.steps + 1, memory.text_picks(QUESTION))
+        run = memory.selective_answer(QUESTION, len(prompt) + args.steps + 1)[0]
         logits = run.forward(prompt)
         ttft = time.perf_counter() - begun
         begun = time.perf_counter()
@@ -149,7 +151,7 @@ def main() -> None:
     runs = [answer() for _ in range(args.repeats)]
     ttft = statistics.median(r[0] for r in runs)
     kv_step = statistics.median(r[1] for r in runs)
-    attended = SelectiveAnswer(selective, memory.store, 1, memory.text_picks(QUESTION)).length + len(prompt)
+    attended = memory.selective_answer(QUESTION, 1)[0].length + len(prompt)
     question_alone = statistics.median(plain_decode(decoder, tokenizer, prompt, args.steps) for _ in range(args.repeats))
     same_span = statistics.median(
         plain_decode(decoder, tokenizer, doc.token_ids[-attended:].tolist(), args.steps) for _ in range(args.repeats)

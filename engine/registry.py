@@ -77,6 +77,7 @@ class ModelRuntime:
             state_model=loaded.model if loaded.own_memory is not None else None,
             model=None if loaded.own_memory is not None else loaded.model,
             context_len=loaded.context_len,
+            text_options=self.manifest_options.get("text", {}),
         )
 
     @functools.cached_property

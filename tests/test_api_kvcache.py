@@ -3,6 +3,9 @@ rollback of a failed ingestion, budgets."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from tests.helpers import FIXTURES, assert_error, fail_on_third_segment, new_session, session_of
@@ -120,3 +123,23 @@ def test_selection_by_text_attends_the_text_indexs_best_chunks_in_every_layer(cl
     assert any(item["char_start"] < end and start < item["char_end"] for item in items)  # the best chunk is attended
     with_index, without = (client.get(f"/v1/sessions/{s}/cache").json()["bytes"] for s in (session, plain))
     assert with_index > without
+
+
+def test_the_text_index_ranks_with_the_models_text_options(make_client, tiny_dir, tmp_path):
+    """selection "text": kvcache's text index takes the `text` memory's defaults from the model's
+    manifest; with its margin only the chunks within it of the first are picked, and the answer
+    attends fewer segments than the layout's k·u places."""
+    measured = tmp_path / tiny_dir.name
+    shutil.copytree(tiny_dir, measured)
+    (measured / "longdoc.json").write_text(json.dumps({"memory_options": {"text": {"margin": 0.001, "dense_weight": 0.4}}}))
+    client = make_client(model=[str(measured)])
+    session = new_session(client, memory="kvcache", options={**SIZES, "selection": "text"})
+    client.post(f"/v1/sessions/{session}/documents", json={"text": TEXT})
+    question = {"question": "What did the Dodo say about the Caucus-race?", "max_tokens": 8}
+    items = client.post(f"/v1/sessions/{session}/ask", json=question).json()["retrieval"]["items"]
+    text_index = session_of(client, session).memory._text
+    assert (text_index.options.margin, text_index.options.dense_weight) == (0.001, 0.4)
+    (_, start, end, best), (_, _, _, second) = text_index.ranked_spans(question["question"])[:2]
+    assert best - second > 0.001  # the second chunk lies outside the margin
+    assert 0 < len(items) < SIZES["top_k"] * SIZES["neighbours"]
+    assert all(item["char_start"] < end and start < item["char_end"] for item in items)  # the best chunk's segments only

@@ -175,6 +175,27 @@ def test_a_kvcache_session_saved_before_the_defaults_changed_comes_back_as_it_wa
     assert (options.top_k, options.selection) == (8, "summary")
 
 
+def test_a_kvcache_session_saved_before_reread_comes_back_answering_without_it(make_client, tmp_path):
+    """Until 2026-11-27 a kvcache session attended its picks' stored keys and values, and its saved
+    state held neither the token ids `reread` needs nor the option: it comes back answering so."""
+    settings = dict(data_dir=tmp_path / "sessions")
+    client = make_client(**settings)
+    session_id = new_session(client, memory="kvcache", options={**KVCACHE_TEXT, "reread": False})
+    client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT})
+    before = client.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).json()
+    client.__exit__(None, None, None)
+    store = SnapshotStore(tmp_path / "sessions")
+    saved = store.read(session_id)
+    saved.state.pop("token_ids")
+    assert saved.state["options"].pop("reread") is False
+    store.write(Snapshot({**saved.session, "options": KVCACHE_TEXT}, saved.state), expected=saved.generation)
+
+    restarted = make_client(**settings)
+    after = restarted.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).json()
+    assert after["answer"] == before["answer"] and after["retrieval"]["items"] == before["retrieval"]["items"]
+    assert session_of(restarted, session_id).memory.options.reread is False
+
+
 def test_a_cleared_cache_and_a_deleted_session_stay_so(make_client, tmp_path):
     client = make_client(data_dir=tmp_path / "sessions")
     kept, gone = new_session(client, memory="text"), new_session(client, memory="text")

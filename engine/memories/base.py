@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from pydantic import TypeAdapter, ValidationError
@@ -51,6 +51,9 @@ class MemoryContext:
     state_model: Any = None  # a plugin's model whose own state is the session's memory (engine/plugins.py)
     model: Any = None  # the served Hugging Face causal LM (None for a plugin's model)
     context_len: int = 0  # the served model's positions
+    text_options: dict[str, Any] = field(
+        default_factory=dict
+    )  # the `text` memory's defaults on this model (kvcache's text index ranks so)
 
 
 @dataclass(frozen=True)

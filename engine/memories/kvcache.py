@@ -8,6 +8,7 @@ rest of the user turn) and generates; the store is read-only while answering.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -27,7 +28,7 @@ from engine.models.kv_store import KVStore
 from engine.prompts import after_document, document_frame
 
 SEPARATOR = "\n\n"
-_SPAN_BYTES = 12  # per token: its document (int32) and its characters (2 × int32)
+_SPAN_BYTES = 16  # per token: its document, its characters (2) and its id, int32 each
 BEFORE_TEXT = {"top_k": 8, "selection": "summary"}  # the defaults that changed on 2026-11-26 (`KVCacheOptions`)
 
 
@@ -51,6 +52,7 @@ class KVCacheOptions:
     query_pool: Literal["mean", "max"] = "mean"  # answering: a chunk's mean query scores, or its best row
     selection: Literal["summary", "keys", "text"] = "text"  # answering: the text index picks, or the layers score
     vote: bool = False  # answering: prompt pass twice; the second attends the first's most picked segments in every layer
+    reread: bool = True  # selection "text" only: the picks' tokens run again, in place of their stored keys/values
     storage: Literal["bfloat16", "int8", "float32"] = "bfloat16"
 
     def __post_init__(self) -> None:
@@ -105,6 +107,7 @@ class KVCacheMemory(Memory):
         self.store = KVStore(shape, device=self.selective.device, dtype=self.selective.dtype)
         self._documents: list[str] = []
         self._token_doc = np.zeros(0, np.int32)  # per fed token: its document's number, -1 for template text
+        self._token_ids = np.zeros(0, np.int32)  # per fed token: its id (`reread`)
         self._token_spans = np.zeros((0, 2), np.int32)
         self._staged: dict[str, Any] | None = None
         self._committed = (0, 0)  # (bytes, tokens) that stats count: never a document being fed
@@ -116,7 +119,7 @@ class KVCacheMemory(Memory):
                     'kvcache\'s selection "text" (the default) needs the text embedder, which this server has not '
                     'loaded; make the session with {"selection": "summary"} or {"selection": "keys"}'
                 )
-            self._text = TextMemory(context, {})
+            self._text = TextMemory(context, context.text_options)
 
     @classmethod
     def available(cls, context: MemoryContext) -> bool:
@@ -130,7 +133,7 @@ class KVCacheMemory(Memory):
             "id": document_id,
             "mark": self.store.mark(),
             "bytes": self._bytes(),
-            "arrays": (self._token_doc, self._token_spans),
+            "arrays": (self._token_doc, self._token_spans, self._token_ids),
         }
         self.store.reserve(tokens + len(lead))
         self._feed(lead, -1, [(0, 0)] * len(lead))
@@ -148,6 +151,7 @@ class KVCacheMemory(Memory):
         for at in range(0, len(token_ids), self._room):
             self.selective.feed(self.store, token_ids[at : at + self._room])
         self._token_doc = np.concatenate([self._token_doc, np.full(len(token_ids), document, np.int32)])
+        self._token_ids = np.concatenate([self._token_ids, np.asarray(token_ids, np.int32)])
         self._token_spans = np.concatenate([self._token_spans, np.asarray(spans, np.int32).reshape(-1, 2)])
 
     def _bytes(self) -> int:
@@ -175,7 +179,7 @@ class KVCacheMemory(Memory):
     def abort_document(self) -> None:
         if self._staged is not None:
             self.store.rollback(self._staged["mark"])
-            self._token_doc, self._token_spans = self._staged["arrays"]
+            self._token_doc, self._token_spans, self._token_ids = self._staged["arrays"]
         self._staged = None
         if self._text is not None:
             self._text.abort_document()
@@ -211,27 +215,39 @@ class KVCacheMemory(Memory):
             "input_ids"
         ]
         prompt = after if self.store.tokens else self._prefix + after  # an empty session: the template's start first
-        started = time.perf_counter()
-        picks = self.text_picks(request.question)
-        picking = time.perf_counter() - started if picks is not None else 0.0
-        answer = SelectiveAnswer(self.selective, self.store, len(prompt) + request.params.max_tokens, picks)
+        answer, picking = self.selective_answer(request.question, len(prompt) + request.params.max_tokens)
         steps = decode_steps(answer.forward, tokenizer, prompt, request.params, request.stop_tokens)
         first = next(steps)  # the prompt pass selects; its picks are the answer's sources
         yield Retrieval(self.kind, self._items(answer), picking + answer.prompt_selection_seconds)
         yield first
         yield from steps
 
+    def selective_answer(self, question: str, new_tokens: int) -> tuple[SelectiveAnswer, float]:
+        """An answer over the store for `question`, feeding at most `new_tokens` (with selection
+        "text" the text index's picks, their tokens run again with `reread`), and the seconds the
+        text index took to pick."""
+        started = time.perf_counter()
+        picks = self.text_picks(question)
+        picking = time.perf_counter() - started if picks is not None else 0.0
+        return SelectiveAnswer(self.selective, self.store, new_tokens, picks, self._pick_tokens(picks)), picking
+
     def text_picks(self, question: str) -> list[int] | None:
         """Segments for selection "text" (None for the others, whose layers select): those of the
         text index's best chunks for the question, in its order, until the layout's k·u places are
-        full (the places' count is fixed: when the best chunks' segments are fewer, the next
-        chunks' fill it); segments in the local window are attended anyway and are skipped."""
+        full (when the best chunks' segments are fewer, the next chunks' fill them); with the text
+        index's `margin`, only chunks within it of the first, so the places may stay part empty.
+        Segments in the local window are attended anyway and are skipped."""
         if self._text is None or self.selective.config.selection != "text":
             return None
         eligible = self.selective.eligible(self.store, self.store.tokens)
         want = self.selective.config.places(eligible)
+        margin, floor = self._text.options.score_margin(), -math.inf
         chosen: list[int] = []
-        for document_id, start, end, _ in self._text.ranked_spans(question) if want else ():
+        for document_id, start, end, score in self._text.ranked_spans(question) if want else ():
+            if margin and floor == -math.inf:
+                floor = score - margin
+            if score < floor:
+                return sorted(chosen)
             chosen += [
                 s for s in self._segments(self._documents.index(document_id), start, end) if s < eligible and s not in chosen
             ]
@@ -240,6 +256,13 @@ class KVCacheMemory(Memory):
         chosen = chosen[:want]
         chosen += islice((s for s in range(eligible) if s not in chosen), want - len(chosen))  # a short ranking
         return sorted(chosen)
+
+    def _pick_tokens(self, picks: list[int] | None) -> list[int] | None:
+        """With `reread`, the token ids of `picks`, in order."""
+        if picks is None or not self.selective.config.reread:
+            return None
+        sinks, l = self.selective.config.sinks, self.selective.config.segment_len
+        return [int(t) for p in picks for t in self._token_ids[sinks + p * l : sinks + (p + 1) * l]]
 
     def _segments(self, document: int, start: int, end: int) -> list[int]:
         """The segments holding characters start..end-1 of the `document`-th document, in order."""
@@ -290,6 +313,7 @@ class KVCacheMemory(Memory):
         self.store = KVStore(self.store.shape, device=self.store.device, dtype=self.store.dtype)
         self._documents, self._staged = [], None
         self._token_doc, self._token_spans = np.zeros(0, np.int32), np.zeros((0, 2), np.int32)
+        self._token_ids = np.zeros(0, np.int32)
         self._committed = (self._bytes(), 0)
         if self._text is not None:
             self._text.reset()
@@ -301,16 +325,17 @@ class KVCacheMemory(Memory):
             "store": self.store.state_dict(),
             "token_doc": torch.from_numpy(self._token_doc),
             "token_spans": torch.from_numpy(self._token_spans),
+            "token_ids": torch.from_numpy(self._token_ids),
             **({"text": self._text.state_dict()} if self._text is not None else {}),
         }
 
     @classmethod
     def saved_options(cls, options: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
         """Saved since 2026-11-26, the state holds the options it was made with, defaults resolved;
-        a state from before holds none, and was made under that time's defaults (`BEFORE_TEXT`)."""
-        if "options" in state:
-            return dict(state["options"])
-        return {**BEFORE_TEXT, **options}
+        a state from before holds none, and was made under that time's defaults (`BEFORE_TEXT`).
+        A state saved before `reread` (2026-11-27) holds no token ids, and answers without it."""
+        saved = dict(state["options"]) if "options" in state else {**BEFORE_TEXT, **options}
+        return saved if "token_ids" in state else {**saved, "reread": False}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.reset()
@@ -318,6 +343,7 @@ class KVCacheMemory(Memory):
         self._documents = list(state["documents"])
         self._token_doc = state["token_doc"].numpy().astype(np.int32)
         self._token_spans = state["token_spans"].numpy().astype(np.int32).reshape(-1, 2)
+        self._token_ids = state["token_ids"].numpy().astype(np.int32) if "token_ids" in state else np.zeros(0, np.int32)
         if self._text is not None:
             self._text.load_state_dict(state["text"])
         self._committed = (self._bytes(), self.store.tokens)
