@@ -50,7 +50,9 @@ from research.training.evaluate import (
     run_with_engine,
 )
 
-ANSWERING = {"selection", "reselect_every", "query_pool", "vote"}  # options that leave the fed store's layout alone
+# options that leave the fed store alone: `window` then changes only how much of the document's end
+# an answer attends (the rest becomes selectable), `text` the kvcache text index's options (with selection "text")
+ANSWERING = {"selection", "reselect_every", "query_pool", "vote", "window", "text", "reread"}
 DEPTHS = (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95)
 
 
@@ -73,6 +75,22 @@ def forced(*segments: int) -> Iterator[None]:
         yield
     finally:
         kv_select.pick_segments = real
+
+
+@contextlib.contextmanager
+def answering(memory: KVCacheMemory, change: dict[str, Any]) -> Iterator[None]:
+    """`memory` answers with the answering options `change` (under `text`, its text index's), then as before."""
+    selective, config, text = memory.selective, memory.selective.config, memory._text
+    text_options = text.options if text is not None else None
+    selective.config = dataclasses.replace(config, **{k: v for k, v in change.items() if k != "text"})
+    if text is not None and text_options is not None:
+        text.options = dataclasses.replace(text_options, **change.get("text", {}))
+    try:
+        yield
+    finally:
+        selective.config = config
+        if text is not None and text_options is not None:
+            text.options = text_options
 
 
 def needle_layers(items: tuple[RetrievedItem, ...], document: str, key: str) -> int:
@@ -171,7 +189,7 @@ def run_qa(
         async for _ in await engine.ingest(session.id, qa_texts.load(text), text):
             pass
         memory = cast(KVCacheMemory, engine.sessions.use(session.id).memory)
-        selective, config = memory.selective, memory.selective.config
+        config = memory.selective.config
         for question in questions:
             rows = (memory.token_at(0, char) for char in range(question.start, question.end))
             segments = sorted({(r - config.sinks) // config.segment_len for r in rows if r is not None and r >= config.sinks})
@@ -181,13 +199,11 @@ def run_qa(
                 else []
             )
             for name, change in runs:  # the middle gold segment first: its neighbours are the others when top_k is 1
-                selective.config = dataclasses.replace(config, **change)
-                with forced(*middle_first) if name == "gold forced" else contextlib.nullcontext():
+                with answering(memory, change), forced(*middle_first) if name == "gold forced" else contextlib.nullcontext():
                     answer_text = await ask(engine, session.id, question.question)
                 hit = qa.is_correct(answer_text, question.answers)
                 correct[name] += hit
                 print(f"{question.id} {name} (segments {segments}): {hit} {' '.join(answer_text.split())[:80]!r}", flush=True)
-            selective.config = config
 
     run_with_engine(EvalSetup(model=model, device="cpu"), 200_000, body)
     label = f"kvcache {json.dumps(options)}" if options else "kvcache"
