@@ -80,11 +80,11 @@ def forced(*segments: int) -> Iterator[None]:
 @contextlib.contextmanager
 def answering(memory: KVCacheMemory, change: dict[str, Any]) -> Iterator[None]:
     """`memory` answers with the answering options `change` (under `text`, its text index's), then as before."""
-    selective, config, text = memory.selective, memory.selective.config, memory._text
+    selective, config, text = memory.selective, memory.selective.config, memory.text_index
     text_options = text.options if text is not None else None
     selective.config = dataclasses.replace(config, **{k: v for k, v in change.items() if k != "text"})
-    if text is not None and text_options is not None:
-        text.options = dataclasses.replace(text_options, **change.get("text", {}))
+    if text is not None:
+        text.options = dataclasses.replace(text.options, **change.get("text", {}))
     try:
         yield
     finally:
@@ -134,17 +134,15 @@ def run(
             async for _ in await engine.ingest(session.id, document, "eval"):
                 pass
             memory = cast(KVCacheMemory, engine.sessions.use(session.id).memory)
-            selective, base = memory.selective, memory.selective.config
+            base = memory.selective.config
             row = memory.token_at(0, at)
             assert row is not None, "the key's digits were fed"
             segment = (row - base.sinks) // base.segment_len if row >= base.sinks else None  # None: a sink, always attended
             for name, change, force in runs:
-                selective.config = dataclasses.replace(base, **change)
-                with forced(segment) if force and segment is not None else contextlib.nullcontext():
+                with answering(memory, change), forced(segment) if force and segment is not None else contextlib.nullcontext():
                     text, items = await answer(engine, session.id, PASSKEY_QUESTION)
                 tally[name].append((key in text, needle_layers(items, document, key)))
                 print(f"depth {depth} {name}: {key in text} layers {tally[name][-1][1]} {text!r}", flush=True)
-            selective.config = base
             engine.delete_session(session.id)
 
     run_with_engine(EvalSetup(model=model, device="cpu"), length, body)

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from engine.memories.kvcache import SEPARATOR
 from tests.helpers import FIXTURES, assert_error, fail_on_third_segment, new_session, session_of
 
 TEXT = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")[:6000]
@@ -74,6 +75,13 @@ def test_a_failed_ingestion_leaves_earlier_documents_exact(client, selection):
         **answer["retrieval"],
         "seconds": after["retrieval"]["seconds"],
     }
+    # the token ids `reread` runs again stay row for row with the store: rolled back, then appended
+    second = TEXT[3000:4000]
+    client.post(f"/v1/sessions/{session}/documents", json={"text": second})
+    memory = session_of(client, session).memory
+    tokenizer = client.app.state.engine.tokenizer()
+    fed = tokenizer(SEPARATOR, add_special_tokens=False)["input_ids"] + tokenizer(second, add_special_tokens=False)["input_ids"]
+    assert len(memory._token_ids) == memory.store.tokens and memory._token_ids[-len(fed) :].tolist() == fed
 
 
 def test_the_session_budget_refuses_a_document_before_it_is_streamed(make_client):

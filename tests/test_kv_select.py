@@ -375,7 +375,8 @@ def test_reread_picks_hold_the_plain_models_keys_and_values_of_the_sinks_and_pic
     reread = SelectiveAnswer(selective, store, 14, picks=picks, pick_tokens=tokens)
     stored = SelectiveAnswer(selective, store, 14, picks=picks)
     prompt = random_ids(10, seed=2)
-    stored.forward(prompt)  # the prompt pass writes the stored picks into the region
+    for answer in (reread, stored):  # the prompt pass writes stored picks into the region, unless reread
+        assert answer.forward(prompt).isfinite().all()
     with torch.no_grad():
         cache = selective.model(input_ids=torch.tensor([ids[:4] + tokens]), use_cache=True).past_key_values
     columns = 4 + len(tokens)
@@ -384,21 +385,30 @@ def test_reread_picks_hold_the_plain_models_keys_and_values_of_the_sinks_and_pic
         torch.testing.assert_close(reread.values[layer, :, :columns], cache.layers[layer].values[0], rtol=0, atol=1e-5)
     assert not torch.allclose(stored.values[1, :, 4:columns], reread.values[1, :, 4:columns], atol=1e-3)
     assert reread.picked == Counter({3: len(selective.layers), 7: len(selective.layers)})
-    assert reread.forward(prompt).isfinite().all()
+    with pytest.raises(ValueError, match="pick_tokens"):
+        SelectiveAnswer(selective, store, 14, picks=picks, pick_tokens=tokens[:-1])
 
 
-def test_reread_with_every_segment_given_equals_full_attention():
+def test_reread_with_every_segment_given_equals_full_attention(monkeypatch):
     """`reread` with every eligible segment given: the picks, run again after the sinks, are the
-    text before the window, so the answer is the plain model's over the whole text."""
+    text before the window, so the answer is the plain model's over the whole text, and it reads
+    no stored pick: with the store's segments zeroed it still is, while the stored picks' answer
+    moves."""
     model = tiny_model()
     config = SelectConfig(segment_len=8, top_k=64, neighbours=1, window=16, sinks=4, query_chunk=5, selection="text")
     ids = random_ids(200)
     selective, store, _ = fed(model, config, ids[:180], chunk=20)
     eligible = selective.eligible(store, 180)
     assert eligible > 10
-    picks = list(range(eligible))
-    answer = SelectiveAnswer(selective, store, 20, picks=picks, pick_tokens=ids[4 : 4 + eligible * 8])
-    out = [answer.forward(ids[180:192])] + [answer.forward([t]) for t in ids[192:200]]
-    full = plain_logits(model, ids)
+    picks, full = list(range(eligible)), plain_logits(model, ids)
+    real = store.head_segments
+    monkeypatch.setattr(store, "head_segments", lambda *args: tuple(torch.zeros_like(t) for t in real(*args)))
+
+    def answer(pick_tokens: list[int] | None) -> list[torch.Tensor]:
+        run = SelectiveAnswer(selective, store, 20, picks=picks, pick_tokens=pick_tokens)
+        return [run.forward(ids[180:192])] + [run.forward([t]) for t in ids[192:200]]
+
+    reread = answer(ids[4 : 4 + eligible * 8])
     for j, position in enumerate(range(191, 200)):
-        torch.testing.assert_close(out[j], full[position], atol=1e-4, rtol=0)
+        torch.testing.assert_close(reread[j], full[position], atol=1e-4, rtol=0)
+    assert (answer(None)[0] - full[191]).abs().max() > 1e-3

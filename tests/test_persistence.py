@@ -4,6 +4,7 @@ leave RAM when idle, and a bad snapshot is skipped without harm."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from typing import Any
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.memories.text import TextOptions
 from engine.persistence import Snapshot, SnapshotError, SnapshotStore, StaleSnapshotError, pack, unpack
 from tests.helpers import ingest_held, new_session, session_of
 
@@ -175,10 +177,14 @@ def test_a_kvcache_session_saved_before_the_defaults_changed_comes_back_as_it_wa
     assert (options.top_k, options.selection) == (8, "summary")
 
 
-def test_a_kvcache_session_saved_before_reread_comes_back_answering_without_it(make_client, tmp_path):
-    """Until 2026-11-27 a kvcache session attended its picks' stored keys and values, and its saved
-    state held neither the token ids `reread` needs nor the option: it comes back answering so."""
-    settings = dict(data_dir=tmp_path / "sessions")
+def test_a_kvcache_session_saved_before_reread_comes_back_answering_as_it_did(make_client, tiny_dir, tmp_path):
+    """Until 2026-11-27 a kvcache session attended its picks' stored keys and values and its text
+    index ranked with the `text` memory's built-in defaults; its saved state held neither the token
+    ids `reread` needs, nor the option, nor the index's options. It comes back answering so, on a
+    model whose manifest now sets other `text` defaults, which a new session ranks with."""
+    measured = tmp_path / tiny_dir.name
+    shutil.copytree(tiny_dir, measured)
+    settings = dict(data_dir=tmp_path / "sessions", model=[str(measured)])
     client = make_client(**settings)
     session_id = new_session(client, memory="kvcache", options={**KVCACHE_TEXT, "reread": False})
     client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT})
@@ -187,13 +193,18 @@ def test_a_kvcache_session_saved_before_reread_comes_back_answering_without_it(m
     store = SnapshotStore(tmp_path / "sessions")
     saved = store.read(session_id)
     saved.state.pop("token_ids")
+    saved.state.pop("text_options")
     assert saved.state["options"].pop("reread") is False
     store.write(Snapshot({**saved.session, "options": KVCACHE_TEXT}, saved.state), expected=saved.generation)
+    (measured / "longdoc.json").write_text(json.dumps({"memory_options": {"text": {"margin": 0.001, "dense_weight": 0.9}}}))
 
     restarted = make_client(**settings)
     after = restarted.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).json()
     assert after["answer"] == before["answer"] and after["retrieval"]["items"] == before["retrieval"]["items"]
-    assert session_of(restarted, session_id).memory.options.reread is False
+    memory = session_of(restarted, session_id).memory
+    assert memory.options.reread is False and memory.text_index.options == TextOptions()
+    fresh = new_session(restarted, memory="kvcache", options=KVCACHE_TEXT)
+    assert session_of(restarted, fresh).memory.text_index.options.margin == 0.001
 
 
 def test_a_cleared_cache_and_a_deleted_session_stay_so(make_client, tmp_path):

@@ -51,9 +51,8 @@ class MemoryContext:
     state_model: Any = None  # a plugin's model whose own state is the session's memory (engine/plugins.py)
     model: Any = None  # the served Hugging Face causal LM (None for a plugin's model)
     context_len: int = 0  # the served model's positions
-    text_options: dict[str, Any] = field(
-        default_factory=dict
-    )  # the `text` memory's defaults on this model (kvcache's text index ranks so)
+    # the `text` memory's default options on this model (its manifest's): kvcache's text index ranks with them
+    text_options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

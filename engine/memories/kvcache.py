@@ -22,7 +22,7 @@ from engine.batching import native_step
 from engine.generation import decode_steps
 from engine.interface import CacheInfo, GenerationEvent, Retrieval, RetrievedItem
 from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, MemoryWrite, Segment
-from engine.memories.text import TextMemory
+from engine.memories.text import TextMemory, TextOptions
 from engine.models.kv_select import ARCHITECTURES, SelectConfig, SelectiveAnswer, SelectiveModel
 from engine.models.kv_store import KVStore
 from engine.prompts import after_document, document_frame
@@ -30,6 +30,8 @@ from engine.prompts import after_document, document_frame
 SEPARATOR = "\n\n"
 _SPAN_BYTES = 16  # per token: its document, its characters (2) and its id, int32 each
 BEFORE_TEXT = {"top_k": 8, "selection": "summary"}  # the defaults that changed on 2026-11-26 (`KVCacheOptions`)
+# the `text` options the text index takes from the model's (the others shape a text prompt, or cost model passes)
+INDEX_OPTIONS = ("chunk_tokens", "retrieval", "fusion", "dense_weight", "rrf_k", "max_chunks", "margin")
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,12 @@ class KVCacheMemory(Memory):
                     'kvcache\'s selection "text" (the default) needs the text embedder, which this server has not '
                     'loaded; make the session with {"selection": "summary"} or {"selection": "keys"}'
                 )
-            self._text = TextMemory(context, context.text_options)
+            self._text = TextMemory(context, {k: v for k, v in context.text_options.items() if k in INDEX_OPTIONS})
+
+    @property
+    def text_index(self) -> TextMemory | None:
+        """The text index that picks the segments (selection "text"), else None."""
+        return self._text
 
     @classmethod
     def available(cls, context: MemoryContext) -> bool:
@@ -241,11 +248,11 @@ class KVCacheMemory(Memory):
             return None
         eligible = self.selective.eligible(self.store, self.store.tokens)
         want = self.selective.config.places(eligible)
-        margin, floor = self._text.options.score_margin(), -math.inf
+        ranked = self._text.ranked_spans(question) if want else []
+        margin = self._text.options.score_margin()
+        floor = ranked[0][3] - margin if ranked and margin else -math.inf
         chosen: list[int] = []
-        for document_id, start, end, score in self._text.ranked_spans(question) if want else ():
-            if margin and floor == -math.inf:
-                floor = score - margin
+        for document_id, start, end, score in ranked:
             if score < floor:
                 return sorted(chosen)
             chosen += [
@@ -258,7 +265,7 @@ class KVCacheMemory(Memory):
         return sorted(chosen)
 
     def _pick_tokens(self, picks: list[int] | None) -> list[int] | None:
-        """With `reread`, the token ids of `picks`, in order."""
+        """With `reread`, the token ids of `picks` (sorted, as `text_picks` returns them), in order."""
         if picks is None or not self.selective.config.reread:
             return None
         sinks, l = self.selective.config.sinks, self.selective.config.segment_len
@@ -326,7 +333,7 @@ class KVCacheMemory(Memory):
             "token_doc": torch.from_numpy(self._token_doc),
             "token_spans": torch.from_numpy(self._token_spans),
             "token_ids": torch.from_numpy(self._token_ids),
-            **({"text": self._text.state_dict()} if self._text is not None else {}),
+            **({"text": self._text.state_dict(), "text_options": asdict(self._text.options)} if self._text is not None else {}),
         }
 
     @classmethod
@@ -343,7 +350,11 @@ class KVCacheMemory(Memory):
         self._documents = list(state["documents"])
         self._token_doc = state["token_doc"].numpy().astype(np.int32)
         self._token_spans = state["token_spans"].numpy().astype(np.int32).reshape(-1, 2)
-        self._token_ids = state["token_ids"].numpy().astype(np.int32) if "token_ids" in state else np.zeros(0, np.int32)
+        # a state from before `reread` holds no token ids (and answers without it): -1 keeps the rows aligned
+        unknown = np.full(len(self._token_doc), -1, np.int32)
+        self._token_ids = state["token_ids"].numpy().astype(np.int32) if "token_ids" in state else unknown
         if self._text is not None:
             self._text.load_state_dict(state["text"])
+            # the ranking it was made with (one saved before 2026-11-27 ranked with the text memory's built-in defaults)
+            self._text.options = TextOptions(**state.get("text_options", {}))
         self._committed = (self._bytes(), self.store.tokens)

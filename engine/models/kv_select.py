@@ -18,7 +18,8 @@ region: docs/kvcache.md); top-k segments, each with its u - 1 neighbours
 (never the current or a future segment). With `vote` the answer's prompt pass runs twice, the
 second attending in every layer the segments the first's selections ranked highest most often;
 with `selection` "text" the answer attends, in every layer, segments chosen outside (the
-kvcache memory's text index).
+kvcache memory's text index), with `reread` their keys and values computed again from their
+tokens after the sinks rather than read from the store.
 While a document is fed, chunk g is selected for by the queries of chunk g-1, so no stored key or
 value depends on a later token. In the answer's prompt pass chunk g uses its own queries: every
 selectable segment precedes the whole prompt, and only the last position's logits are used. A
@@ -28,7 +29,7 @@ the decode steps run as the model's C step (`SelectiveAnswer`).
 
 Positions (rotary): keys are stored before rotary and rotated where they are attended. Sinks sit
 at 0..s-1; the current region (window, then the chunk) continues from `sinks + max_selected`,
-where `max_selected` = min(segments eligible, k·u)·l; a head's selected segments sit right before
+where `max_selected` = min(segments eligible, k·u)·l (fewer picks given: their count·l); a head's selected segments sit right before
 the window, in document order, back to back. With nothing to select the positions are the
 document's own, so a text that fits in sinks + window gives the plain model's logits, and so does
 a top-k that covers every segment.
@@ -53,6 +54,7 @@ from engine.models.native_step import CACHE_DTYPE, NativeStep
 from engine.models.rope import apply_rope as rotate
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+REREAD_ROWS = 1024  # rows a pass of `reread` takes at most (a fed chunk's size: what its attention allocates is bounded)
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class SelectConfig:
         "summary"  # answering: "summary" (against summaries) | "keys" (each segment's best key) | "text" (picks given)
     )
     vote: bool = False  # answering: the prompt pass twice, the second with the segments the first picked most, in every layer
-    reread: bool = False  # answering, picks given: their tokens run again, in place of their stored keys/values
+    reread: bool = False  # answering, picks given: their tokens run again (the kvcache memory then hands them over)
 
     @property
     def max_selected_tokens(self) -> int:
@@ -331,7 +333,8 @@ class SelectiveAnswer:
 
     Each layer keeps one buffer [Hkv, sinks + selected + window + new tokens, D] of rotated keys
     (and values), all layers in one tensor [layers, Hkv, ..., D]: a step writes its own key in
-    place and rewrites the selected region only when its picks change. With the model's C step
+    place and rewrites the selected region only when its picks change (with `pick_tokens`, once,
+    from those tokens, before the prompt). With the model's C step
     (`SelectiveModel.native`) a decode step is one C call over those buffers: a step that keeps
     its selection (all but every `reselect_every`-th; all with 0 or given picks) is a plain decode step there, and one that
     reselects does it in each layer from the C step's queries, before that layer attends."""
@@ -347,7 +350,9 @@ class SelectiveAnswer:
         """`new_tokens`: the most tokens this answer will feed (prompt and answer). `picks`: the
         segments every layer and head attends, chosen outside (`selection` "text"), in place of
         selecting: at most min(k·u, eligible), each eligible; with fewer the selected region is
-        shorter and the window follows them."""
+        shorter and the window follows them. `pick_tokens`: the sorted picks' token ids, l each
+        (`reread`): their keys and values are computed again from these (`_reread`), not read
+        from the store."""
         self.m, self.store = selective, store
         c = selective.config
         N = store.tokens
@@ -387,20 +392,20 @@ class SelectiveAnswer:
                 values[:, self.window_position : self.window_position + window] = wv.transpose(0, 1)
         self._length = self.window_position + window  # buffer columns in use; a column is its token's position
         if pick_tokens is not None:
+            if self._fixed is None or len(pick_tokens) != len(self._fixed) * c.segment_len:
+                raise ValueError("pick_tokens must be the given picks' tokens, segment_len each")
             self._reread(pick_tokens)
 
     @torch.inference_mode()
     def _reread(self, pick_tokens: list[int]) -> None:
-        """The given picks' keys and values computed again from their tokens (`pick_tokens`, the
-        picks' in order, l each), each attending to the sinks and the picks before it, written
-        where the stored ones would go; the window and the prompt then attend to these."""
-        assert self._fixed is not None and len(pick_tokens) == len(self._fixed) * self.m.config.segment_len
-        self._picks = [[self._fixed] * self.m.kv_heads for _ in self.m.layers]  # the region is written here, not from the store
-        for picked in self._prompt_picks:
-            picked.update(self._fixed)
+        """The given picks' keys and values computed again from their tokens, each attending to
+        the sinks and the picks before it, in passes of at most `REREAD_ROWS` rows, written where
+        the stored ones would go; the window and the prompt then attend to these."""
+        fixed = cast(list[int], self._fixed)  # given: the constructor checked
+        self._picks = [[fixed] * self.m.kv_heads for _ in self.m.layers]  # `_select` need not read the stored picks
         end, self._length = self._length, self.sinks
-        if pick_tokens:
-            self._chunk(pick_tokens)
+        for at in range(0, len(pick_tokens), REREAD_ROWS):
+            self._chunk(pick_tokens[at : at + REREAD_ROWS])
         self._length = end
 
     @property
