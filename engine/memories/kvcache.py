@@ -39,7 +39,9 @@ class KVCacheOptions:
     """A session's kvcache options. `top_k` 4 and `selection` "text" are the defaults since
     2026-11-26: on 40 development questions (As You Like It, the default model) they answered 24
     where the earlier defaults (8, "summary") answered 6 and `keys` 13 (docs/benchmarks.md, "The
-    defaults")."""
+    defaults"). `reread` since 2026-11-27: with the text index ranking as the model's `text`
+    memory does (its margin included), 99 of the 120 development questions against 90
+    (docs/benchmarks.md, "Picks read again")."""
 
     segment_len: int = 64  # l: tokens per selectable segment
     top_k: int = 4  # k: segments each layer and key/value head selects
