@@ -405,7 +405,7 @@ class SelectiveAnswer:
         self._picks = [[fixed] * self.m.kv_heads for _ in self.m.layers]  # `_select` need not read the stored picks
         end, self._length = self._length, self.sinks
         for at in range(0, len(pick_tokens), REREAD_ROWS):
-            self._chunk(pick_tokens[at : at + REREAD_ROWS])
+            self._rows(pick_tokens[at : at + REREAD_ROWS], whole=False)
         self._length = end
 
     @property
@@ -491,6 +491,13 @@ class SelectiveAnswer:
         self._select(layer_index, qkv[0, : m.q_heads * m.head_dim].view(m.q_heads, 1, m.head_dim))
 
     def _chunk(self, token_ids: list[int]) -> torch.Tensor:
+        """Feed `token_ids` after the buffers' columns in use; the last row's logits."""
+        return self.m.logits(self._rows(token_ids))
+
+    def _rows(self, token_ids: list[int], *, whole: bool = True) -> torch.Tensor:
+        """Feed `token_ids` after the buffers' columns in use, writing their keys and values; their
+        hidden states. With `whole` False (`_reread`, which keeps only keys and values) the last
+        layer's attention and MLP are skipped, and the states are the last but one layer's."""
         m = self.m
         T = len(token_ids)
         start, end = self._length, self._length + T
@@ -501,11 +508,13 @@ class SelectiveAnswer:
             self._select(i, q)
             self._k[i][:, start:end] = rotate(k.transpose(0, 1), cos, sin)
             self._v[i][:, start:end] = v.transpose(0, 1)
+            if not whole and i == len(m.layers) - 1:
+                break
             keys, values = self._k[i][:, :end].to(q.dtype), self._v[i][:, :end].to(q.dtype)  # float32 buffers for the C step
             x = m._finish_layer(layer, x, m._attend(rotate(q, cos, sin), keys, values))
         m._end_pass()
         self._length = end
-        return m.logits(x)
+        return x
 
     def _scores(self, layer_index: int, q: torch.Tensor) -> torch.Tensor:
         """[Hkv, eligible]: the layer's scores of the eligible segments for queries q [Hq, T, D]."""
