@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from engine.models import kv_store
+from engine.models import kv_select, kv_store
 from engine.models.kv_select import SelectConfig, SelectiveAnswer, SelectiveModel, pick_segments
 from engine.models.kv_store import KVStore
 from engine.models.rope import apply_rope as rotate
@@ -40,7 +40,7 @@ def fed(
     model, config: SelectConfig, ids: list[int], chunk: int, storage: str = "float32"
 ) -> tuple[SelectiveModel, KVStore, torch.Tensor]:
     selective = SelectiveModel(model, config)
-    store = KVStore(selective.store_shape(storage), device=torch.get_default_device(), dtype=torch.float32)
+    store = KVStore(selective.store_shape(storage), device=torch.get_default_device(), dtype=selective.dtype)
     store.reserve(len(ids))
     logits = [cast(torch.Tensor, selective.feed(store, ids[i : i + chunk], logits=True)) for i in range(0, len(ids), chunk)]
     return selective, store, torch.cat(logits)
@@ -389,11 +389,14 @@ def test_reread_picks_hold_the_plain_models_keys_and_values_of_the_sinks_and_pic
         SelectiveAnswer(selective, store, 14, picks=picks, pick_tokens=tokens[:-1])
 
 
-def test_reread_with_every_segment_given_equals_full_attention(monkeypatch):
+@pytest.mark.parametrize("reread_rows", [1024, 40])
+def test_reread_with_every_segment_given_equals_full_attention(monkeypatch, reread_rows):
     """`reread` with every eligible segment given: the picks, run again after the sinks, are the
     text before the window, so the answer is the plain model's over the whole text, and it reads
     no stored pick: with the store's segments zeroed it still is, while the stored picks' answer
-    moves."""
+    moves. In one pass with the prompt's first chunk, or (40 rows a pass) in passes of picks
+    before it."""
+    monkeypatch.setattr(kv_select, "REREAD_ROWS", reread_rows)
     model = tiny_model()
     config = SelectConfig(segment_len=8, top_k=64, neighbours=1, window=16, sinks=4, query_chunk=5, selection="text")
     ids = random_ids(200)
@@ -412,3 +415,20 @@ def test_reread_with_every_segment_given_equals_full_attention(monkeypatch):
     for j, position in enumerate(range(191, 200)):
         torch.testing.assert_close(reread[j], full[position], atol=1e-4, rtol=0)
     assert (answer(None)[0] - full[191]).abs().max() > 1e-3
+
+
+def test_reread_with_a_bfloat16_model_and_float32_buffers_matches_float32():
+    """The served case: a bf16 model whose answer buffers are float32 (what the C step reads).
+    `reread` writes its rows by column index, which casts nothing itself: the answer is the
+    float32 model's within bf16's precision."""
+    config = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=16, sinks=4, query_chunk=4, selection="text")
+    ids, picks = random_ids(160), [3, 7]
+    tokens = [t for p in picks for t in ids[4 + p * 8 : 4 + (p + 1) * 8]]
+    prompt = random_ids(10, seed=2)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        selective, store, _ = fed(tiny_model().to(dtype), config, ids, chunk=24)
+        selective.answer_dtype = torch.float32
+        answer = SelectiveAnswer(selective, store, 14, picks=picks, pick_tokens=tokens)
+        out[dtype] = answer.forward(prompt).float()
+    torch.testing.assert_close(out[torch.bfloat16], out[torch.float32], rtol=0, atol=0.05)

@@ -134,7 +134,8 @@ class SelectiveModel:
         self.answer_dtype = CACHE_DTYPE if native is not None else self.dtype
         # cos, sin of the selected region, kept while it stays where it is: (window position, width, dtype) -> them
         self._selected_rope: tuple[tuple[int, int, torch.dtype | None], tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._mask: torch.Tensor | None = None  # CPU: a pass's causal mask, shared by its layers (`_causal_mask`)
+        # CPU: a pass's causal masks, shared by its layers (`_causal_mask`): (rows, keys, dtype) -> mask
+        self._masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
     @property
     def _backbone(self) -> Backbone:
@@ -249,18 +250,19 @@ class SelectiveModel:
     def _causal_mask(self, rows: int, keys: int, dtype: torch.dtype) -> torch.Tensor | CausalBias:
         """Row i sees the keys up to keys - rows + i (causal, aligned to the lower right). On CPU an
         additive mask [rows, keys] in `dtype`, kept until the pass ends (`_end_pass`) so its layers
-        share one: built in each layer it cost about 8% of a document's feeding (bf16, 2 cores).
+        share it: built in each layer it cost about 8% of a document's feeding (bf16, 2 cores).
         Elsewhere torch's lower-right bias, which CUDA kernels apply without a mask in memory."""
         if self.device.type != "cpu":
             return causal_lower_right(rows, keys)
-        cached = self._mask
-        if cached is None or cached.shape != (rows, keys) or cached.dtype != dtype:
+        mask = self._masks.get((rows, keys, dtype))
+        if mask is None:
             visible = torch.ones(rows, keys, dtype=torch.bool, device=self.device).tril(keys - rows)
-            cached = self._mask = torch.zeros(rows, keys, dtype=dtype, device=self.device).masked_fill(~visible, float("-inf"))
-        return cached
+            mask = torch.zeros(rows, keys, dtype=dtype, device=self.device).masked_fill(~visible, float("-inf"))
+            self._masks[(rows, keys, dtype)] = mask
+        return mask
 
     def _end_pass(self) -> None:
-        self._mask = None  # a session keeps its model between passes: not the mask
+        self._masks = {}  # a session keeps its model between passes: not the masks
 
     def _finish_layer(self, layer: Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         x = x + layer.self_attn.o_proj(attended)
@@ -334,7 +336,7 @@ class SelectiveAnswer:
     Each layer keeps one buffer [Hkv, sinks + selected + window + new tokens, D] of rotated keys
     (and values), all layers in one tensor [layers, Hkv, ..., D]: a step writes its own key in
     place and rewrites the selected region only when its picks change (with `pick_tokens`, once,
-    from those tokens, before the prompt). With the model's C step
+    from those tokens, the last rows in the prompt's first pass). With the model's C step
     (`SelectiveModel.native`) a decode step is one C call over those buffers: a step that keeps
     its selection (all but every `reselect_every`-th; all with 0 or given picks) is a plain decode step there, and one that
     reselects does it in each layer from the C step's queries, before that layer attends."""
@@ -391,6 +393,7 @@ class SelectiveAnswer:
                 keys[:, self.window_position : self.window_position + window] = rotate(wk.transpose(0, 1), *window_rope)
                 values[:, self.window_position : self.window_position + window] = wv.transpose(0, 1)
         self._length = self.window_position + window  # buffer columns in use; a column is its token's position
+        self._pending: tuple[list[int], torch.Tensor] | None = None  # `reread`'s last pass: its tokens and columns
         if pick_tokens is not None:
             if self._fixed is None or len(pick_tokens) != len(self._fixed) * c.segment_len:
                 raise ValueError("pick_tokens must be the given picks' tokens, segment_len each")
@@ -399,14 +402,19 @@ class SelectiveAnswer:
     @torch.inference_mode()
     def _reread(self, pick_tokens: list[int]) -> None:
         """The given picks' keys and values computed again from their tokens, each attending to
-        the sinks and the picks before it, in passes of at most `REREAD_ROWS` rows, written where
-        the stored ones would go; the window and the prompt then attend to these."""
+        the sinks and the picks before it, written where the stored ones would go; the window and
+        the prompt then attend to these. In passes of at most `REREAD_ROWS` rows; the last pass
+        waits for the prompt's first chunk and runs with it (`_chunk`): one pass over the weights
+        fewer before the first token."""
         fixed = cast(list[int], self._fixed)  # given: the constructor checked
         self._picks = [[fixed] * self.m.kv_heads for _ in self.m.layers]  # `_select` need not read the stored picks
-        end, self._length = self._length, self.sinks
         for at in range(0, len(pick_tokens), REREAD_ROWS):
-            self._rows(pick_tokens[at : at + REREAD_ROWS], whole=False)
-        self._length = end
+            rows = pick_tokens[at : at + REREAD_ROWS]
+            columns = torch.arange(self.sinks + at, self.sinks + at + len(rows))
+            if at + REREAD_ROWS < len(pick_tokens):
+                self._rows(rows, columns, keep=0)
+            else:
+                self._pending = (rows, columns)
 
     @property
     def picked(self) -> Counter[int]:
@@ -491,29 +499,48 @@ class SelectiveAnswer:
         self._select(layer_index, qkv[0, : m.q_heads * m.head_dim].view(m.q_heads, 1, m.head_dim))
 
     def _chunk(self, token_ids: list[int]) -> torch.Tensor:
-        """Feed `token_ids` after the buffers' columns in use; the last row's logits."""
-        return self.m.logits(self._rows(token_ids))
+        """Feed `token_ids` after the buffers' columns in use (after `reread`'s last pass, in the
+        same pass); the last row's logits."""
+        columns = torch.arange(self._length, self._length + len(token_ids))
+        if self._pending is not None:
+            (picks, pick_columns), self._pending = self._pending, None
+            token_ids, columns = picks + token_ids, torch.cat([pick_columns, columns])
+        return self.m.logits(self._rows(token_ids, columns, keep=1))
 
-    def _rows(self, token_ids: list[int], *, whole: bool = True) -> torch.Tensor:
-        """Feed `token_ids` after the buffers' columns in use, writing their keys and values; their
-        hidden states. With `whole` False (`_reread`, which keeps only keys and values) the last
-        layer's attention and MLP are skipped, and the states are the last but one layer's."""
+    def _rows(self, token_ids: list[int], columns: torch.Tensor, *, keep: int) -> torch.Tensor:
+        """Feed `token_ids` as the tokens of buffer columns `columns` (their positions, ascending),
+        each attending to the columns up to its own, writing their keys and values; the hidden
+        states of the last `keep` rows (the last columns in use), for which alone the last layer's
+        attention and MLP run (keep 0: `_reread`'s passes, which keep only keys and values). Each
+        run of consecutive columns attends as one causal block (a mask over the gaps between runs
+        would cost the CPU kernel the attention of every row to every column)."""
         m = self.m
-        T = len(token_ids)
-        start, end = self._length, self._length + T
-        cos, sin = m._rope(torch.arange(start, end))
+        T, end = len(token_ids), int(columns[-1]) + 1
+        breaks = [0, *(torch.nonzero(columns.diff() != 1).flatten() + 1).tolist(), T]
+        runs = list(zip(breaks, breaks[1:], strict=False))  # rows [a, b): columns columns[a]..columns[b - 1]
+        where: slice | torch.Tensor = slice(end - T, end) if len(runs) == 1 else columns
+        cos, sin = m._rope(columns)
         x = m._backbone.embed_tokens(torch.tensor(token_ids, device=m.device))
         for i, layer in enumerate(m.layers):
             q, k, v = m._project(layer, x)
             self._select(i, q)
-            self._k[i][:, start:end] = rotate(k.transpose(0, 1), cos, sin)
-            self._v[i][:, start:end] = v.transpose(0, 1)
-            if not whole and i == len(m.layers) - 1:
-                break
+            self._k[i][:, where] = rotate(k.transpose(0, 1), cos, sin).to(self._k[i].dtype)  # (indexing: no implicit cast)
+            self._v[i][:, where] = v.transpose(0, 1).to(self._v[i].dtype)
+            if i == len(m.layers) - 1:
+                if not keep:
+                    break
+                assert keep <= runs[-1][1] - runs[-1][0], "the rows kept are in the last run"
+                q, x, cos, sin, runs = q[:, -keep:], x[-keep:], cos[-keep:], sin[-keep:], [(0, keep)]
+                columns = columns[-keep:]
             keys, values = self._k[i][:, :end].to(q.dtype), self._v[i][:, :end].to(q.dtype)  # float32 buffers for the C step
-            x = m._finish_layer(layer, x, m._attend(rotate(q, cos, sin), keys, values))
+            rotated = rotate(q, cos, sin)
+            attended = [
+                m._attend(rotated[:, a:b], keys[:, : int(columns[b - 1]) + 1], values[:, : int(columns[b - 1]) + 1])
+                for a, b in runs
+            ]
+            x = m._finish_layer(layer, x, torch.cat(attended) if len(attended) > 1 else attended[0])
         m._end_pass()
-        self._length = end
+        self._length = max(self._length, end)
         return x
 
     def _scores(self, layer_index: int, q: torch.Tensor) -> torch.Tensor:
