@@ -42,6 +42,7 @@ from engine.models import manifest as manifests
 from engine.models.kv_select import SelectiveModel
 from engine.models.loader import LoadedModel, load_model
 from engine.prompts import after_document
+from engine.registry import valid_manifest_options
 from research.evals import texts
 
 QUESTION = "What did the Mock Turtle sing about?"
@@ -77,7 +78,7 @@ def kvcache_memory(loaded: LoadedModel, options: dict) -> KVCacheMemory:
         else None,
         model=loaded.model,
         context_len=loaded.context_len,
-        text_options=manifests.memory_options(manifests.manifest_of(loaded.name, loaded.source)).get("text", {}),
+        text_options=valid_manifest_options(loaded.name, manifests.manifest_of(loaded.name, loaded.source)).get("text", {}),
     )
     return KVCacheMemory(context, options)
 

@@ -31,6 +31,20 @@ log = logging.getLogger(__name__)
 WARM_UP_TEXT = " ".join(["A short passage read once before the first request, and thrown away."] * 5)
 
 
+def valid_manifest_options(model_name: str, manifest: dict) -> dict[str, dict]:
+    """Per memory kind, the default options a model's manifest sets; those of a memory this
+    server does not have, or that the memory refuses, are logged and left out."""
+    kept: dict[str, dict] = {}
+    for kind, options in manifests.memory_options(manifest).items():
+        try:
+            check_options(kind, options)
+        except InvalidRequestError as exc:
+            log.warning("model %s: ignoring its manifest's options for memory %r: %s", model_name, kind, exc)
+            continue
+        kept[kind] = options
+    return kept
+
+
 @dataclass
 class ModelRuntime:
     loaded: LoadedModel
@@ -51,17 +65,8 @@ class ModelRuntime:
 
     @functools.cached_property
     def manifest_options(self) -> dict[str, dict]:
-        """Per memory kind, the default options the model's manifest sets; those of a memory this
-        server does not have, or that the memory refuses, are logged and left out."""
-        kept: dict[str, dict] = {}
-        for kind, options in manifests.memory_options(self.manifest).items():
-            try:
-                check_options(kind, options)
-            except InvalidRequestError as exc:
-                log.warning("model %s: ignoring its manifest's options for memory %r: %s", self.loaded.name, kind, exc)
-                continue
-            kept[kind] = options
-        return kept
+        """Per memory kind, the default options the model's manifest sets (`valid_manifest_options`)."""
+        return valid_manifest_options(self.loaded.name, self.manifest)
 
     @functools.cached_property
     def generation_defaults(self) -> dict[str, float]:

@@ -127,7 +127,7 @@ def test_selection_by_text_attends_the_text_indexs_best_chunks_in_every_layer(cl
     items = client.post(f"/v1/sessions/{session}/ask", json=question).json()["retrieval"]["items"]
     memory = session_of(client, session).memory
     assert len(items) == SIZES["top_k"] * SIZES["neighbours"] and all(item["layers"] == 2 for item in items)
-    _, start, end, _ = memory._text.ranked_spans(question["question"])[0]
+    _, start, end, _ = memory.text_index.ranked_spans(question["question"])[0]
     assert any(item["char_start"] < end and start < item["char_end"] for item in items)  # the best chunk is attended
     with_index, without = (client.get(f"/v1/sessions/{s}/cache").json()["bytes"] for s in (session, plain))
     assert with_index > without
@@ -145,7 +145,7 @@ def test_the_text_index_ranks_with_the_models_text_options(make_client, tiny_dir
     client.post(f"/v1/sessions/{session}/documents", json={"text": TEXT})
     question = {"question": "What did the Dodo say about the Caucus-race?", "max_tokens": 8}
     items = client.post(f"/v1/sessions/{session}/ask", json=question).json()["retrieval"]["items"]
-    text_index = session_of(client, session).memory._text
+    text_index = session_of(client, session).memory.text_index
     assert (text_index.options.margin, text_index.options.dense_weight) == (0.001, 0.4)
     (_, start, end, best), (_, _, _, second) = text_index.ranked_spans(question["question"])[:2]
     assert best - second > 0.001  # the second chunk lies outside the margin

@@ -116,19 +116,14 @@ class KVCacheMemory(Memory):
         self._staged: dict[str, Any] | None = None
         self._committed = (0, 0)  # (bytes, tokens) that stats count: never a document being fed
         # selection "text": the text memory's index of the same documents picks the segments
-        self._text = None
+        self.text_index: TextMemory | None = None
         if self.options.selection == "text":
             if context.embedder is None:
                 raise ValueError(
                     'kvcache\'s selection "text" (the default) needs the text embedder, which this server has not '
                     'loaded; make the session with {"selection": "summary"} or {"selection": "keys"}'
                 )
-            self._text = TextMemory(context, {k: v for k, v in context.text_options.items() if k in INDEX_OPTIONS})
-
-    @property
-    def text_index(self) -> TextMemory | None:
-        """The text index that picks the segments (selection "text"), else None."""
-        return self._text
+            self.text_index = TextMemory(context, {k: v for k, v in context.text_options.items() if k in INDEX_OPTIONS})
 
     @classmethod
     def available(cls, context: MemoryContext) -> bool:
@@ -146,14 +141,14 @@ class KVCacheMemory(Memory):
         }
         self.store.reserve(tokens + len(lead))
         self._feed(lead, -1, [(0, 0)] * len(lead))
-        if self._text is not None:
-            self._text.begin_document(document_id, text, tokens)
+        if self.text_index is not None:
+            self.text_index.begin_document(document_id, text, tokens)
 
     def add_segment(self, segment: Segment) -> None:
         assert self._staged is not None, "begin_document first"
         self._feed(segment.token_ids, len(self._documents), segment.token_spans)
-        if self._text is not None:
-            self._text.add_segment(segment)
+        if self.text_index is not None:
+            self.text_index.add_segment(segment)
 
     def _feed(self, token_ids: list[int], document: int, spans: list[tuple[int, int]]) -> None:
         # a chunk's tokens sit after the layout's positions: pieces of at most `room` keep them in the model's
@@ -168,19 +163,19 @@ class KVCacheMemory(Memory):
 
     def staged_bytes(self) -> int:
         staged = 0 if self._staged is None else self._bytes() - self._staged["bytes"]
-        return staged + (self._text.staged_bytes() if self._text is not None else 0)
+        return staged + (self.text_index.staged_bytes() if self.text_index is not None else 0)
 
     def estimate_bytes(self, chars: int, tokens: int) -> int:
         """The store's growth, the new token indexes, and the copies of the old ones kept for an abort."""
         lead = max(len(self._prefix), len(self._separator))
-        text = self._text.estimate_bytes(chars, tokens) if self._text is not None else 0
+        text = self.text_index.estimate_bytes(chars, tokens) if self.text_index is not None else 0
         return self.store.added_bytes(tokens + lead) + (tokens + lead + len(self._token_doc)) * _SPAN_BYTES + text
 
     def commit_document(self) -> None:
         assert self._staged is not None, "begin_document first"
         self.store.trim()
-        if self._text is not None:
-            self._text.commit_document()  # may fail, changing nothing: an abort then rolls the store back
+        if self.text_index is not None:
+            self.text_index.commit_document()  # may fail, changing nothing: an abort then rolls the store back
         self._documents.append(self._staged["id"])
         self._staged = None
         self._committed = (self._bytes(), self.store.tokens)
@@ -190,8 +185,8 @@ class KVCacheMemory(Memory):
             self.store.rollback(self._staged["mark"])
             self._token_doc, self._token_spans, self._token_ids = self._staged["arrays"]
         self._staged = None
-        if self._text is not None:
-            self._text.abort_document()
+        if self.text_index is not None:
+            self.text_index.abort_document()
 
     def token_at(self, document: int, char: int) -> int | None:
         """The store row of the token holding character `char` of the `document`-th document fed
@@ -246,12 +241,12 @@ class KVCacheMemory(Memory):
         full (when the best chunks' segments are fewer, the next chunks' fill them); with the text
         index's `margin`, only chunks within it of the first, so the places may stay part empty.
         Segments in the local window are attended anyway and are skipped."""
-        if self._text is None or self.selective.config.selection != "text":
+        if self.text_index is None or self.selective.config.selection != "text":
             return None
         eligible = self.selective.eligible(self.store, self.store.tokens)
         want = self.selective.config.places(eligible)
-        ranked = self._text.ranked_spans(question) if want else []
-        margin = self._text.options.score_margin()
+        ranked = self.text_index.ranked_spans(question) if want else []
+        margin = self.text_index.options.score_margin()
         floor = ranked[0][3] - margin if ranked and margin else -math.inf
         chosen: list[int] = []
         for document_id, start, end, score in ranked:
@@ -316,7 +311,7 @@ class KVCacheMemory(Memory):
         )
 
     def _text_stats_bytes(self) -> int:
-        return self._text.stats().bytes if self._text is not None else 0
+        return self.text_index.stats().bytes if self.text_index is not None else 0
 
     def reset(self) -> None:
         self.store = KVStore(self.store.shape, device=self.store.device, dtype=self.store.dtype)
@@ -324,8 +319,8 @@ class KVCacheMemory(Memory):
         self._token_doc, self._token_spans = np.zeros(0, np.int32), np.zeros((0, 2), np.int32)
         self._token_ids = np.zeros(0, np.int32)
         self._committed = (self._bytes(), 0)
-        if self._text is not None:
-            self._text.reset()
+        if self.text_index is not None:
+            self.text_index.reset()
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -335,7 +330,11 @@ class KVCacheMemory(Memory):
             "token_doc": torch.from_numpy(self._token_doc),
             "token_spans": torch.from_numpy(self._token_spans),
             "token_ids": torch.from_numpy(self._token_ids),
-            **({"text": self._text.state_dict(), "text_options": asdict(self._text.options)} if self._text is not None else {}),
+            **(
+                {"text": self.text_index.state_dict(), "text_options": asdict(self.text_index.options)}
+                if self.text_index is not None
+                else {}
+            ),
         }
 
     @classmethod
@@ -355,8 +354,8 @@ class KVCacheMemory(Memory):
         # a state from before `reread` holds no token ids (and answers without it): -1 keeps the rows aligned
         unknown = np.full(len(self._token_doc), -1, np.int32)
         self._token_ids = state["token_ids"].numpy().astype(np.int32) if "token_ids" in state else unknown
-        if self._text is not None:
-            self._text.load_state_dict(state["text"])
+        if self.text_index is not None:
+            self.text_index.load_state_dict(state["text"])
             # the ranking it was made with (one saved before 2026-11-27 ranked with the text memory's built-in defaults)
-            self._text.options = TextOptions(**state.get("text_options", {}))
+            self.text_index.options = TextOptions(**state.get("text_options", {}))
         self._committed = (self._bytes(), self.store.tokens)
