@@ -394,8 +394,8 @@ def test_reread_with_every_segment_given_equals_full_attention(monkeypatch, rere
     """`reread` with every eligible segment given: the picks, run again after the sinks, are the
     text before the window, so the answer is the plain model's over the whole text, and it reads
     no stored pick: with the store's segments zeroed it still is, while the stored picks' answer
-    moves. In one pass with the prompt's first chunk, or (40 rows a pass) in passes of picks
-    before it."""
+    moves. With all picks in one pass with the prompt's first chunk, or (40 rows a pass) in
+    passes of picks before it, the last still with the prompt."""
     monkeypatch.setattr(kv_select, "REREAD_ROWS", reread_rows)
     model = tiny_model()
     config = SelectConfig(segment_len=8, top_k=64, neighbours=1, window=16, sinks=4, query_chunk=5, selection="text")
@@ -420,7 +420,8 @@ def test_reread_with_every_segment_given_equals_full_attention(monkeypatch, rere
 def test_reread_with_a_bfloat16_model_and_float32_buffers_matches_float32():
     """The served case: a bf16 model whose answer buffers are float32 (what the C step reads).
     `reread` writes its rows by column index, which casts nothing itself: the answer is the
-    float32 model's within bf16's precision."""
+    float32 model's within bf16's precision (about 1e-3 here), closer than the stored picks'
+    answer is (about 1e-2)."""
     config = SelectConfig(segment_len=8, top_k=2, neighbours=1, window=16, sinks=4, query_chunk=4, selection="text")
     ids, picks = random_ids(160), [3, 7]
     tokens = [t for p in picks for t in ids[4 + p * 8 : 4 + (p + 1) * 8]]
@@ -431,4 +432,6 @@ def test_reread_with_a_bfloat16_model_and_float32_buffers_matches_float32():
         selective.answer_dtype = torch.float32
         answer = SelectiveAnswer(selective, store, 14, picks=picks, pick_tokens=tokens)
         out[dtype] = answer.forward(prompt).float()
-    torch.testing.assert_close(out[torch.bfloat16], out[torch.float32], rtol=0, atol=0.05)
+    stored = SelectiveAnswer(selective, store, 14, picks=picks).forward(prompt).float()
+    torch.testing.assert_close(out[torch.bfloat16], out[torch.float32], rtol=0, atol=5e-3)
+    assert (stored - out[torch.float32]).abs().max() > 5e-3

@@ -347,19 +347,21 @@ def test_kvcache_decode_steps_in_c_equal_its_torch_steps(family, selection):
         torch.testing.assert_close(c_step, torch_step, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kept", ["reselect_every 0", "given picks"])
+@pytest.mark.parametrize("kept", ["reselect_every 0", "given picks", "given picks read again"])
 def test_kvcache_c_steps_that_keep_the_prompts_picks_never_select(kept):
-    """With reselect_every 0, or picks given (selection "text"), no C step passes the hook: every
-    step keeps the prompt pass's picks, and the logits equal the torch steps'."""
+    """With reselect_every 0, or picks given (selection "text", read again or not), no C step
+    passes the hook: every step keeps the prompt pass's picks, and the logits equal the torch steps'."""
     model = model_of("llama")
     change = {"reselect_every": 0, "selection": "keys"} if kept == "reselect_every 0" else {"selection": "text"}
     config = dataclasses.replace(CONFIG, **change)
     ids = torch.randint(0, VOCAB, (136,), generator=torch.Generator().manual_seed(5)).tolist()
+    picks = None if kept == "reselect_every 0" else [1, 3]
+    pick_tokens = ids[12:20] + ids[28:36] if kept == "given picks read again" else None  # segments 1 and 3 after 4 sinks
     logits: list[torch.Tensor] = []
     hooked: list[bool] = []
     for native in (None, native_step(model)):
         selective, store = fed_selective(model, config, native, ids[:120])
-        answer = SelectiveAnswer(selective, store, 16, [1, 3] if kept == "given picks" else None)
+        answer = SelectiveAnswer(selective, store, 16, picks, pick_tokens)
         if native is not None:
             count_hooks(selective, native, hooked)
         out = [answer.forward(ids[120:128])]

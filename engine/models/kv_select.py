@@ -54,7 +54,7 @@ from engine.models.native_step import CACHE_DTYPE, NativeStep
 from engine.models.rope import apply_rope as rotate
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-REREAD_ROWS = 1024  # rows a pass of `reread` takes at most (a fed chunk's size: what its attention allocates is bounded)
+REREAD_ROWS = 1024  # pick rows a pass of `reread` takes at most (a fed chunk's size: what its attention allocates is bounded; the last pass adds the prompt's first chunk)
 
 
 @dataclass(frozen=True)
@@ -336,7 +336,7 @@ class SelectiveAnswer:
     Each layer keeps one buffer [Hkv, sinks + selected + window + new tokens, D] of rotated keys
     (and values), all layers in one tensor [layers, Hkv, ..., D]: a step writes its own key in
     place and rewrites the selected region only when its picks change (with `pick_tokens`, once,
-    from those tokens, the last rows in the prompt's first pass). With the model's C step
+    from those tokens: in passes of `REREAD_ROWS`, the last as the first rows of the prompt's first pass). With the model's C step
     (`SelectiveModel.native`) a decode step is one C call over those buffers: a step that keeps
     its selection (all but every `reselect_every`-th; all with 0 or given picks) is a plain decode step there, and one that
     reselects does it in each layer from the C step's queries, before that layer attends."""
@@ -410,7 +410,7 @@ class SelectiveAnswer:
         self._picks = [[fixed] * self.m.kv_heads for _ in self.m.layers]  # `_select` need not read the stored picks
         for at in range(0, len(pick_tokens), REREAD_ROWS):
             rows = pick_tokens[at : at + REREAD_ROWS]
-            columns = torch.arange(self.sinks + at, self.sinks + at + len(rows))
+            columns = torch.arange(self.sinks + at, self.sinks + at + len(rows), device="cpu")
             if at + REREAD_ROWS < len(pick_tokens):
                 self._rows(rows, columns, keep=0)
             else:
@@ -501,8 +501,9 @@ class SelectiveAnswer:
     def _chunk(self, token_ids: list[int]) -> torch.Tensor:
         """Feed `token_ids` after the buffers' columns in use (after `reread`'s last pass, in the
         same pass); the last row's logits."""
-        columns = torch.arange(self._length, self._length + len(token_ids))
+        columns = torch.arange(self._length, self._length + len(token_ids), device="cpu")
         if self._pending is not None:
+            assert self._given, "only given picks are read again: no layer scores in this pass"
             (picks, pick_columns), self._pending = self._pending, None
             token_ids, columns = picks + token_ids, torch.cat([pick_columns, columns])
         return self.m.logits(self._rows(token_ids, columns, keep=1))
@@ -511,7 +512,8 @@ class SelectiveAnswer:
         """Feed `token_ids` as the tokens of buffer columns `columns` (their positions, ascending),
         each attending to the columns up to its own, writing their keys and values; the hidden
         states of the last `keep` rows (the last columns in use), for which alone the last layer's
-        attention and MLP run (keep 0: `_reread`'s passes, which keep only keys and values). Each
+        attention and MLP run (keep 0: `_reread`'s passes, which keep only keys and values; the
+        states returned are then all rows' of the last but one layer, and unused). Each
         run of consecutive columns attends as one causal block (a mask over the gaps between runs
         would cost the CPU kernel the attention of every row to every column)."""
         m = self.m
