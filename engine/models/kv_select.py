@@ -519,7 +519,8 @@ class SelectiveAnswer:
         m = self.m
         T, end = len(token_ids), int(columns[-1]) + 1
         breaks = [0, *(torch.nonzero(columns.diff() != 1).flatten() + 1).tolist(), T]
-        runs = list(zip(breaks, breaks[1:], strict=False))  # rows [a, b): columns columns[a]..columns[b - 1]
+        # rows [a, b) at consecutive columns, seeing the keys before `stop` (one past the run's last column)
+        runs = [(a, b, int(columns[b - 1]) + 1) for a, b in zip(breaks, breaks[1:], strict=False)]
         where: slice | torch.Tensor = slice(end - T, end) if len(runs) == 1 else columns
         cos, sin = m._rope(columns)
         x = m._backbone.embed_tokens(torch.tensor(token_ids, device=m.device))
@@ -532,14 +533,10 @@ class SelectiveAnswer:
                 if not keep:
                     break
                 assert keep <= runs[-1][1] - runs[-1][0], "the rows kept are in the last run"
-                q, x, cos, sin, runs = q[:, -keep:], x[-keep:], cos[-keep:], sin[-keep:], [(0, keep)]
-                columns = columns[-keep:]
+                q, x, cos, sin, runs = q[:, -keep:], x[-keep:], cos[-keep:], sin[-keep:], [(0, keep, end)]
             keys, values = self._k[i][:, :end].to(q.dtype), self._v[i][:, :end].to(q.dtype)  # float32 buffers for the C step
             rotated = rotate(q, cos, sin)
-            attended = [
-                m._attend(rotated[:, a:b], keys[:, : int(columns[b - 1]) + 1], values[:, : int(columns[b - 1]) + 1])
-                for a, b in runs
-            ]
+            attended = [m._attend(rotated[:, a:b], keys[:, :stop], values[:, :stop]) for a, b, stop in runs]
             x = m._finish_layer(layer, x, torch.cat(attended) if len(attended) > 1 else attended[0])
         m._end_pass()
         self._length = max(self._length, end)
