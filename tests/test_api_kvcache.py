@@ -139,14 +139,16 @@ def test_the_text_index_ranks_with_the_models_text_options(make_client, tiny_dir
     attends fewer segments than the layout's k·u places."""
     measured = tmp_path / tiny_dir.name
     shutil.copytree(tiny_dir, measured)
-    (measured / "longdoc.json").write_text(json.dumps({"memory_options": {"text": {"margin": 0.001, "dense_weight": 0.4}}}))
+    (measured / "longdoc.json").write_text(
+        json.dumps({"memory_options": {"text": {"margin": 0.001, "dense_weight": 0.4, "sentence_share": 0.5}}})
+    )
     client = make_client(model=[str(measured)])
     session = new_session(client, memory="kvcache", options={**SIZES, "selection": "text"})
     client.post(f"/v1/sessions/{session}/documents", json={"text": TEXT})
     question = {"question": "What did the Dodo say about the Caucus-race?", "max_tokens": 8}
     items = client.post(f"/v1/sessions/{session}/ask", json=question).json()["retrieval"]["items"]
     text_index = session_of(client, session).memory.text_index
-    assert (text_index.options.margin, text_index.options.dense_weight) == (0.001, 0.4)
+    assert (text_index.options.margin, text_index.options.dense_weight, text_index.options.sentence_share) == (0.001, 0.4, 0.5)
     (_, start, end, best), (_, _, _, second) = text_index.ranked_spans(question["question"])[:2]
     assert best - second > 0.001  # the second chunk lies outside the margin
     assert 0 < len(items) < SIZES["top_k"] * SIZES["neighbours"]

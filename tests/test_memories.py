@@ -131,7 +131,9 @@ def test_text_memory_chunk_limit(context, tiny_tokenizer):
     assert memory.stats().entries == 0
 
 
-@pytest.mark.parametrize(("kind", "options"), [("truncate", {}), ("text", {}), ("text", {"focus_tokens": 48})])
+@pytest.mark.parametrize(
+    ("kind", "options"), [("truncate", {}), ("text", {}), ("text", {"focus_tokens": 48}), ("text", {"sentence_share": 0.5})]
+)
 def test_state_dict_round_trip(context, tiny_tokenizer, kind, options):
     memory = build_memory(kind, context, options)
     ingest(memory, tiny_tokenizer, "a", filler(50) + " " + FACT)
@@ -296,6 +298,58 @@ def test_score_fusion_is_the_weighted_sum_of_both_scores_standardized(context, t
     ingest(alone, tiny_tokenizer, "note", FACT)
     assert alone.stats().entries == 1
     assert [p.text for p in alone.retrieve(question, 1000)] == [FACT]
+
+
+def test_sentence_share_fuses_each_chunks_best_sentence(context, tiny_tokenizer, embedder):
+    """With `sentence_share` s, MiniLM's part of the fused score is (1 - s)·z(the chunk's cosine) +
+    s·z(its best sentence's cosine), the sentences pooled from the chunk's own pass; s 0 is the
+    chunk's alone. A question matching one sentence of a chunk of other sentences ranks it higher."""
+    text = filler(60) + " " + FACT + " " + filler(60) + " " + RARE + " " + filler(60)
+    question = "Which lighthouse guards the secret harbour?"
+    vector = embedder.encode([question])[0]
+    standard = lambda a: (a - a.mean()) / a.std()  # noqa: E731
+    options = {"chunk_tokens": 64, "dense_weight": 0.8, "top_k": 8}
+    shared = text_memory(context, {**options, "sentence_share": 0.6})
+    plain = text_memory(context, options)
+    for memory in (shared, plain):
+        ingest(memory, tiny_tokenizer, "book", text)
+    texts = shared._chunk_texts()
+    parts = [chunk_sentences(t) for t in texts]
+    chunks, sentences = embedder.encode_parts(texts, parts)
+    dense = chunks @ vector
+    best = np.asarray([(s @ vector).max() if len(s) else d for s, d in zip(sentences, dense, strict=True)])
+    lexical = shared._lexical.scores(question)
+    for memory, share in ((shared, 0.6), (plain, 0.0)):
+        meaning = (1 - share) * standard(dense) + share * standard(best)
+        expected = 0.8 * meaning + 0.2 * standard(lexical)
+        ordered = memory._ordered(question, vector)
+        assert [score for _, score in ordered] == pytest.approx(expected[[row for row, _ in ordered]], abs=2e-3)
+    fact_chunk = next(i for i, t in enumerate(texts) if "violet" in t)
+    assert len(parts[fact_chunk]) > 2 and best[fact_chunk] > dense[fact_chunk] + 0.05  # one sentence matches, not its chunk
+    rank = {name: [row for row, _ in m._ordered(question, vector)].index(fact_chunk) for name, m in (("s", shared), ("p", plain))}
+    assert rank["s"] <= rank["p"]
+
+
+@pytest.mark.parametrize(
+    ("options", "kept"), [({"sentence_share": 0.5}, True), ({"sentence_share": 0.5, "fusion": "rank"}, False)]
+)
+def test_sentences_are_kept_only_where_they_are_used(context, tiny_tokenizer, options, kept):
+    """sentence_share applies to score fusion: a session that inherits it with rank fusion keeps no sentence vectors."""
+    memory = text_memory(context, {"chunk_tokens": 32, **options})
+    ingest(memory, tiny_tokenizer, "book", filler(40) + " " + FACT)
+    assert (len(memory.state_dict()["sentence_vectors"]) > 0) == kept
+
+
+@pytest.mark.parametrize("options", [{"focus_tokens": 48}, {"sentence_share": 0.5}])
+def test_the_estimate_counts_the_sentences_kept(context, tiny_tokenizer, options):
+    """What ingestion reserves up front grows by at least what the sentences it keeps will hold,
+    and covers what the committed document adds to the memory."""
+    document = tokenize_document(tiny_tokenizer, "b", "b", filler(60) + " " + FACT)
+    memory, plain = text_memory(context, options), text_memory(context, {})
+    estimates = [m.estimate_bytes(len(document.text), len(document.token_ids)) for m in (memory, plain)]
+    ingest(memory, tiny_tokenizer, "b", document.text)
+    assert estimates[0] - estimates[1] >= memory._sentences.nbytes > 0
+    assert estimates[0] >= memory.stats().bytes
 
 
 @pytest.mark.parametrize("options", [{}, {"fusion": "rank"}, {"retrieval": "dense"}])
@@ -517,6 +571,8 @@ def test_bad_retrieval_options_are_user_errors(context):
         {"fusion": "max"},
         {"dense_weight": 1.5},
         {"sentence_tokens": 600},
+        {"sentence_share": -0.1},
+        {"sentence_share": 1.5},
     ):
         with pytest.raises(InvalidRequestError):
             build_memory("text", context, options)

@@ -196,7 +196,9 @@ def test_a_kvcache_session_saved_before_reread_comes_back_answering_as_it_did(ma
     saved.state.pop("text_options")
     assert saved.state["options"].pop("reread") is False
     store.write(Snapshot({**saved.session, "options": KVCACHE_TEXT}, saved.state), expected=saved.generation)
-    (measured / "longdoc.json").write_text(json.dumps({"memory_options": {"text": {"margin": 0.001, "dense_weight": 0.9}}}))
+    (measured / "longdoc.json").write_text(
+        json.dumps({"memory_options": {"text": {"margin": 0.001, "dense_weight": 0.9, "sentence_share": 0.5}}})
+    )
 
     restarted = make_client(**settings)
     after = restarted.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).json()

@@ -31,7 +31,7 @@ SEPARATOR = "\n\n"
 _SPAN_BYTES = 16  # per token: its document, its characters (2) and its id, int32 each
 BEFORE_TEXT = {"top_k": 8, "selection": "summary"}  # the defaults that changed on 2026-11-26 (`KVCacheOptions`)
 # the `text` options the text index takes from the model's (the others shape a text prompt, or cost model passes)
-INDEX_OPTIONS = ("chunk_tokens", "retrieval", "fusion", "dense_weight", "rrf_k", "max_chunks", "margin")
+INDEX_OPTIONS = ("chunk_tokens", "retrieval", "fusion", "dense_weight", "rrf_k", "max_chunks", "margin", "sentence_share")
 
 
 @dataclass(frozen=True)
@@ -355,7 +355,8 @@ class KVCacheMemory(Memory):
         unknown = np.full(len(self._token_doc), -1, np.int32)
         self._token_ids = state["token_ids"].numpy().astype(np.int32) if "token_ids" in state else unknown
         if self.text_index is not None:
-            self.text_index.load_state_dict(state["text"])
-            # the ranking it was made with (one saved before 2026-11-27 ranked with the text memory's built-in defaults)
+            # the ranking it was made with (one saved before 2026-11-27 ranked with the text memory's
+            # built-in defaults), set first: it decides whether sentences are loaded
             self.text_index.options = TextOptions(**state.get("text_options", {}))
+            self.text_index.load_state_dict(state["text"])
         self._committed = (self._bytes(), self.store.tokens)

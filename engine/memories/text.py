@@ -3,7 +3,10 @@
 Each chunk has a MiniLM vector (a per-session FAISS inner-product index) and BM25 terms
 (engine/memories/lexical.py). A question scores every chunk both ways; the two scores are fused
 (`fusion`): by default each is standardized over the session's chunks (z-scores) and they are
-summed with weights `dense_weight` and 1 - `dense_weight`; "rank" fuses the two rankings instead
+summed with weights `dense_weight` and 1 - `dense_weight`. With `sentence_share`, MiniLM's part is
+itself a weighted sum of two z-scores: the chunk's vector's similarity and its best sentence's
+(sentence vectors pooled from the chunk's own pass at ingestion), so a question that matches one
+sentence is not drowned by the rest of its chunk. "rank" fuses the two rankings instead
 (reciprocal rank fusion, score = sum of 1 / (rrf_k + rank)). The prompt is filled in fused order up
 to `context_tokens`, chunks that touch are merged, and the excerpts are placed in document order.
 Ties break by chunk number, so the same documents and question always give the same excerpts.
@@ -24,6 +27,7 @@ from typing import Any
 
 import faiss
 import numpy as np
+import torch
 
 from engine.embedder import BASE_NAME, Embedder
 from engine.errors import BudgetExceededError
@@ -123,6 +127,7 @@ class TextOptions:
     rerank: int = 0  # > 0: the chunks are chosen from this many best fused ones, reordered by the reader
     sentence_tokens: int = 50  # whole chunks: at most about this many tokens added at each end, to whole sentences
     margin: float = 0.0  # > 0: a chunk is taken only when its fused score is within this of the first taken's
+    sentence_share: float = 0.0  # score fusion: of MiniLM's weight, the share of each chunk's best sentence's similarity
 
     def __post_init__(self) -> None:
         if not 16 <= self.chunk_tokens <= 512:
@@ -149,12 +154,22 @@ class TextOptions:
             raise ValueError("sentence_tokens must be between 0 and 512 (0: excerpts end where their chunks do)")
         if not 0.0 <= self.margin <= 100.0:
             raise ValueError("margin must be between 0 (off) and 100")
+        if not 0.0 <= self.sentence_share <= 1.0:
+            raise ValueError("sentence_share must be between 0 and 1")
+
+    def score_fusion(self) -> bool:
+        return (self.retrieval, self.fusion) == ("hybrid", "score")
+
+    def keeps_sentences(self) -> bool:
+        """Whether each chunk's sentences get vectors at ingestion: for `focus_tokens`, or for
+        `sentence_share` where it applies (score fusion)."""
+        return self.focus_tokens > 0 or (self.sentence_share > 0 and self.score_fusion())
 
     def score_margin(self) -> float:
         """`margin` where scores are fused z-scores (hybrid, score fusion, no rerank); 0 elsewhere,
         where it would be in other units. Not refused there: a model's manifest may set a margin
         that a session choosing rank fusion or rerank inherits."""
-        return self.margin if (self.retrieval, self.fusion, self.rerank) == ("hybrid", "score", 0) else 0.0
+        return self.margin if self.score_fusion() and not self.rerank else 0.0
 
 
 @dataclass
@@ -187,7 +202,7 @@ class _Chunks:
 
 @dataclass
 class _Sentences:
-    """The chunks' sentences (focus_tokens > 0 only): chunk i's are rows starts[i]:starts[i + 1],
+    """The chunks' sentences (where `TextOptions.keeps_sentences`): chunk i's are rows starts[i]:starts[i + 1],
     each a character span of the chunk's document and a float16 vector."""
 
     starts: np.ndarray  # int64 [chunks + 1]
@@ -263,12 +278,13 @@ class TextMemory(Memory):
         staged.tokens += [len(piece) for piece in pieces]
 
     def _embed(self, staged: _Staged, spans: list[tuple[int, int]]) -> None:
-        """The chunks' vectors into `staged`, and with focus their sentences' from the same pass."""
+        """The chunks' vectors into `staged`, and where kept their sentences' from the same pass."""
         texts = [staged.text[a:b] for a, b in spans]
-        parts = [chunk_sentences(text) if self.options.focus_tokens else [] for text in texts]
+        keeps = self.options.keeps_sentences()
+        parts = [chunk_sentences(text) if keeps else [] for text in texts]
         vectors, part_vectors = self._embedder.encode_parts(texts, parts)
         staged.vectors.append(vectors)
-        if self.options.focus_tokens:
+        if keeps:
             staged.sentence_counts += [len(p) for p in parts]
             staged.sentence_spans += [(a + s, a + e) for (a, _), p in zip(spans, parts, strict=True) for s, e in p]
             staged.sentence_vectors += part_vectors
@@ -277,8 +293,8 @@ class TextMemory(Memory):
         return _Sentences.of([], [], [], self._embedder.dim)
 
     def _chunk_bytes(self) -> int:
-        """Upper estimate per chunk: its vector, span and count, its BM25 terms, and with focus its sentences."""
-        sentences = _Sentences.bytes_per_chunk(self._embedder.dim) if self.options.focus_tokens else 0
+        """Upper estimate per chunk: its vector, span and count, its BM25 terms, and its sentences where kept."""
+        sentences = _Sentences.bytes_per_chunk(self._embedder.dim) if self.options.keeps_sentences() else 0
         return 4 * self._embedder.dim + _CHUNK_BYTES + LexicalIndex.bytes_per_chunk(self.options.chunk_tokens) + sentences
 
     def _rebuild_bytes(self, new_chunks: int, new_text_bytes: int) -> int:
@@ -305,7 +321,7 @@ class TextMemory(Memory):
             self._index.add(np.concatenate(staged.vectors))
             number = len(self._documents)
             self._chunks = self._chunks.extend(_Chunks.of([number] * len(staged.spans), staged.spans, staged.tokens))
-            if self.options.focus_tokens:
+            if self.options.keeps_sentences():
                 added = _Sentences.of(staged.sentence_counts, staged.sentence_spans, staged.sentence_vectors, self._embedder.dim)
                 self._sentences = self._sentences.extend(added)
         self._documents.append((staged.document_id, staged.text))
@@ -451,11 +467,25 @@ class TextMemory(Memory):
         chunk number. Every chunk is scored: the vectors are read in place, one float a chunk each way."""
         vectors = faiss.rev_swig_ptr(self._index.get_xb(), self._index.ntotal * self._index.d)  # a view, no copy
         dense = vectors.reshape(self._index.ntotal, self._index.d) @ query_vector
-        weight = self.options.dense_weight
-        fused = weight * _standardized(dense) + (1.0 - weight) * _standardized(self._lexical.scores(query))
+        weight, share = self.options.dense_weight, self.options.sentence_share
+        meaning = _standardized(dense)
+        if share and len(self._sentences.vectors):
+            meaning = (1.0 - share) * meaning + share * _standardized(self._best_sentences(dense, query_vector))
+        fused = weight * meaning + (1.0 - weight) * _standardized(self._lexical.scores(query))
         best = np.argpartition(-fused, depth - 1)[:depth]
         best = best[np.lexsort((best, -fused[best]))]
         return [(int(row), float(fused[row])) for row in best]
+
+    def _best_sentences(self, dense: np.ndarray, query_vector: np.ndarray) -> np.ndarray:
+        """Each chunk's best MiniLM similarity of one of its sentences to the question; a chunk
+        without sentences (only spaces) keeps its own (`dense`)."""
+        starts = self._sentences.starts
+        vectors = torch.from_numpy(self._sentences.vectors)  # torch's threads: numpy's BLAS threads would contend with them
+        similarity = (vectors.float() @ torch.from_numpy(query_vector)).numpy()
+        held = starts[1:] > starts[:-1]
+        best = dense.copy()
+        best[held] = np.maximum.reduceat(similarity, starts[:-1][held])
+        return best
 
     def _reranked(self, query: str, ranked: list[tuple[int, float]]) -> list[tuple[int, float]]:
         """(chunk, the reader's mean log-probability of the question after it) best first, ties by
@@ -569,7 +599,7 @@ class TextMemory(Memory):
             self.remade_on_load = True
             return
         self._index.add(np.ascontiguousarray(state["vectors"], np.float32).reshape(-1, self._embedder.dim))
-        if self.options.focus_tokens:
+        if self.options.keeps_sentences():
             self._sentences = self._loaded_sentences(state)
 
     def _loaded_sentences(self, state: dict[str, Any]) -> _Sentences:
@@ -582,15 +612,15 @@ class TextMemory(Memory):
         return self._embedded()[1]
 
     def _embed_again(self) -> None:
-        """The chunks' vectors (and with focus their sentences') made again from their texts."""
+        """The chunks' vectors (and where kept their sentences') made again from their texts."""
         vectors, sentences = self._embedded()
         self._index.reset()
         self._index.add(vectors)
-        if self.options.focus_tokens:
+        if self.options.keeps_sentences():
             self._sentences = sentences
 
     def _embedded(self) -> tuple[np.ndarray, _Sentences]:
-        """Every chunk's vector and, with focus, its sentences', in one MiniLM pass a chunk."""
+        """Every chunk's vector and, where kept, its sentences', in one MiniLM pass a chunk."""
         vectors, sentences = [], self._no_sentences()
         for number, (document_id, text) in enumerate(self._documents):
             staged = _Staged(document_id, text)
