@@ -13,7 +13,7 @@ from engine.errors import BudgetExceededError, InvalidRequestError, TooLargeErro
 from engine.ingest import ingest_steps, piece_bounds, tokenize_document
 from engine.interface import DocumentInfo, IngestDone
 from engine.memories import MemoryContext, build_memory
-from engine.memories.text import TextMemory, chunk_sentences, sentence_end, sentence_start
+from engine.memories.text import TextMemory, _Sentences, chunk_sentences, sentence_end, sentence_start
 from tests.helpers import filler
 
 FACT = "The secret harbour of Velmora is guarded by a lighthouse painted violet."
@@ -148,9 +148,9 @@ def test_state_dict_round_trip(context, tiny_tokenizer, kind, options):
             np.testing.assert_array_equal(restored.state_dict()[key], memory.state_dict()[key])
 
 
-def test_focus_sessions_saved_without_sentences_embed_them_again(context, tiny_tokenizer):
-    """A focus session saved before sentences were kept loads with the sentences it would have had."""
-    options = {"focus_tokens": 48}
+@pytest.mark.parametrize("options", [{"focus_tokens": 48}, {"sentence_share": 0.5}])
+def test_sessions_saved_without_sentences_embed_them_again(context, tiny_tokenizer, options):
+    """A session that keeps sentences, saved before sentences were kept, loads with the sentences it would have had."""
     memory = build_memory("text", context, options)
     ingest(memory, tiny_tokenizer, "a", filler(50) + " " + FACT)
     ingest(memory, tiny_tokenizer, "b", filler(30))
@@ -164,7 +164,7 @@ def test_focus_sessions_saved_without_sentences_embed_them_again(context, tiny_t
     np.testing.assert_allclose(loaded, saved, atol=1e-3)  # batched differently: float rounding only
 
 
-@pytest.mark.parametrize("options", [{}, {"focus_tokens": 48}])
+@pytest.mark.parametrize("options", [{}, {"focus_tokens": 48}, {"sentence_share": 0.5}])
 def test_text_sessions_saved_by_another_embedder_embed_again(context, tiny_tokenizer, options):
     """Vectors saved by a server with another embedder (an adapter, or none) do not match this one's
     questions: they are made again from the chunks' texts, not loaded."""
@@ -303,7 +303,8 @@ def test_score_fusion_is_the_weighted_sum_of_both_scores_standardized(context, t
 def test_sentence_share_fuses_each_chunks_best_sentence(context, tiny_tokenizer, embedder):
     """With `sentence_share` s, MiniLM's part of the fused score is (1 - s)·z(the chunk's cosine) +
     s·z(its best sentence's cosine), the sentences pooled from the chunk's own pass; s 0 is the
-    chunk's alone. A question matching one sentence of a chunk of other sentences ranks it higher."""
+    chunk's alone. A question matching one sentence of a chunk of other sentences scores that
+    chunk further above the rest by its sentence than by its whole vector."""
     text = filler(60) + " " + FACT + " " + filler(60) + " " + RARE + " " + filler(60)
     question = "Which lighthouse guards the secret harbour?"
     vector = embedder.encode([question])[0]
@@ -326,8 +327,31 @@ def test_sentence_share_fuses_each_chunks_best_sentence(context, tiny_tokenizer,
         assert [score for _, score in ordered] == pytest.approx(expected[[row for row, _ in ordered]], abs=2e-3)
     fact_chunk = next(i for i, t in enumerate(texts) if "violet" in t)
     assert len(parts[fact_chunk]) > 2 and best[fact_chunk] > dense[fact_chunk] + 0.05  # one sentence matches, not its chunk
-    rank = {name: [row for row, _ in m._ordered(question, vector)].index(fact_chunk) for name, m in (("s", shared), ("p", plain))}
-    assert rank["s"] <= rank["p"]
+    assert standard(best)[fact_chunk] > standard(dense)[fact_chunk]  # it stands further above the other chunks
+
+
+def test_a_chunks_best_sentence_skips_zero_rows_and_chunks_without_sentences(context, tiny_tokenizer):
+    """Each chunk's best sentence cosine is the largest over its own rows; a chunk without
+    sentences, or whose rows are all zero (sentences past MiniLM's length), keeps its chunk's."""
+    memory = text_memory(context, {"chunk_tokens": 16, "sentence_share": 0.5})
+    ingest(memory, tiny_tokenizer, "book", filler(20))
+    chunks = memory._index.ntotal
+    counts = [(2, 0, 3, 1)[i % 4] for i in range(chunks)]
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((sum(counts), 8)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    vectors[sum(counts[:3])] = 0.0  # chunk 3's one sentence: a zero row
+    vectors[1] = 0.0  # one of chunk 0's two
+    memory._sentences = _Sentences.of(counts, [(0, 1)] * sum(counts), [vectors], 8)
+    query = rng.standard_normal(8).astype(np.float32)
+    dense = rng.standard_normal(chunks).astype(np.float32)
+    best = memory._best_sentences(dense, query)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    stored = memory._sentences.vectors.astype(np.float32)
+    for chunk in range(chunks):
+        own = [stored[j] @ query for j in range(starts[chunk], starts[chunk + 1]) if stored[j].any()]
+        assert best[chunk] == pytest.approx(max(own) if own else dense[chunk], abs=1e-5)
+    assert chunks > 4 and best[3] == dense[3] and best[1] == dense[1]
 
 
 @pytest.mark.parametrize(

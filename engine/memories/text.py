@@ -45,6 +45,7 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+|\n\s*\n")
 _CHARS_PER_TOKEN = 4
 _MIN_SENTENCE_CHARS = 40
 MAX_SENTENCES = 16  # a chunk's sentences beyond this many are grouped, so its bytes have a bound
+_COSINE_ROWS = 65_536  # sentence vectors made float32 at a time for a question's cosines
 
 
 def _sentences(text: str) -> list[tuple[int, int]]:
@@ -223,6 +224,18 @@ class _Sentences:
     def nbytes(self) -> int:
         return self.starts.nbytes + self.spans.nbytes + self.vectors.nbytes
 
+    def cosines(self, query_vector: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        """float32: every sentence's (or `rows`') cosine with the question; 0 for a zero row (a
+        sentence that held no token of its chunk's MiniLM pass). In blocks of _COSINE_ROWS, so a
+        question copies at most that many float16 rows to float32 at a time."""
+        vectors = self.vectors if rows is None else self.vectors[rows]
+        query = torch.from_numpy(query_vector)
+        blocks = [
+            (torch.from_numpy(vectors[i : i + _COSINE_ROWS]).float() @ query).numpy()
+            for i in range(0, len(vectors), _COSINE_ROWS)
+        ]
+        return np.concatenate(blocks) if blocks else np.zeros(0, np.float32)
+
     @staticmethod
     def bytes_per_chunk(dim: int) -> int:
         return 8 + MAX_SENTENCES * (16 + 2 * dim)
@@ -383,7 +396,7 @@ class TextMemory(Memory):
             return self._whole_chunks(chosen)
         ids = np.concatenate([np.arange(starts[r], starts[r + 1]) for r in rows])  # document order
         owner = np.concatenate([np.full(starts[r + 1] - starts[r], r) for r in rows])
-        similarity = self._sentences.vectors[ids].astype(np.float32) @ query_vector
+        similarity = self._sentences.cosines(query_vector, ids)
         lengths = (self._sentences.spans[ids, 1] - self._sentences.spans[ids, 0]).tolist()
         picked: set[int] = set()
         left = budget * _CHARS_PER_TOKEN
@@ -464,12 +477,14 @@ class TextMemory(Memory):
 
     def _score_fused(self, query: str, query_vector: np.ndarray, depth: int) -> list[tuple[int, float]]:
         """(chunk, weighted sum of its standardized MiniLM and BM25 scores), the best `depth`, ties by
-        chunk number. Every chunk is scored: the vectors are read in place, one float a chunk each way."""
+        chunk number. Every chunk is scored: the chunks' vectors are read in place, one float a
+        chunk each way (with `sentence_share`, the sentences' cosines in blocks)."""
         vectors = faiss.rev_swig_ptr(self._index.get_xb(), self._index.ntotal * self._index.d)  # a view, no copy
         dense = vectors.reshape(self._index.ntotal, self._index.d) @ query_vector
         weight, share = self.options.dense_weight, self.options.sentence_share
         meaning = _standardized(dense)
-        if share and len(self._sentences.vectors):
+        if share:
+            assert len(self._sentences.starts) == len(dense) + 1, "sentence_share: every chunk's sentences kept"
             meaning = (1.0 - share) * meaning + share * _standardized(self._best_sentences(dense, query_vector))
         fused = weight * meaning + (1.0 - weight) * _standardized(self._lexical.scores(query))
         best = np.argpartition(-fused, depth - 1)[:depth]
@@ -478,14 +493,14 @@ class TextMemory(Memory):
 
     def _best_sentences(self, dense: np.ndarray, query_vector: np.ndarray) -> np.ndarray:
         """Each chunk's best MiniLM similarity of one of its sentences to the question; a chunk
-        without sentences (only spaces) keeps its own (`dense`)."""
+        without sentences (only spaces) or with zero rows only keeps its own (`dense`)."""
         starts = self._sentences.starts
-        vectors = torch.from_numpy(self._sentences.vectors)  # torch's threads: numpy's BLAS threads would contend with them
-        similarity = (vectors.float() @ torch.from_numpy(query_vector)).numpy()
+        similarity = self._sentences.cosines(query_vector)
+        similarity[similarity == 0.0] = -np.inf  # a zero row (past MiniLM's length) is no sentence's cosine
         held = starts[1:] > starts[:-1]
-        best = dense.copy()
+        best = np.full(len(dense), -np.inf, np.float32)
         best[held] = np.maximum.reduceat(similarity, starts[:-1][held])
-        return best
+        return np.where(np.isfinite(best), best, dense)
 
     def _reranked(self, query: str, ranked: list[tuple[int, float]]) -> list[tuple[int, float]]:
         """(chunk, the reader's mean log-probability of the question after it) best first, ties by
