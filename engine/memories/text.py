@@ -45,7 +45,7 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+|\n\s*\n")
 _CHARS_PER_TOKEN = 4
 _MIN_SENTENCE_CHARS = 40
 MAX_SENTENCES = 16  # a chunk's sentences beyond this many are grouped, so its bytes have a bound
-_COSINE_ROWS = 65_536  # sentence vectors made float32 at a time for a question's cosines
+_COSINE_ROWS = 8_192  # sentence vectors made float32 at a time for a question's cosines (12 MB at 384 dims)
 
 
 def _sentences(text: str) -> list[tuple[int, int]]:
