@@ -105,6 +105,19 @@ def test_wrongly_typed_memory_options_get_a_plain_message(client):
         assert needle in error["message"] and "TypeError" not in error["message"] and "__init__" not in error["message"]
 
 
+def test_out_of_range_ranking_options_are_400_and_name_the_option(client):
+    for options, needle in (
+        ({"sentence_share": 1.5}, "sentence_share must be between 0 and 1"),
+        ({"sentence_share": -0.1}, "sentence_share must be between 0 and 1"),
+        ({"sentence_share": "x"}, "sentence_share"),
+        ({"dense_weight": 2}, "dense_weight must be between 0 and 1"),
+        ({"margin": 101}, "margin must be between 0 (off) and 100"),
+    ):
+        error = assert_error(client.post("/v1/sessions", json={"memory": "text", "options": options}), 400, "invalid_request")
+        assert needle in error["message"]
+    assert client.get("/v1/sessions").json()["data"] == []  # none of them made a session
+
+
 def test_neurocache_capacity_is_typed_and_budgeted(make_client, adapter_dir):  # noqa: F811
     client = make_client(
         adapter_dir=[str(adapter_dir)], session_memory_bytes=2_000_000, max_memory_bytes=3_000_000, persist_sessions=False
