@@ -38,7 +38,7 @@ test: $(STAMP) chromium
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# Debian's Chromium for the web page's browser test (tests/test_ui_browser.py), driven by Playwright
+# Debian's Chromium for the web page's browser test (tests/e2e/test_ui_browser.py), driven by Playwright
 chromium:
 	command -v chromium >/dev/null || ($(APT) update -q && $(APT) install -y -q chromium)
 
@@ -74,7 +74,7 @@ image-smoke: image
 bench: $(STAMP)
 	$(BIN)/python -m bench.bench_memories $(ARGS)
 
-# concurrent answers, one a step against batched (max_batch 1 and 8), docs/benchmarks.md#batched-decoding
+# concurrent answers, one a step against batched (max_batch 1 and 8), docs/studies/batching-and-cpu-speed.md#batched-decoding
 bench-batching: $(STAMP)
 	$(BIN)/python -m bench.bench_batching $(ARGS)
 
@@ -84,7 +84,7 @@ bench-scaleout: $(STAMP)
 
 # peers in one run: longdoc, llama-cpp-python's server (built from PyPI's source in a venv of its
 # own, for this CPU without llama.cpp's AMX backend: scripts/llama_cpp_flags.sh; a few minutes on
-# 2 cores) and transformers generate, docs/benchmarks.md#peers
+# 2 cores) and transformers generate, docs/studies/peers.md
 PEERS_VENV  := .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.installed
 $(PEERS_STAMP):
@@ -96,7 +96,7 @@ $(PEERS_STAMP):
 peers: $(STAMP) $(PEERS_STAMP)
 	$(BIN)/python -m bench.peers --peers-python $(PEERS_VENV)/bin/python --quantize none bf16 int8 $(ARGS)
 
-# kvcache speed against the plain model (ingestion, decode, TTFT), docs/benchmarks.md#kvcache
+# kvcache speed against the plain model (ingestion, decode, TTFT), docs/studies/kvcache.md#speed-against-the-plain-model
 bench-kvcache: $(STAMP)
 	$(BIN)/python -m bench.bench_kvcache $(ARGS)
 

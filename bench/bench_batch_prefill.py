@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
 from engine.models.loader import load_model
-from engine.worker import compute_executor, single_threaded_torch
+from engine.runtime.worker import compute_executor, single_threaded_torch
 
 PROMPT = 560  # the batching benchmark's prompts (bench/bench_batching.py)
 

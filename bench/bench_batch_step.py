@@ -17,12 +17,12 @@ import time
 import torch
 from torch import nn
 
-from engine.batching import BatchDecoder, Row, _rows_alone
 from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
-from engine.generation import AnswerState, StopTokens
 from engine.interface import GenerationParams
+from engine.models.llama_step import BatchDecoder, Row, _rows_alone
 from engine.models.loader import load_model
 from engine.models.quantize import quantize_linears
+from engine.runtime.generation import AnswerState, StopTokens
 
 CONTEXT = 512
 REPEATS = 24

@@ -14,12 +14,12 @@ import argparse
 import statistics
 import time
 
-from engine.batching import BatchDecoder, Row
 from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
-from engine.generation import AnswerState, StopTokens
 from engine.interface import GenerationParams
+from engine.models.llama_step import BatchDecoder, Row
 from engine.models.loader import load_model
-from engine.worker import compute_executor, single_threaded_torch
+from engine.runtime.generation import AnswerState, StopTokens
+from engine.runtime.worker import compute_executor, single_threaded_torch
 
 CONTEXT = 512
 STEPS = 20  # decode steps timed after each prefill

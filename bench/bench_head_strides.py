@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.worker import compute_executor, single_threaded_torch
+from engine.runtime.worker import compute_executor, single_threaded_torch
 
 VOCAB, HIDDEN, TOKENS, CALLS = 49_152, 576, 512, 7
 

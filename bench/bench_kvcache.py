@@ -30,19 +30,19 @@ import time
 
 import torch
 
-from engine.batching import BatchDecoder, Row
 from engine.config import DEFAULT_CACHE_DIR, SHIPPED_EMBEDDER_ADAPTER, SMALL_MODEL, IngestConfig
-from engine.embedder import Embedder
-from engine.generation import AnswerState, StopTokens
 from engine.ingest import TokenizedDocument, ingest_steps, tokenize_document
 from engine.interface import GenerationParams, IngestDone
 from engine.memories.base import MemoryContext
-from engine.memories.kvcache import KVCacheMemory, KVCacheOptions
+from engine.memories.kvcache.memory import KVCacheMemory, KVCacheOptions
+from engine.memories.kvcache.select import SelectiveModel
 from engine.models import manifest as manifests
-from engine.models.kv_select import SelectiveModel
+from engine.models.embedder import Embedder
+from engine.models.llama_step import BatchDecoder, Row
 from engine.models.loader import LoadedModel, load_model
 from engine.prompts import after_document
-from engine.registry import valid_manifest_options
+from engine.runtime.generation import AnswerState, StopTokens
+from engine.runtime.registry import valid_manifest_options
 from research.evals import texts
 
 QUESTION = "What did the Mock Turtle sing about?"
@@ -78,7 +78,7 @@ def kvcache_memory(loaded: LoadedModel, options: dict) -> KVCacheMemory:
         else None,
         model=loaded.model,
         context_len=loaded.context_len,
-        text_options=valid_manifest_options(loaded.name, manifests.manifest_of(loaded.name, loaded.source)).get("text", {}),
+        manifest_options=valid_manifest_options(loaded.name, manifests.manifest_of(loaded.name, loaded.source)),
     )
     return KVCacheMemory(context, options)
 

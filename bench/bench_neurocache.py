@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 
 from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
-from engine.generation import StopTokens, generate_steps
 from engine.interface import GenerationParams
+from engine.memories.neurocache.adapter import CacheBinding, Neurocache, NeurocacheConfig
+from engine.memories.neurocache.adapter_io import load_adapter
+from engine.memories.neurocache.state_cache import StateCache
 from engine.models.loader import load_model
-from engine.models.neurocache import CacheBinding, Neurocache, NeurocacheConfig
-from engine.models.neurocache_io import load_adapter
-from engine.state_cache import StateCache
+from engine.runtime.generation import StopTokens, generate_steps
 from research.training.corpus import fetch, split
 
 ROOT = Path(__file__).resolve().parents[1]

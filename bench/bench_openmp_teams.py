@@ -1,4 +1,4 @@
-"""Why the server runs its torch work on one thread (engine/worker.py): a bfloat16 decode-sized
+"""Why the server runs its torch work on one thread (engine/runtime/worker.py): a bfloat16 decode-sized
 matmul on a worker thread, timed while another live thread (as the server's event loop is) has
 (a) done nothing, (b) run torch work of its own, (c) run the same work after
 `single_threaded_torch`. Each case in a fresh process, so one case's OpenMP threads do not linger
@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 
-from engine.worker import single_threaded_torch
+from engine.runtime.worker import single_threaded_torch
 
 CASES = ("alone", "other thread's torch work", "other thread's torch work, single-threaded")
 LINEARS = 60  # two layers' worth of SmolLM2-135M's projections

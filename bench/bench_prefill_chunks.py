@@ -15,12 +15,13 @@ import asyncio
 import statistics
 import time
 
-from engine.batching import BatchDecoder, Batcher
 from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
-from engine.generation import StopTokens
 from engine.interface import GenerationParams
+from engine.models.llama_step import BatchDecoder
 from engine.models.loader import load_model
-from engine.worker import SerialWorker, compute_executor, single_threaded_torch
+from engine.runtime.generation import StopTokens
+from engine.runtime.scheduler import Batcher
+from engine.runtime.worker import SerialWorker, compute_executor, single_threaded_torch
 
 DECODING_PROMPT, LONG_PROMPT = list(range(1000, 1512)), list(range(2000, 10000))
 

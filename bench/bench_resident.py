@@ -13,11 +13,11 @@ import argparse
 import gc
 import resource
 
-from engine.batching import BatchDecoder
 from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL, QUANTIZE_MODES
+from engine.models.llama_step import BatchDecoder
 from engine.models.loader import load_model
 from engine.models.quantize import quantize_linears
-from engine.os_memory import return_free_memory
+from engine.runtime.os_memory import return_free_memory
 
 
 def status_gb(*fields: str) -> dict[str, float]:

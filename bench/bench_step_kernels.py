@@ -12,11 +12,11 @@ import statistics
 import time
 
 from bench.bench_batch_step import filled_rows
-from engine.batching import BatchDecoder
 from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
 from engine.models import cpu_kernels
+from engine.models.llama_step import BatchDecoder
 from engine.models.loader import load_model
-from engine.worker import compute_executor, single_threaded_torch
+from engine.runtime.worker import compute_executor, single_threaded_torch
 
 REPEATS = 20
 KERNELS = {"AVX2": False, "AVX-512": True}

@@ -2,7 +2,7 @@
 
 Each pass-key document (`longdoc eval passkey`'s, one per depth) is fed once into a kvcache
 session (with the options of `--session` over `top_k` 8 selecting by summaries, the memory's
-defaults until 2026-11-26, which this script's figures in docs/benchmarks.md were measured with); the question is then asked under each answering config (swapped on the session's
+defaults until 2026-11-26, which this script's figures in docs/studies/kvcache.md were measured with); the question is then asked under each answering config (swapped on the session's
 selective model: selection, reselect_every) and, with `forced`, once more with the needle's segment
 forced into every layer's and head's picks at every selection. Every config sees the same
 documents and keys, so a miss that the forced row shares is the model's reading, not selection.
@@ -35,8 +35,8 @@ import torch
 from engine.config import SMALL_MODEL
 from engine.engine import Engine
 from engine.interface import GenerationParams, RetrievedItem, TokenDelta
-from engine.memories.kvcache import BEFORE_TEXT, KVCacheMemory, KVCacheOptions
-from engine.models import kv_select
+from engine.memories.kvcache import select as kv_select
+from engine.memories.kvcache.memory import BEFORE_TEXT, KVCacheMemory, KVCacheOptions
 from research.evals import qa
 from research.evals import texts as qa_texts
 from research.training.corpus import fetch, split

@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 
 from engine.config import DEFAULT_CACHE_DIR, SHIPPED_ADAPTERS, SMALL_MODEL
-from engine.generation import StopTokens, generate_steps
 from engine.interface import GenerationParams
+from engine.memories.neurocache.adapter import CacheBinding
+from engine.memories.neurocache.adapter_io import load_adapter
+from engine.memories.neurocache.state_cache import StateCache
 from engine.models.loader import load_model
-from engine.models.neurocache import CacheBinding
-from engine.models.neurocache_io import load_adapter
 from engine.prompts import render
-from engine.state_cache import StateCache
+from engine.runtime.generation import StopTokens, generate_steps
 from research.training.corpus import DEFAULT_DIR, fetch, split
 from research.training.fact_tasks import Fact, facts
 

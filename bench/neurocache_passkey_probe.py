@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
+from engine.memories.neurocache.adapter_io import load_adapter
 from engine.models.loader import load_model
-from engine.models.neurocache_io import load_adapter
 from engine.prompts import render
 from research.training.corpus import DEFAULT_DIR, fetch, split
 from research.training.evaluate import PASSKEY_QUESTION, passkey_document

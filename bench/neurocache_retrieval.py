@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
+from engine.memories.neurocache.adapter import Neurocache, NeurocacheConfig
+from engine.memories.neurocache.adapter_io import load_adapter
 from engine.models.loader import load_model
-from engine.models.neurocache import Neurocache, NeurocacheConfig
-from engine.models.neurocache_io import load_adapter
 from research.training.corpus import DEFAULT_DIR, fetch, split
 from research.training.neurocache_data import EpisodeSampler, tokenize_files
 from research.training.neurocache_data import needle as needle_ids

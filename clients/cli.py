@@ -230,7 +230,7 @@ def train_neurocache(
     resume: Annotated[bool, typer.Option(help="continue from out/trainer.pt")] = False,
 ) -> None:
     """Adapt a frozen model with Neurocache (W_p, cache attention, gates, FFN LoRA)."""
-    from engine.models.neurocache import NeurocacheConfig
+    from engine.memories.neurocache.adapter import NeurocacheConfig
     from research.training.neurocache_train import TrainConfig, train
 
     config = TrainConfig(
@@ -450,7 +450,9 @@ def eval_qa(
     device: str = "auto",
     quantize: QuantizeOption = "none",
     embedder_adapter: EmbedderAdapterOption = "shipped",
-    write: Annotated[Path | None, typer.Option(help="also write the table into this Markdown file (docs/benchmarks.md)")] = None,
+    write: Annotated[
+        Path | None, typer.Option(help="also write the table into this Markdown file (docs/studies/retrieval.md)")
+    ] = None,
 ) -> None:
     """The QA benchmark: 110 questions about five held-out texts (with --dev, 120 development ones), per memory, with the oracle row."""
     from research.evals.qa import DEV_QUESTIONS, QUESTIONS, bench, section

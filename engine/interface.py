@@ -12,7 +12,7 @@ MAX_TEMPERATURE = 2.0
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 # The repetition guard's defaults and bounds; it looks at the answer's own tokens only, so copying
 # a phrase from the document or the question is never penalised.
-NO_REPEAT_NGRAM_SIZE = 4  # an answer never repeats 4 tokens that hold a letter (engine/generation.py; 0: off)
+NO_REPEAT_NGRAM_SIZE = 4  # an answer never repeats 4 tokens that hold a letter (engine/runtime/generation.py; 0: off)
 MAX_NO_REPEAT_NGRAM_SIZE = 64
 REPETITION_PENALTY = 1.0  # logits of tokens already in the answer divided by this (1: off)
 MAX_REPETITION_PENALTY = 2.0

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import SHIPPED_ADAPTERS
-from engine.models.neurocache_io import META, WEIGHTS, read_meta
+from engine.memories.neurocache.adapter_io import META, WEIGHTS, read_meta
 
 
 def ship(source: Path, target: Path, figures: dict | None) -> None:

@@ -47,7 +47,7 @@ class Settings(BaseSettings):
         ModelSpec.quantize,
         description="none, bf16, int8 or int4: weights stored in fewer bytes for faster decoding on CPU (bf16: of a "
         "float32 model; int8 and int4 (its output head in int8): of a float32 or bfloat16 one, whose prompts still run "
-        "in bfloat16); its cost in answers is in docs/benchmarks.md",
+        "in bfloat16); its cost in answers is in docs/studies/quantize.md",
     )
     cache_dir: Path = DEFAULT_CACHE_DIR
     data_dir: Path | None = Field(None, description="where sessions are saved as they change; default <cache_dir>/sessions")

@@ -11,10 +11,10 @@ import torch
 from fastapi.testclient import TestClient
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engine.memories.neurocache.adapter import CacheAttention, Neurocache, NeurocacheConfig
+from engine.memories.neurocache.adapter_io import save_adapter
 from engine.models import cpu_kernels
 from engine.models.loader import small_model_dir
-from engine.models.neurocache import CacheAttention, Neurocache, NeurocacheConfig
-from engine.models.neurocache_io import save_adapter
 from server.app import create_app
 from tests.helpers import CACHE_DIR, FIXTURES, TEST_DEVICE, make_tiny_llama, tiny_settings, wait_ready
 
@@ -58,7 +58,7 @@ def tiny_tokenizer(tiny_dir: Path):
 
 @pytest.fixture(scope="session")
 def embedder():
-    from engine.embedder import Embedder
+    from engine.models.embedder import Embedder
 
     return Embedder()
 

@@ -27,7 +27,7 @@ from transformers import (
 
 from clients.client import events_of as parse_events
 from engine.config import DEFAULT_CACHE_DIR
-from engine.models.neurocache import CacheAttention, LoRALinear, Neurocache, NeurocacheConfig
+from engine.memories.neurocache.adapter import CacheAttention, LoRALinear, Neurocache, NeurocacheConfig
 from research.lms.byte_tokenizer import ByteTokenizer
 from research.lms.feeders import feeder_for
 from server.settings import Settings

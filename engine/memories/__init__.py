@@ -6,9 +6,9 @@ from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment
-from engine.memories.kvcache import KVCacheMemory
-from engine.memories.neurocache import NeurocacheMemory
-from engine.memories.text import TextMemory
+from engine.memories.kvcache.memory import KVCacheMemory
+from engine.memories.neurocache.memory import NeurocacheMemory
+from engine.memories.text.memory import TextMemory
 from engine.memories.truncate import TruncateMemory
 
 MEMORIES: dict[str, type[Memory]] = {cls.kind: cls for cls in (TruncateMemory, TextMemory, NeurocacheMemory, KVCacheMemory)}

@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import TypeAdapter, ValidationError
 from transformers import PreTrainedTokenizerBase
 
-from engine.embedder import Embedder
 from engine.errors import InvalidRequestError
-from engine.generation import StopTokens, generate_steps
 from engine.interface import CacheInfo, GenerationEvent, GenerationParams, Retrieval, RetrievedItem
+from engine.models.embedder import Embedder
 from engine.prompts import Messages, render, with_context
+from engine.runtime.generation import StopTokens, generate_steps
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.models.loader import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -47,12 +51,13 @@ class MemoryContext:
 
     tokenizer: PreTrainedTokenizerBase
     embedder: Embedder | None = None
-    neurocache: Any = None  # engine.models.neurocache.Neurocache when the model has an adapter
+    # per memory kind, what that memory's `model_resources` made for this model (e.g. an adapter)
+    resources: Mapping[str, Any] = field(default_factory=dict)
     state_model: Any = None  # a plugin's model whose own state is the session's memory (engine/plugins.py)
     model: Any = None  # the served Hugging Face causal LM (None for a plugin's model)
     context_len: int = 0  # the served model's positions
-    # the `text` memory's default options on this model (its manifest's): kvcache's text index ranks with them
-    text_options: dict[str, Any] = field(default_factory=dict)
+    # per memory kind, the default options the model's manifest sets (kvcache's text index ranks with `text`'s)
+    manifest_options: Mapping[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,13 @@ class Memory(ABC):
     @abstractmethod
     def abort_document(self) -> None:
         """Drop the staged document; the memory is as it was before `begin_document`."""
+
+    @classmethod
+    def model_resources(cls, loaded: LoadedModel, config: EngineConfig) -> Any:
+        """What a session of this memory needs from a loaded model, made once when the model is
+        loaded, before its weights are quantized (an adapter, say); None: nothing. The registry
+        hands it back in `MemoryContext.resources[kind]`."""
+        return None
 
     @classmethod
     def available(cls, context: MemoryContext) -> bool:

@@ -1,5 +1,5 @@
 """Projections that read the same input run as one matmul: a decoder layer's q, k and v, and its
-MLP's gate and up (the batched decode step, engine/batching.py).
+MLP's gate and up (the batched decode step, engine/models/llama_step.py).
 
 A decode step's matmul of a few rows costs a call, a cast of its input (bf16, int8 and int4 weights) and
 a pass over its weights; one call for q, k and v saves two calls and two casts a layer, and one

@@ -1,5 +1,5 @@
-"""The parts of a Llama-family causal LM that the engine steps itself (engine/batching.py,
-engine/models/kv_select.py), as types: `nn.Module` attributes otherwise read as `Tensor | Module`."""
+"""The parts of a Llama-family causal LM that the engine steps itself (engine/models/llama_step.py,
+engine/memories/kvcache/select.py), as types: `nn.Module` attributes otherwise read as `Tensor | Module`."""
 
 from __future__ import annotations
 

@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTra
 
 from engine.config import SMALL_MODEL
 from engine.models.wheels import WHEEL_MODELS, join_parts, part_paths
-from engine.os_memory import keep_freed_memory
 from engine.plugins import family_of, load_plugins, plugin_errors, shipped_models
+from engine.runtime.os_memory import keep_freed_memory
 
 log = logging.getLogger(__name__)
 

@@ -4,11 +4,11 @@ longdoc ships, or `longdoc.json` in a local model folder.
     {"default_memory": "text", "memory_options": {"text": {"top_k": 1}}, "chosen_by": "<the command>", ...}
 
 The default memory of a session made without one is the manifest's, chosen on the QA benchmark
-(docs/benchmarks.md), never written into the code. `memory_options` are a memory's default options
+(docs/studies/retrieval.md), never written into the code. `memory_options` are a memory's default options
 on this model, chosen on the development questions: a session's own options override them, key by key.
 `generation` is the sampling OpenAI chat requests get when they leave it out (`temperature`,
 `top_p`): the decoding the model's figures were measured with. They are checked when the model loads: options a memory refuses, or those of a memory the server
-does not have, are logged and left out (engine/registry.py).
+does not have, are logged and left out (engine/runtime/registry.py).
 """
 
 from __future__ import annotations

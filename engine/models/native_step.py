@@ -13,12 +13,12 @@ and biases are copied to float32 once, its projections and head are read in bflo
 `--quantize bf16`'s are. So on a CPU with fast bfloat16 a bfloat16 model prefills with bfloat16
 matmuls (torch) and decodes at the speed of a step that reads half the bytes; its decode steps
 compute in float32 what the bfloat16 modules compute with rounding between operations (close,
-not bit-equal; tests/test_native_step.py).
+not bit-equal; tests/engine/test_native_step.py).
 
 `NativeStep.build` returns None where the C step would not compute what the model's modules do
 (another activation or norm, norms with different epsilons, per-head q/k norms, a layer type or shape the kernels do
 not take, a model off the CPU or not in float32 or bfloat16) or the kernels cannot be built; the torch step is
-used there. (A Neurocache adapter's LoRA layers reach it as their base layers: engine/batching.py.)
+used there. (A Neurocache adapter's LoRA layers reach it as their base layers: engine/models/llama_step.py.)
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ _HOOK = ctypes.CFUNCTYPE(None, ctypes.c_long, ctypes.c_void_p)  # decode_step's 
 
 
 class StepRow(Protocol):
-    """What the step needs of a row (engine/batching.py's `Row`)."""
+    """What the step needs of a row (engine/models/llama_step.py's `Row`)."""
 
     @property
     def keys(self) -> torch.Tensor | None: ...  # [layers, kv_heads, capacity, head_dim]

@@ -7,7 +7,7 @@ each weight widened to float32 as it is read) where it could be built, else torc
 kernel (activations rounded to bfloat16); the result is in the model's dtype. Norms, the
 key/value cache and attention stay in the model's dtype (a float32 model's: CPUs without native
 bfloat16 run float32 attention several times faster than bfloat16; the C decode step computes them
-in float32 for any model). The speed-up needs one OpenMP team on the cores (engine/worker.py).
+in float32 for any model). The speed-up needs one OpenMP team on the cores (engine/runtime/worker.py).
 
 - `bf16`: weights kept in bfloat16 (half the bytes).
 - `int8`: weights kept in int8 with one float scale per output row (a quarter of the bytes).
@@ -19,12 +19,12 @@ in float32 for any model). The speed-up needs one OpenMP team on the cores (engi
 A pass over many rows (a prompt's prefill) is compute-bound, not memory-bound. A float32 model's
 layers widen the stored weights back to float32 for that pass and run the float32 matmul. A
 bfloat16 model (`int8` and `int4`: on a CPU with fast bfloat16 matmuls, where `dtype auto` loads
-one) keeps its bfloat16 weights beside the low-bit ones and prefills with them (engine/batching.py feeds such a
+one) keeps its bfloat16 weights beside the low-bit ones and prefills with them (engine/models/llama_step.py feeds such a
 model a prompt longer than DECODE_ROWS tokens in parts longer than that), so its prompts keep the
 bfloat16 matmuls' speed: half as many bytes again as the bfloat16 weights (int4: a third), for decode steps that
 read half of them. The decoder layers' projections and the output head are converted; the embedding
 stays as it is (a lookup reads a row). What each mode costs in answers is measured on the QA
-benchmark (docs/benchmarks.md).
+benchmark (docs/studies/quantize.md).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ An answer is correct when it contains one of the question's accepted keywords as
 "s" allowed), case aside. Gold recall@k: the share of questions where what the memory put in the
 prompt overlaps the gold passage's characters.
 
-    longdoc eval qa --memory oracle --memory text --memory truncate --write docs/benchmarks.md
+    longdoc eval qa --memory oracle --memory text --memory truncate --write docs/studies/retrieval.md
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ uses Transformer-XL's learned relative embeddings).
 
 `SegmentCacheStream` feeds a text of any length a chunk at a time against a bounded state (the last
 M + N segments' keys and values per layer, the first pass's last m, and N + M segment keys); its
-logits equal the one-pass forward's (tests/test_research_families.py).
+logits equal the one-pass forward's (tests/research/test_research_families.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 of the last M + N segments (memory and cache) and of the first pass's last m tokens, and the keys of
 the last N + M segments. Chunks are cut at segment ends; each piece runs the query pass, selects, and
 runs the cached pass exactly as the one-pass forward does for its rows, so the logits are equal
-(tests/test_research_families.py)."""
+(tests/research/test_research_families.py)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ Per layer the state holds what the one-pass forward would compute for the past:
 Cache attention's top-k lookup reuses the long-attention scores: every query already scores every
 compressed key, and the model's relevance (the mean |q·k̄| of a segment) is read off them, so the
 lookup is exact and costs no extra pass. Feeding a text in chunks of any size gives the logits
-of one forward pass over it (tests/test_segment_feed.py). Positions keep counting past the training
+of one forward pass over it (tests/research/test_segment_feed.py). Positions keep counting past the training
 length: beyond it the model runs where it was never trained, under the same equations.
 """
 

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from engine.generation import decode_steps
 from engine.interface import CacheInfo, GenerationEvent, Retrieval
 from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, MemoryWrite, Segment
 from engine.prompts import render
+from engine.runtime.generation import decode_steps
 from research.lms.feeders import feeder_for
 
 SEPARATOR = "\n\n"

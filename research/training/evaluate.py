@@ -25,8 +25,8 @@ from transformers import PreTrainedModel
 from engine.config import DEFAULT_CACHE_DIR, SHIPPED_ADAPTERS, SHIPPED_EMBEDDER_ADAPTER, SMALL_MODEL, EngineConfig, ModelSpec
 from engine.engine import Engine
 from engine.interface import GenerationParams, Retrieval, RetrievedItem, TokenDelta
+from engine.memories.neurocache.adapter_io import load_adapter
 from engine.models.loader import load_model
-from engine.models.neurocache_io import load_adapter
 from research.training.corpus import DEFAULT_DIR, fetch, split
 
 PASSKEY_QUESTION = "What is the pass key? Answer with the number."

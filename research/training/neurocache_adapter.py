@@ -1,4 +1,4 @@
-"""What training does with a Neurocache adapter that serving never does (engine/models/neurocache.py)."""
+"""What training does with a Neurocache adapter that serving never does (engine/memories/neurocache/adapter.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from contextlib import contextmanager
 
 import torch
 
-from engine.models.neurocache import Neurocache, RetrievalState
-from engine.state_cache import StateCache
+from engine.memories.neurocache.adapter import Neurocache, RetrievalState
+from engine.memories.neurocache.state_cache import StateCache
 
 
 @contextmanager

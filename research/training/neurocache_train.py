@@ -21,10 +21,10 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
+from engine.memories.neurocache.adapter import CacheAttention, Neurocache, NeurocacheConfig
+from engine.memories.neurocache.adapter_io import load_adapter, read_meta, save_adapter
+from engine.memories.neurocache.state_cache import StateCache
 from engine.models.loader import load_model
-from engine.models.neurocache import CacheAttention, Neurocache, NeurocacheConfig
-from engine.models.neurocache_io import load_adapter, read_meta, save_adapter
-from engine.state_cache import StateCache
 from research.training.corpus import DEFAULT_DIR, fetch, split
 from research.training.neurocache_adapter import new_training_cache, training_caches
 from research.training.neurocache_data import Episode, EpisodeSampler, tokenize_files

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.embedder import Embedder, mean_pooled
-from engine.embedder_adapter import AdapterConfig, save_adapter, target_names
-from engine.memories.lexical import LexicalIndex
+from engine.memories.text.lexical import LexicalIndex
+from engine.models.embedder import Embedder, mean_pooled
+from engine.models.embedder_adapter import AdapterConfig, save_adapter, target_names
 from research.training.corpus import DEFAULT_DIR
 from research.training.schedule import lr_factor
 

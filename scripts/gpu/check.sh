@@ -24,13 +24,13 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${JOBS:-8} --dist loadfile")
 case "${1:-tests}" in
   tests)
-    python3 -m pytest -q -rs -p no:cacheprovider $XDIST tests/test_cuda.py tests/test_state_cache.py 2>&1 | tee "$OUT/pytest-cuda-vs-cpu.log"
+    python3 -m pytest -q -rs -p no:cacheprovider $XDIST tests/engine/test_cuda.py tests/engine/test_state_cache.py 2>&1 | tee "$OUT/pytest-cuda-vs-cpu.log"
     LONGDOC_TEST_DEVICE=cuda timeout ${SUITE_TIMEOUT:-420} python3 -m pytest -q -rf -p no:cacheprovider --timeout 240 --durations 15 \
-      --deselect tests/test_cuda.py --ignore tests/test_ui_browser.py ${SUITE_FILES:-} 2>&1 | tee "$OUT/pytest-cuda-default.log" | tail -60
+      --deselect tests/engine/test_cuda.py --ignore tests/e2e/test_ui_browser.py ${SUITE_FILES:-} 2>&1 | tee "$OUT/pytest-cuda-default.log" | tail -60
     cp test-artifacts/e2e-server.log "$OUT/" 2>/dev/null
     ;;
   kvcache)
-    LONGDOC_TEST_DEVICE=cuda python3 -m pytest -q -rf -p no:cacheprovider tests/test_kv_select.py tests/test_api_kvcache.py \
+    LONGDOC_TEST_DEVICE=cuda python3 -m pytest -q -rf -p no:cacheprovider tests/engine/test_kv_select.py tests/server/test_api_kvcache.py \
       2>&1 | tee "$OUT/pytest-kvcache-cuda.log" | tail -30
     ;;
   longdoc)

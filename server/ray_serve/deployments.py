@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
-import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from ray import serve
@@ -103,11 +102,11 @@ class LongdocReplica:
 
     async def __init__(self, settings: Settings, metrics_targets_dir: Path | None = None) -> None:  # type: ignore[misc]  # Ray awaits an async constructor
         from engine.engine import Engine
+        from engine.runtime.worker import set_compute_threads
         from server.app import create_app
 
         self.name = serve.get_replica_context().replica_id.unique_id
-        cpus = float(os.environ.get("OMP_NUM_THREADS") or 1)
-        torch.set_num_threads(max(1, int(cpus)))
+        set_compute_threads(int(float(os.environ.get("OMP_NUM_THREADS") or 1)))
         settings = settings.model_copy(update={"shared_data_dir": True})
         prefix = session_prefix(self.name)
         self.app = create_app(settings, lambda s: Engine(replace(s.engine_config(), session_id_prefix=prefix)))

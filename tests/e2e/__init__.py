@@ -1,0 +1,1 @@
+"""End-to-end tests: a real server process, browser or restart."""
