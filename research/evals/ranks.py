@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.engine import Engine
-from engine.memories.text.memory import TextMemory, TextOptions
+from engine.memories.text.memory import TextMemory
+from engine.memories.text.options import TextOptions
 from research.evals import needles, texts
 from research.evals.qa import Row, ingested, load_questions
 from research.training.evaluate import EvalSetup, run_with_engine

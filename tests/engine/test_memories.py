@@ -13,7 +13,8 @@ from engine.errors import BudgetExceededError, InvalidRequestError, TooLargeErro
 from engine.ingest import ingest_steps, piece_bounds, tokenize_document
 from engine.interface import DocumentInfo, IngestDone
 from engine.memories import MemoryContext, build_memory
-from engine.memories.text.memory import TextMemory, _Sentences, chunk_sentences, sentence_end, sentence_start
+from engine.memories.text.memory import TextMemory
+from engine.memories.text.store import Sentences, chunk_sentences, sentence_end, sentence_start
 from tests.helpers import filler
 
 FACT = "The secret harbour of Velmora is guarded by a lighthouse painted violet."
@@ -281,19 +282,19 @@ def test_score_fusion_is_the_weighted_sum_of_both_scores_standardized(context, t
     ingest(memory, tiny_tokenizer, "book", text)
     question = "Who was handed the Z80 bootloader, and what colour is the Velmora lighthouse?"
     vector = embedder.encode([question])[0]
-    dense = memory._index.reconstruct_n(0, memory._index.ntotal) @ vector  # the chunks' cosines (unit vectors)
-    lexical = memory._lexical.scores(question)
+    dense = memory.store.index.reconstruct_n(0, memory.store.index.ntotal) @ vector  # the chunks' cosines (unit vectors)
+    lexical = memory.store.lexical.scores(question)
     standard = lambda a: (a - a.mean()) / a.std()  # noqa: E731
     expected = 0.5 * standard(dense) + 0.5 * standard(lexical)
-    ordered = memory._ordered(question, vector)
+    ordered = memory.ranking.ordered(question, vector)
     scores = [score for _, score in ordered]
     assert scores == sorted(scores, reverse=True) and scores[0] == pytest.approx(expected.max(), abs=1e-4)
     assert scores == pytest.approx(expected[[row for row, _ in ordered]], abs=1e-4)
     assert float(dense.max() - dense.min()) < 1 < float(lexical.max())  # summed raw, BM25 would decide
-    vectors = memory._index.reconstruct_n(0, memory._index.ntotal)
+    vectors = memory.store.index.reconstruct_n(0, memory.store.index.ntotal)
     unworded = embedder.encode(["zzqx"])[0]
     by_meaning = np.argsort(-(vectors @ unworded), kind="stable")[:5].tolist()
-    assert [row for row, _ in memory._ordered("zzqx", unworded)][:5] == by_meaning
+    assert [row for row, _ in memory.ranking.ordered("zzqx", unworded)][:5] == by_meaning
     alone = build_memory("text", context, {"chunk_tokens": 64})
     ingest(alone, tiny_tokenizer, "note", FACT)
     assert alone.stats().entries == 1
@@ -314,16 +315,16 @@ def test_sentence_share_fuses_each_chunks_best_sentence(context, tiny_tokenizer,
     plain = text_memory(context, options)
     for memory in (shared, plain):
         ingest(memory, tiny_tokenizer, "book", text)
-    texts = shared._chunk_texts()
+    texts = shared.store.chunk_texts()
     parts = [chunk_sentences(t) for t in texts]
     chunks, sentences = embedder.encode_parts(texts, parts)
     dense = chunks @ vector
     best = np.asarray([(s @ vector).max() if len(s) else d for s, d in zip(sentences, dense, strict=True)])
-    lexical = shared._lexical.scores(question)
+    lexical = shared.store.lexical.scores(question)
     for memory, share in ((shared, 0.6), (plain, 0.0)):
         meaning = (1 - share) * standard(dense) + share * standard(best)
         expected = 0.8 * meaning + 0.2 * standard(lexical)
-        ordered = memory._ordered(question, vector)
+        ordered = memory.ranking.ordered(question, vector)
         assert [score for _, score in ordered] == pytest.approx(expected[[row for row, _ in ordered]], abs=2e-3)
     fact_chunk = next(i for i, t in enumerate(texts) if "violet" in t)
     assert len(parts[fact_chunk]) > 2 and best[fact_chunk] > dense[fact_chunk] + 0.05  # one sentence matches, not its chunk
@@ -335,19 +336,19 @@ def test_a_chunks_best_sentence_skips_zero_rows_and_chunks_without_sentences(con
     sentences, or whose rows are all zero (sentences past MiniLM's length), keeps its chunk's."""
     memory = text_memory(context, {"chunk_tokens": 16, "sentence_share": 0.5})
     ingest(memory, tiny_tokenizer, "book", filler(20))
-    chunks = memory._index.ntotal
+    chunks = memory.store.index.ntotal
     counts = [(2, 0, 3, 1)[i % 4] for i in range(chunks)]
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((sum(counts), 8)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     vectors[sum(counts[:3])] = 0.0  # chunk 3's one sentence: a zero row
     vectors[1] = 0.0  # one of chunk 0's two
-    memory._sentences = _Sentences.of(counts, [(0, 1)] * sum(counts), [vectors], 8)
+    memory.store.sentences = Sentences.of(counts, [(0, 1)] * sum(counts), [vectors], 8)
     query = rng.standard_normal(8).astype(np.float32)
     dense = rng.standard_normal(chunks).astype(np.float32)
-    best = memory._best_sentences(dense, query)
+    best = memory.ranking._best_sentences(dense, query)
     starts = np.concatenate([[0], np.cumsum(counts)])
-    stored = memory._sentences.vectors.astype(np.float32)
+    stored = memory.store.sentences.vectors.astype(np.float32)
     for chunk in range(chunks):
         own = [stored[j] @ query for j in range(starts[chunk], starts[chunk + 1]) if stored[j].any()]
         assert best[chunk] == pytest.approx(max(own) if own else dense[chunk], abs=1e-5)
@@ -372,7 +373,7 @@ def test_the_estimate_counts_the_sentences_kept(context, tiny_tokenizer, options
     memory, plain = text_memory(context, options), text_memory(context, {})
     estimates = [m.estimate_bytes(len(document.text), len(document.token_ids)) for m in (memory, plain)]
     ingest(memory, tiny_tokenizer, "b", document.text)
-    assert estimates[0] - estimates[1] >= memory._sentences.nbytes > 0
+    assert estimates[0] - estimates[1] >= memory.store.sentences.nbytes > 0
     assert estimates[0] >= memory.stats().bytes
 
 

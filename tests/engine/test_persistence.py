@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.memories.text.memory import TextOptions
+from engine.memories.text.options import TextOptions
 from engine.sessions.snapshots import Snapshot, SnapshotError, SnapshotStore, StaleSnapshotError, pack, unpack
 from tests.helpers import ingest_held, new_session, session_of
 
@@ -205,7 +205,7 @@ def test_a_kvcache_session_saved_before_reread_comes_back_answering_as_it_did(ma
     assert after["answer"] == before["answer"] and after["retrieval"]["items"] == before["retrieval"]["items"]
     memory = session_of(restarted, session_id).memory
     assert memory.options.reread is False and memory.text_index.options == TextOptions()
-    assert len(memory.text_index._sentences.vectors) == 0  # its own options decided what was loaded, not the manifest's
+    assert len(memory.text_index.store.sentences.vectors) == 0  # its own options decided what was loaded, not the manifest's
     fresh = new_session(restarted, memory="kvcache", options=KVCACHE_TEXT)
     assert session_of(restarted, fresh).memory.text_index.options.margin == 0.001
 

@@ -63,8 +63,8 @@ def test_rerank_chooses_the_chunks_the_reader_scores_best(tiny_model, tiny_token
     assert runs[0] == runs[1]  # deterministic
     fused = TextMemory(context, {"chunk_tokens": 32})
     ingest(fused, tiny_tokenizer, "book", text)
-    rows = [row for row, _ in fused._ranked(QUESTION, embedder.encode([QUESTION])[0])[:6]]  # the six best fused
-    candidates = [fused._chunk_texts()[row] for row in rows]
+    rows = [row for row, _ in fused.ranking.ranked(QUESTION, embedder.encode([QUESTION])[0])[:6]]  # the six best fused
+    candidates = [fused.store.chunk_texts()[row] for row in rows]
     scores = question_likelihood(tiny_model, tiny_tokenizer, candidates, QUESTION)
     best = sorted(range(6), key=lambda i: -scores[i])[:2]
     chosen = "".join(p.text for p in runs[0])

@@ -149,7 +149,7 @@ def test_the_text_index_ranks_with_the_models_text_options(make_client, tiny_dir
     items = client.post(f"/v1/sessions/{session}/ask", json=question).json()["retrieval"]["items"]
     text_index = session_of(client, session).memory.text_index
     assert (text_index.options.margin, text_index.options.dense_weight, text_index.options.sentence_share) == (0.001, 0.4, 0.5)
-    assert len(text_index._sentences.vectors) > 0  # kept, so the share ranks with them
+    assert len(text_index.store.sentences.vectors) > 0  # kept, so the share ranks with them
     (_, start, end, best), (_, _, _, second) = text_index.ranked_spans(question["question"])[:2]
     assert best - second > 0.001  # the second chunk lies outside the margin
     assert 0 < len(items) < SIZES["top_k"] * SIZES["neighbours"]

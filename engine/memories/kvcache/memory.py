@@ -22,7 +22,8 @@ from engine.interface import CacheInfo, GenerationEvent, Retrieval, RetrievedIte
 from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, MemoryWrite, Segment
 from engine.memories.kvcache.select import ARCHITECTURES, SelectConfig, SelectiveAnswer, SelectiveModel
 from engine.memories.kvcache.store import KVStore
-from engine.memories.text.memory import TextMemory, TextOptions
+from engine.memories.text.memory import TextMemory
+from engine.memories.text.options import TextOptions
 from engine.models.llama_step import native_step
 from engine.prompts import after_document, document_frame
 from engine.runtime.generation import decode_steps

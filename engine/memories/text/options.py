@@ -1,0 +1,67 @@
+"""The `text` memory's options: how documents are chunked and how a question ranks and cuts them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RETRIEVALS = ("hybrid", "dense", "lexical")
+FUSIONS = ("score", "rank")
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    chunk_tokens: int = 128
+    top_k: int = 4  # at most this many chunks
+    context_tokens: int = 512  # and at most this many tokens of them (needles: docs/studies/retrieval.md)
+    retrieval: str = "hybrid"
+    fusion: str = "score"  # hybrid: "score" (weighted z-scores) or "rank" (reciprocal rank fusion)
+    dense_weight: float = 0.3  # score fusion: MiniLM's weight, BM25's is 1 - this (docs/studies/retrieval.md#score-fusion)
+    rrf_k: int = 60  # rank fusion
+    max_chunks: int = 200_000
+    focus_tokens: int = 0  # > 0: of the chosen chunks, only their best sentences, this many tokens; 0: whole chunks
+    rerank: int = 0  # > 0: the chunks are chosen from this many best fused ones, reordered by the reader
+    sentence_tokens: int = 50  # whole chunks: at most about this many tokens added at each end, to whole sentences
+    margin: float = 0.0  # > 0: a chunk is taken only when its fused score is within this of the first taken's
+    sentence_share: float = 0.0  # score fusion: of MiniLM's weight, the share of each chunk's best sentence's similarity
+
+    def __post_init__(self) -> None:
+        if not 16 <= self.chunk_tokens <= 512:
+            raise ValueError("chunk_tokens must be between 16 and 512")
+        if not 1 <= self.top_k <= 64:
+            raise ValueError("top_k must be between 1 and 64")
+        if not self.chunk_tokens <= self.context_tokens <= 32_768:
+            raise ValueError("context_tokens must be between chunk_tokens and 32768")
+        if self.retrieval not in RETRIEVALS:
+            raise ValueError(f"retrieval must be one of {list(RETRIEVALS)}")
+        if self.fusion not in FUSIONS:
+            raise ValueError(f"fusion must be one of {list(FUSIONS)}")
+        if not 0.0 <= self.dense_weight <= 1.0:
+            raise ValueError("dense_weight must be between 0 and 1")
+        if not 1 <= self.rrf_k <= 1000:
+            raise ValueError("rrf_k must be between 1 and 1000")
+        if self.max_chunks < 1:
+            raise ValueError("max_chunks must be positive")
+        if self.rerank and not self.top_k <= self.rerank <= 64:
+            raise ValueError(f"rerank must be 0 (off) or between top_k ({self.top_k}) and 64")
+        if not 0 <= self.focus_tokens <= 32_768:
+            raise ValueError("focus_tokens must be between 0 and 32768 (0: whole chunks)")
+        if not 0 <= self.sentence_tokens <= 512:
+            raise ValueError("sentence_tokens must be between 0 and 512 (0: excerpts end where their chunks do)")
+        if not 0.0 <= self.margin <= 100.0:
+            raise ValueError("margin must be between 0 (off) and 100")
+        if not 0.0 <= self.sentence_share <= 1.0:
+            raise ValueError("sentence_share must be between 0 and 1")
+
+    def score_fusion(self) -> bool:
+        return (self.retrieval, self.fusion) == ("hybrid", "score")
+
+    def keeps_sentences(self) -> bool:
+        """Whether each chunk's sentences get vectors at ingestion: for `focus_tokens`, or for
+        `sentence_share` where it applies (score fusion)."""
+        return self.focus_tokens > 0 or (self.sentence_share > 0 and self.score_fusion())
+
+    def score_margin(self) -> float:
+        """`margin` where scores are fused z-scores (hybrid, score fusion, no rerank); 0 elsewhere,
+        where it would be in other units. Not refused there: a model's manifest may set a margin
+        that a session choosing rank fusion or rerank inherits."""
+        return self.margin if self.score_fusion() and not self.rerank else 0.0
