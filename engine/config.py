@@ -1,10 +1,18 @@
-"""Engine configuration: one validated dataclass per concern, composed into `EngineConfig`."""
+"""Engine configuration: one validated dataclass per concern, composed into `EngineConfig`.
+
+Each default and bound is written here once. `ENGINE_SETTINGS` is the one table of the settings an
+operator sets (the server's `LONGDOC_*` variables and `longdoc serve` flags, server/settings.py):
+the flag, the engine field it sets, and its description; the server's settings take their
+defaults and descriptions from it, and `engine_config_from` builds the engine's config from them.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 # served when no model is named: the best reader measured on the QA benchmark (docs/studies/retrieval.md,
 # "A stronger reader"); 1.1 GB from PyPI, `longdoc pull`
@@ -140,6 +148,7 @@ class GenerationLimits:
         _require(0 < self.default_max_tokens <= self.max_new_tokens, "need 0 < default_max_tokens <= max_new_tokens")
         _require(self.max_queue > 0, "max_queue must be positive")
         _require(self.max_batch > 0, "max_batch must be positive")
+        _require(self.prefill_chunk >= 0, "prefill_chunk must be 0 (whole prompts) or positive")
         _require(self.max_prompt_chars > 0, "max_prompt_chars must be positive")
         _require(self.max_generation_seconds > 0, "max_generation_seconds must be positive")
 
@@ -158,3 +167,108 @@ class EngineConfig:
     session_id_prefix: str = "s-"  # new session ids start with it (a replica names itself there)
     # merged into the sentence embedder's weights (engine/models/embedder_adapter.py); None: MiniLM as shipped
     embedder_adapter: Path | None = SHIPPED_EMBEDDER_ADAPTER
+
+
+@dataclass(frozen=True)
+class Setting:
+    """An engine setting an operator sets: `flag` (`--flag-name`, `LONGDOC_FLAG`) sets `field` of
+    `EngineConfig` ("section.name", or "name" at the top), whose default and bound are the field's."""
+
+    flag: str
+    field: str
+    description: str
+
+
+ENGINE_SETTINGS: tuple[Setting, ...] = (
+    Setting("device", "models.device", "auto, cpu, cuda or cuda:N"),
+    Setting("dtype", "models.dtype", "auto, bfloat16, float16 or float32"),
+    Setting(
+        "quantize",
+        "models.quantize",
+        "none, bf16, int8 or int4: weights stored in fewer bytes for faster decoding on CPU (bf16: of a float32 model; "
+        "int8 and int4 (its output head in int8): of a float32 or bfloat16 one, whose prompts still run in bfloat16); "
+        "its cost in answers is in docs/studies/quantize.md",
+    ),
+    Setting("cache_dir", "models.cache_dir", "where converted models are kept; sessions under it by default"),
+    Setting("max_sessions", "sessions.max_sessions", "sessions held, in RAM or on disk; more get 429"),
+    Setting("session_ttl_seconds", "sessions.idle_ttl_seconds", "idle sessions leave RAM (for disk when saved, else dropped)"),
+    Setting("saved_session_ttl_seconds", "sessions.saved_ttl_seconds", "sessions on disk unused this long are deleted"),
+    Setting("session_memory_bytes", "sessions.memory_budget_bytes", "what one session's memory may hold"),
+    Setting("segment_len", "ingest.segment_len", "tokens a document is fed to a memory at a time (Neurocache's n)"),
+    Setting("max_document_tokens", "ingest.max_document_tokens", "tokens of one document; more get 413"),
+    Setting("max_new_tokens", "generation.max_new_tokens", "the most tokens a request may ask to generate"),
+    Setting("default_max_tokens", "generation.default_max_tokens", "tokens generated when a request does not say"),
+    Setting("max_queue", "generation.max_queue", "requests admitted per model worker before 429"),
+    Setting(
+        "max_batch",
+        "generation.max_batch",
+        "answers of one model decoded together, one forward pass a step (1: no batching, each answer steps alone, interleaved)",
+    ),
+    Setting(
+        "batch_invariant",
+        "generation.batch_invariant",
+        "in the torch decode step, step a lone answer as 4 rows too (2-3 answers always are), so that an answer never "
+        "depends on the answers beside it (float32 on x86), at the cost of a 4-row step for a lone answer; the C decode "
+        "step on CPU, and torch steps whose projections are all weight-only (--quantize), compute every row alone and "
+        "need no padding",
+    ),
+    Setting(
+        "prefill_chunk",
+        "generation.prefill_chunk",
+        "prompt tokens a batched answer feeds a step, between the steps of the answers already decoding, so a long "
+        "prompt stalls them a chunk at a time (0: each prompt whole)",
+    ),
+    Setting("max_prompt_chars", "generation.max_prompt_chars", "characters of a question, or of all of a chat's messages"),
+    Setting(
+        "max_generation_seconds",
+        "generation.max_generation_seconds",
+        "an answer still generating then ends (finish_reason 'length')",
+    ),
+    Setting(
+        "default_memory",
+        "default_memory",
+        "'auto' (state for a CacheFormer/Long-Short checkpoint, else the memory the model's manifest names, measured "
+        "on the QA benchmark; text without one), 'text', 'truncate', 'neurocache', 'kvcache' or 'state'",
+    ),
+    Setting(
+        "shared_data_dir",
+        "shared_data_dir",
+        "other servers save sessions in data_dir too (replicas behind a session-affine router): a session not held "
+        "here is looked up there, and one changed there is read again before use",
+    ),
+)
+# engine fields the server derives from settings of another shape (a list, a folder choice, None
+# for a computed default), and the one a replica sets itself: set through `derived`, not by a flag
+DERIVED_FIELDS = (
+    "models.sources",
+    "models.adapter_dirs",
+    "sessions.server_memory_bytes",
+    "data_dir",
+    "embedder_adapter",
+    "session_id_prefix",
+)
+_SECTIONS = {"models": ModelSpec, "sessions": SessionLimits, "ingest": IngestConfig, "generation": GenerationLimits}
+
+
+def setting(flag: str) -> Setting:
+    """The table's row for `flag`."""
+    return next(row for row in ENGINE_SETTINGS if row.flag == flag)
+
+
+def field_default(path: str) -> Any:
+    """The default of an engine field ("section.name" or "name"), as its dataclass writes it."""
+    section, _, name = path.rpartition(".")
+    owner = _SECTIONS[section] if section else EngineConfig
+    spec = next(f for f in fields(owner) if f.name == name)
+    return spec.default_factory() if spec.default is MISSING and spec.default_factory is not MISSING else spec.default
+
+
+def engine_config_from(values: Mapping[str, Any], derived: Mapping[str, Any]) -> EngineConfig:
+    """An EngineConfig from the settings by flag (`values`: one per ENGINE_SETTINGS row) and the
+    `derived` fields by path (DERIVED_FIELDS); each section's own checks run as it is built."""
+    by_section: dict[str, dict[str, Any]] = {name: {} for name in ("", *_SECTIONS)}
+    for path, value in [*((row.field, values[row.flag]) for row in ENGINE_SETTINGS), *derived.items()]:
+        section, _, name = path.rpartition(".")
+        by_section[section][name] = value
+    sections = {name: owner(**by_section[name]) for name, owner in _SECTIONS.items()}
+    return EngineConfig(**sections, **by_section[""])
