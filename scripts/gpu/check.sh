@@ -35,7 +35,8 @@ case "${1:-tests}" in
     ;;
   longdoc)
     shift
-    python3 -c "import sys; sys.argv[0] = 'longdoc'; from clients.cli import app; app()" "$@"
+    # not pip-installed there: no entry points, so research's commands are mounted by hand
+    python3 -c "import sys; sys.argv[0] = 'longdoc'; from clients.cli import app; from research.cli import mount; mount(app); app()" "$@"
     ;;
   bench)
     shift
