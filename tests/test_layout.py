@@ -4,6 +4,7 @@ from-scratch LMs reach the engine only through the plugin entry point (engine/pl
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,3 +61,47 @@ def test_a_plugin_that_fails_to_load_is_logged_and_skipped(monkeypatch, caplog):
     plugins.load_plugins()
     assert plugins.plugin_errors == ["broken: no module named nowhere"]
     assert "plugin broken (nowhere:register) failed to load" in caplog.text
+
+
+# the shared layers name no memory: each memory says what it needs (Memory.model_resources) and
+# the batched step reaches an adapter's layers through a protocol (engine/models/llama_step.py)
+SHARED_LAYERS = ("engine/runtime/registry.py", "engine/runtime/scheduler.py", "engine/models/llama_step.py")
+MEMORY_NAMES = re.compile(r"neurocache|kvcache|kv_select|kv_store|lora|textmemory|truncatememory|state_memory", re.IGNORECASE)
+
+
+def test_the_registry_and_the_scheduler_name_no_memory():
+    found = {path: sorted({m.group(0) for m in MEMORY_NAMES.finditer((ROOT / path).read_text())}) for path in SHARED_LAYERS}
+    assert {path: names for path, names in found.items() if names} == {}
+
+
+def test_the_memory_name_check_sees_a_memory_name():
+    assert MEMORY_NAMES.search("from engine.memories.neurocache.adapter import LoRALinear")
+    assert MEMORY_NAMES.search("isinstance(memory, KVCacheMemory)")
+
+
+def test_the_server_never_imports_torch_faiss_or_transformers():
+    """Every module of server/, the Ray Serve deployments included, in any function: the server
+    reaches tensors only through the engine's interface."""
+    heavy = ("torch", "faiss", "transformers")
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(m for m in imported_modules(path) if m.split(".")[0] in heavy)
+        for path in sorted((ROOT / "server").rglob("*.py"))
+    }
+    assert {path: modules for path, modules in offenders.items() if modules} == {}
+
+
+def test_each_memory_is_a_package_of_its_own():
+    memories = ROOT / "engine" / "memories"
+    for kind in ("text", "kvcache", "neurocache"):
+        assert (memories / kind / "__init__.py").is_file() and (memories / kind / "memory.py").is_file()
+    flat = sorted(p.name for p in memories.glob("*.py"))
+    assert flat == ["__init__.py", "base.py", "truncate.py"]
+
+
+def test_the_client_package_never_imports_research():
+    """`train` and `eval` reach the `longdoc` command through the `longdoc.cli` entry point."""
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(m for m in imported_modules(path) if m.split(".")[0] == "research")
+        for path in sorted((ROOT / "clients").rglob("*.py"))
+    }
+    assert {path: modules for path, modules in offenders.items() if modules} == {}
