@@ -90,6 +90,9 @@ class RetrievedItem:
     char_end: int
     score: float | None = None
     layers: int | None = None  # kvcache: in how many layers the prompt pass selected this segment
+    # text memory with `gather`: "whole" (every sentence naming the question's names, for a
+    # whole-document question) or "lookup" (exact matches and one hop); None: a ranked chunk
+    gathered: str | None = None
 
 
 @dataclass(frozen=True)

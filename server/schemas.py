@@ -144,6 +144,11 @@ class RetrievedItemPublic(BaseModel):
     char_end: int
     score: float | None = None
     layers: int | None = Field(None, description="kvcache: in how many layers the prompt pass selected this segment")
+    gathered: str | None = Field(
+        None,
+        description="text memory with gather: 'whole' (every sentence naming the question's names) or 'lookup' "
+        "(exact matches and one hop); absent for a ranked chunk",
+    )
 
 
 class RetrievalPublic(BaseModel):

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.interface import RetrievedItem
 from engine.memories.base import ContextPiece
+from engine.memories.text.gather import Sentence
 from engine.memories.text.options import TextOptions
 from engine.memories.text.ranking import Ranking
 from engine.memories.text.store import TextStore, sentence_end, sentence_start
@@ -120,15 +121,15 @@ class Excerpts:
             following = excerpts[i + 1] if i + 1 < len(excerpts) else None
             high = following[1] if following is not None and following[0] == document else len(text)
             first = sentence_start(text, start, reach=reach, low=low)
-            if (added := self._token_count(text[first:start])) <= room:
+            if (added := self.token_count(text[first:start])) <= room:
                 room, start = room - added, first
             last = sentence_end(text, end, reach=reach, high=high)
-            if (added := self._token_count(text[end:last])) <= room:
+            if (added := self.token_count(text[end:last])) <= room:
                 room, end = room - added, last
             widened.append((document, start, end))
         return widened
 
-    def _token_count(self, text: str) -> int:
+    def token_count(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
 
     def _piece(self, run: list[int], excerpt: tuple[int, int, int], scores: dict[int, float]) -> ContextPiece:
@@ -137,3 +138,27 @@ class Excerpts:
         score = max(scores[row] for row in run)
         item = RetrievedItem(chunk_id=run[0], document_id=document_id, char_start=start, char_end=end, score=score)
         return ContextPiece(text[start:end], item)
+
+    def sentences(self, sentences: list[Sentence], strategy: str) -> list[ContextPiece]:
+        """Gathered sentences (gather.py), in document order, as excerpts: sentences with only
+        spaces between them are one excerpt; each names the chunk it starts in, scored by the
+        number of the question's names it holds."""
+        store, pieces = self.store, []
+        runs = _runs(
+            list(range(len(sentences))),
+            lambda i, j: (
+                sentences[j].document == sentences[i].document
+                and not store.documents[sentences[i].document][1][sentences[i].end : sentences[j].start].strip()
+            ),
+        )
+        for run in runs:
+            first, last = sentences[run[0]], sentences[run[-1]]
+            document_id, text = store.documents[first.document]
+            rows = np.nonzero(store.chunks.documents == first.document)[0]
+            chunk = int(rows[max(0, int(np.searchsorted(store.chunks.spans[rows, 0], first.start, side="right")) - 1)])
+            score = float(max(len(sentences[i].names) for i in run))
+            item = RetrievedItem(
+                chunk_id=chunk, document_id=document_id, char_start=first.start, char_end=last.end, score=score, gathered=strategy
+            )
+            pieces.append(ContextPiece(text[first.start : last.end], item))
+        return pieces

@@ -14,6 +14,7 @@ from typing import Any
 from engine.interface import CacheInfo
 from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment
 from engine.memories.text.excerpts import Excerpts
+from engine.memories.text.gather import gather, merged
 from engine.memories.text.options import TextOptions
 from engine.memories.text.ranking import Ranking
 from engine.memories.text.rerank import QUESTION_TOKENS, frame_tokens, pass_bytes
@@ -66,6 +67,20 @@ class TextMemory(Memory):
     def retrieve(self, query: str, max_tokens: int) -> list[ContextPiece]:
         if self.store.index.ntotal == 0:
             return []
+        if not self.options.gather:
+            return self._ranked_pieces(query, max_tokens)
+        texts = [text for _, text in self.store.documents]
+        whole = min(max_tokens, self.options.gather_tokens)
+        strategy, sentences = gather(texts, query, whole, min(whole, self.options.lookup_tokens))
+        gathered = self.excerpts.sentences(sentences, strategy)
+        if strategy == "whole":
+            return gathered
+        used = sum(self.excerpts.token_count(piece.text) for piece in gathered)
+        ranked = self._ranked_pieces(query, max(1, max_tokens - used)) if max_tokens > used else []
+        return merged(gathered, ranked, [document_id for document_id, _ in self.store.documents])
+
+    def _ranked_pieces(self, query: str, max_tokens: int) -> list[ContextPiece]:
+        """The chunks the fused ranking takes, as excerpts."""
         query_vector = self.ranking.query_vector(query)
         chosen = self.ranking.chosen(query, query_vector, max_tokens)
         if self.options.focus_tokens:

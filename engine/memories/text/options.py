@@ -23,6 +23,9 @@ class TextOptions:
     sentence_tokens: int = 50  # whole chunks: at most about this many tokens added at each end, to whole sentences
     margin: float = 0.0  # > 0: a chunk is taken only when its fused score is within this of the first taken's
     sentence_share: float = 0.0  # score fusion: of MiniLM's weight, the share of each chunk's best sentence's similarity
+    gather: bool = False  # whole-document questions get every sentence naming the question's names (gather.py)
+    gather_tokens: int = 2048  # at most this many tokens of them; a local question's exact matches at most lookup_tokens
+    lookup_tokens: int = 256
 
     def __post_init__(self) -> None:
         if not 16 <= self.chunk_tokens <= 512:
@@ -51,6 +54,10 @@ class TextOptions:
             raise ValueError("margin must be between 0 (off) and 100")
         if not 0.0 <= self.sentence_share <= 1.0:
             raise ValueError("sentence_share must be between 0 and 1")
+        if not isinstance(self.gather, bool):
+            raise ValueError("gather must be true or false")
+        if not 0 <= self.lookup_tokens <= self.gather_tokens <= 32_768:
+            raise ValueError("need 0 <= lookup_tokens <= gather_tokens <= 32768")
 
     def score_fusion(self) -> bool:
         return (self.retrieval, self.fusion) == ("hybrid", "score")

@@ -1,0 +1,114 @@
+"""Gathering from the whole document (engine/memories/text/gather.py): every sentence naming the
+question's names, exhaustive, in document order, deterministic; exact names among look-alikes."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from engine.memories.text.gather import gather, is_whole_document, mentions, merged, question_names
+from tests.helpers import FIXTURES
+
+
+def test_question_names_keep_initials_and_drop_question_words():
+    assert question_names("What did Aldous K. Ashdown, the cooper of Mill Row, leave to the parish?") == [
+        "Aldous K. Ashdown",
+        "Mill Row",
+    ]
+    assert question_names("How many times did the Veridian dock at Carrow?") == ["Veridian", "Carrow"]
+    assert question_names("What was the trade of Ilsa Varn's mother?") == ["Ilsa Varn"]
+    assert question_names("what is this about?") == []
+
+
+@pytest.mark.parametrize(
+    ("question", "whole"),
+    [
+        ("How many times did the Veridian dock at Carrow?", True),
+        ("Name every town the envoy sailed to.", True),
+        ("Who was appointed last?", True),
+        ("In what order did she meet them?", True),
+        ("Who guards the ford of Lethe?", False),
+        ("What was the trade of Ilsa Varn's mother?", False),
+    ],
+)
+def test_whole_document_questions_are_told_apart(question, whole):
+    assert is_whole_document(question) is whole
+
+
+def test_every_mention_in_order_and_no_other():
+    text = FIXTURES.joinpath("alice29.txt").read_text()
+    found = mentions([text, text[:5000]], ["Dormouse", "Hatter"])
+    spans = [(s.document, s.start) for s in found]
+    assert spans == sorted(spans) and len(set(spans)) == len(spans)
+    for s in found:
+        held = text[s.start : s.end]
+        assert s.names == {n for n in ("Dormouse", "Hatter") if re.search(rf"\b{n}\b", held)}
+    # exhaustive: every occurrence in the book lies in one of the sentences taken
+    every = [m.start() for m in re.finditer(r"\b(Dormouse|Hatter)\b", text)]
+    assert every and all(any(s.document == 0 and s.start <= at < s.end for s in found) for at in every)
+
+
+def test_an_initial_does_not_end_a_sentence_and_the_exact_name_wins():
+    documents = [
+        "Aldous J. Ashdown, the cooper of Mill Row, left a bell to the parish. "
+        "Aldous K. Ashdown, the cooper of Tanner Street, left a font to the parish.\n\n"
+        "Aldous K. Ashdown, the cooper of Mill Row, left a chalice to the parish. Rain fell."
+    ]
+    strategy, sentences = gather(documents, "What did Aldous K. Ashdown, the cooper of Mill Row, leave?", 2048, 256)
+    assert strategy == "lookup"
+    texts = [documents[0][s.start : s.end] for s in sentences]
+    assert texts == ["Aldous K. Ashdown, the cooper of Mill Row, left a chalice to the parish."]
+
+
+def test_two_hops_follow_the_name_the_first_sentences_add():
+    documents = ["Ilsa Varn was the daughter of Corra Dene. " + "Nothing happened. " * 400 + "By trade Corra Dene was a tanner."]
+    strategy, sentences = gather(documents, "What was the trade of Ilsa Varn's mother?", 2048, 256)
+    assert strategy == "lookup"
+    assert [documents[0][s.start : s.end] for s in sentences] == [
+        "Ilsa Varn was the daughter of Corra Dene.",
+        "By trade Corra Dene was a tanner.",
+    ]
+
+
+def test_merged_drops_sentences_inside_ranked_excerpts_and_keeps_document_order():
+    from engine.interface import RetrievedItem
+    from engine.memories.base import ContextPiece
+
+    def piece(document: str, start: int, end: int) -> ContextPiece:
+        return ContextPiece("x", RetrievedItem(chunk_id=0, document_id=document, char_start=start, char_end=end, score=1.0))
+
+    out = merged([piece("b", 5, 9), piece("a", 50, 60), piece("a", 1, 3)], [piece("a", 40, 80)], ["a", "b"])
+    assert [(p.item.document_id, p.item.char_start) for p in out] == [("a", 1), ("a", 40), ("b", 5)]
+
+
+def test_the_text_memory_answers_a_whole_document_question_from_every_mention(tiny_tokenizer, embedder):
+    from engine.memories import MemoryContext
+    from tests.engine.test_memories import ingest, text_memory
+
+    context = MemoryContext(tokenizer=tiny_tokenizer, embedder=embedder)
+    filler = "The weather was mild and nothing of note happened in the town that week. " * 40
+    dockings = [f"In spring year {i} the Veridian docked at Carrow with salt." for i in range(5)]
+    text = filler + " ".join(f"{docking} {filler}" for docking in dockings)
+    question = "How many times did the Veridian dock at Carrow?"
+    plain = text_memory(context, {})
+    gathering = text_memory(context, {"gather": True})
+    for memory in (plain, gathering):
+        ingest(memory, tiny_tokenizer, "record", text)
+    pieces = gathering.retrieve(question, max_tokens=4096)
+    assert [p.text for p in pieces] == dockings  # each sentence, in order, and nothing else
+    assert all(text[p.item.char_start : p.item.char_end] == p.text and p.item.gathered == "whole" for p in pieces)
+    assert len(plain.retrieve(question, max_tokens=4096)) < 5  # top-k chunks: not every mention
+    # a question naming nothing the document holds is answered from the ranked chunks, as without gathering
+    assert gathering.retrieve("what is the weather like?", 4096) == plain.retrieve("what is the weather like?", 4096)
+
+
+def test_gather_options_are_checked():
+    from engine.errors import InvalidRequestError
+    from engine.memories import check_options
+
+    check_options("text", {"gather": True, "gather_tokens": 1024, "lookup_tokens": 128})
+    with pytest.raises(InvalidRequestError, match="lookup_tokens"):
+        check_options("text", {"gather": True, "lookup_tokens": 4096, "gather_tokens": 1024})
+    with pytest.raises(InvalidRequestError):
+        check_options("text", {"gather": "yes"})
