@@ -297,6 +297,30 @@ def eval_qa(
         write_section(write, section(rows, "longdoc eval qa " + shlex.join(named)))
 
 
+@eval_app.command("wholedoc")
+def eval_wholedoc(
+    model: str = DEFAULT_MODEL,
+    memory: Annotated[
+        list[str], typer.Option(help='a memory, "oracle" (the fact passages alone, in order), or a memory and its JSON options')
+    ] = ["oracle", "text", "truncate"],
+    length: Annotated[list[int], typer.Option(help="document length in tokens (about); repeat")] = [32768],
+    dev: Annotated[bool, typer.Option(help="the development seeds and filler, to choose settings on")] = False,
+    seeds: Annotated[int | None, typer.Option(help="only the first N seeds")] = None,
+    device: str = "auto",
+    quantize: QuantizeOption = "none",
+    embedder_adapter: EmbedderAdapterOption = "shipped",
+) -> None:
+    """Whole-document questions (counts, lists, first/last, comparisons, two hops, order, look-alikes)
+    over generated records in book-length filler: per memory and per kind, beside the oracle."""
+    from research.evals import wholedoc
+
+    chosen = wholedoc.DEV_SEEDS if dev else wholedoc.HELD_OUT_SEEDS
+    fillers = wholedoc.DEV_FILLER if dev else wholedoc.HELD_OUT_FILLER
+    docs = wholedoc.documents(chosen[:seeds] if seeds else chosen, tuple(length), fillers)
+    rows = wholedoc.bench(_setup(model, None, device, quantize, embedder_adapter), _memory_runs(memory), docs)
+    _echo_rows(rows)
+
+
 @eval_app.command("needles")
 def eval_needles(
     model: str = DEFAULT_MODEL,

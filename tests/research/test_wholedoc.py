@@ -1,0 +1,51 @@
+"""The whole-document benchmark's generator and grading (research/evals/wholedoc.py), and the text
+memory's gathering on what it generates."""
+
+from __future__ import annotations
+
+from engine.memories.text.gather import gather
+from research.evals.wholedoc import KINDS, Question, generate, grade
+from tests.helpers import FIXTURES
+
+
+def test_a_document_holds_every_kind_and_its_facts():
+    document = generate(7, 8192, "alice29.txt", FIXTURES)
+    assert 30_000 < len(document.text) < 40_000
+    assert {q.kind for q in document.questions} == set(KINDS) and len(document.questions) == len(KINDS) + 1
+    for question in document.questions:
+        assert question.facts, question.id
+        assert all(document.text[a:b].strip() and "\n" not in document.text[a:b] for a, b in question.facts)
+        assert [a for a, _ in question.facts] == sorted(a for a, _ in question.facts)
+    count = next(q for q in document.questions if q.kind == "count")
+    assert len(count.facts) == int(count.answers[0])
+    assert generate(8, 8192, "alice29.txt", FIXTURES).text != document.text
+
+
+def test_generated_records_are_gathered_whole_and_alike_twice():
+    for seed in (1, 2, 3):
+        document = generate(seed, 8192, "alice29.txt", FIXTURES)
+        assert document == generate(seed, 8192, "alice29.txt", FIXTURES)  # deterministic
+        for question in document.questions:
+            first = gather([document.text], question.question, 2048, 256)
+            assert first == gather([document.text], question.question, 2048, 256)
+            got = {(s.start, s.end) for s in first[1]}
+            assert set(question.facts) <= got, question.id
+
+
+def question(kind: str, answers: tuple[str, ...], candidates: tuple[str, ...] = ()) -> Question:
+    return Question("q", kind, "?", answers, candidates, ((0, 1),))
+
+
+def test_grading_rules():
+    count = question("count", ("4", "four"))
+    assert grade(count, "The Veridian docked there 4 times.") and grade(count, "Four times.")
+    assert not grade(count, "It docked 3 times, then 4 more.")
+    listing = question("list", ("Carrow", "Tull"))
+    assert grade(listing, "He sailed to carrow and Tull.") and not grade(listing, "Carrow only.")
+    first = question("first_last", ("Ann Bell",), ("Ann Bell", "Cora Dale"))
+    assert grade(first, "Ann Bell was first, then Cora Dale.") and not grade(first, "Cora Dale, after Ann Bell.")
+    order = question("order", ("Archivist", "Ferryman", "Weaver"))
+    assert grade(order, "the Archivist, then the Ferryman, then the Weaver")
+    assert not grade(order, "the Ferryman, the Archivist, the Weaver") and not grade(order, "the Archivist and the Weaver")
+    bequest = question("lookalike", ("font",))
+    assert grade(bequest, "He left a font.") and not grade(bequest, "He left a fountain.")
