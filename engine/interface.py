@@ -91,7 +91,8 @@ class RetrievedItem:
     score: float | None = None
     layers: int | None = None  # kvcache: in how many layers the prompt pass selected this segment
     # text memory with `gather`: "whole" (every sentence naming the question's names, for a
-    # whole-document question) or "lookup" (exact matches and one hop); None: a ranked chunk
+    # whole-document question), "exact" (the sentences holding every name the question gives, one
+    # hop) or "lookup" (those naming most of it, one hop, before ranked chunks); None: a ranked chunk
     gathered: str | None = None
 
 

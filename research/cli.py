@@ -321,6 +321,24 @@ def eval_wholedoc(
     _echo_rows(rows)
 
 
+@eval_app.command("wholebook")
+def eval_wholebook(
+    model: str = DEFAULT_MODEL,
+    memory: Annotated[
+        list[str],
+        typer.Option(help='a memory, "oracle" (the evidence passages alone, in order), or a memory and its JSON options'),
+    ] = ["oracle", "text", "truncate"],
+    device: str = "auto",
+    quantize: QuantizeOption = "none",
+    embedder_adapter: EmbedderAdapterOption = "shipped",
+) -> None:
+    """Hand-written whole-book questions about three held-out texts (research/evals/wholebook.jsonl), per memory, beside the oracle."""
+    from research.evals import wholebook, wholedoc
+
+    rows = wholedoc.bench(_setup(model, None, device, quantize, embedder_adapter), _memory_runs(memory), wholebook.load())
+    _echo_rows(rows)
+
+
 @eval_app.command("needles")
 def eval_needles(
     model: str = DEFAULT_MODEL,

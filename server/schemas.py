@@ -146,8 +146,9 @@ class RetrievedItemPublic(BaseModel):
     layers: int | None = Field(None, description="kvcache: in how many layers the prompt pass selected this segment")
     gathered: str | None = Field(
         None,
-        description="text memory with gather: 'whole' (every sentence naming the question's names) or 'lookup' "
-        "(exact matches and one hop); absent for a ranked chunk",
+        description="text memory with gather: 'whole' (every sentence naming the question's names), 'exact' "
+        "(the sentences naming all of them, one hop) or 'lookup' (those naming most, one hop, before ranked chunks); "
+        "absent for a ranked chunk",
     )
 
 

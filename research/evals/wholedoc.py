@@ -336,8 +336,22 @@ def _named(answer: str, name: str) -> int:
     return match.start() if match else -1
 
 
+def _keyword_at(answer: str, keyword: str) -> int:
+    """Where `keyword` first stands in `answer` as a word (a plural "s" allowed), any case; -1 where it does not."""
+    pattern = r"\s+".join(re.escape(word) for word in keyword.split())
+    match = re.search(rf"(?<![^\W_]){pattern}(?:s|es)?(?![^\W_])", answer, re.IGNORECASE)
+    return match.start() if match else -1
+
+
 def grade(question: Question, answer: str) -> bool:
-    """Whether `answer` is right by its kind's rule (the module's docstring)."""
+    """Whether `answer` is right by its kind's rule (the module's docstring; the hand-written
+    questions of research/evals/wholebook.py: `book_any` one keyword, `book_all` every keyword,
+    `book_order` every keyword in the listed order)."""
+    if question.kind.startswith("book_"):
+        found = [_keyword_at(answer, keyword) for keyword in question.answers]
+        if question.kind == "book_any":
+            return any(at >= 0 for at in found)
+        return all(at >= 0 for at in found) and (question.kind == "book_all" or found == sorted(found))
     if question.kind == "count":
         first = re.search(r"\b(\d+|" + "|".join(_NUMBERS) + r")\b", answer, re.IGNORECASE)
         return first is not None and first.group(1).lower() in question.answers
@@ -383,7 +397,8 @@ class KindRow:
             "memory": self.memory + (f" {json.dumps(self.options)}" if self.options else ""),
             "accuracy": f"{correct}/{asked} = {correct / max(1, asked):.2f} [{low:.2f}, {high:.2f}]",
         }
-        out.update({kind: f"{c}/{n}" for kind, (c, n) in sorted(self.kinds.items(), key=lambda kv: KINDS.index(kv[0]))})
+        order = [*KINDS, "book_any", "book_all", "book_order"]
+        out.update({kind: f"{c}/{n}" for kind, (c, n) in sorted(self.kinds.items(), key=lambda kv: order.index(kv[0]))})
         out["all facts in prompt"] = f"{self.recalled}/{asked}" if self.memory != ORACLE else "-"
         out["TTFT median (s)"] = f"{statistics.median(self.ttfts):.2f}" if self.ttfts else "-"
         out["total median (s)"] = f"{statistics.median(self.totals):.2f}" if self.totals else "-"

@@ -49,3 +49,26 @@ def test_grading_rules():
     assert not grade(order, "the Ferryman, the Archivist, the Weaver") and not grade(order, "the Archivist and the Weaver")
     bequest = question("lookalike", ("font",))
     assert grade(bequest, "He left a font.") and not grade(bequest, "He left a fountain.")
+
+
+def test_hand_written_whole_book_questions_are_well_formed():
+    import json
+
+    from research.evals.wholebook import QUESTIONS
+
+    rows = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
+    assert len(rows) >= 40 and len({row["id"] for row in rows}) == len(rows)
+    assert {row["text"] for row in rows} == {"alice", "paradise-lost", "acts"}
+    alice = FIXTURES.joinpath("alice29.txt").read_text()  # the QA benchmark's alice is the whole file
+    for row in rows:
+        assert row["rule"] in ("any", "all") and row["answers"] and 1 <= len(row["evidence"]) <= 8, row["id"]
+        if row["text"] == "alice":
+            places = [alice.find(quote) for quote in row["evidence"]]
+            assert all(at >= 0 for at in places) and places == sorted(places), row["id"]
+
+
+def test_book_questions_grade_by_their_rule():
+    assert grade(question("book_any", ("dream", "dreaming")), "It was all a dream.")
+    assert not grade(question("book_all", ("Hatter", "Dormouse")), "The Hatter was there.")
+    assert grade(question("book_order", ("Mouse", "Caterpillar")), "First the mouse, then the Caterpillar.")
+    assert not grade(question("book_order", ("Mouse", "Caterpillar")), "The Caterpillar, then the Mouse.")

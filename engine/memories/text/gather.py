@@ -8,8 +8,10 @@ initial, a street, a trade) needs the sentence holding that combination, which a
 
 The question's names are its capitalised phrases (initials such as "K." included, question words
 and a leading "The" left out). A sentence is taken when it holds one of them exactly (case and
-word boundaries kept). For a whole-document question every such sentence is taken, those naming
-more of the question first when the budget is short, and handed over in document order. For any
+word boundaries kept). For a whole-document question every such sentence is taken, in document
+order, when all of them fit the budget (else nothing is gathered: an answer from some of the
+mentions would be stated as if from all). Gathering serves names the document uses rarely; for
+names it uses often (a book's main characters), the ranked chunks answer as without it. For any
 other question, the sentences naming the most of the question (the longest names, summed) are
 taken (exact-match awareness: among look-alikes, the one with the initial, trade and street the
 question gives), and the names they add are followed one hop (two-hop questions: a person's
@@ -116,24 +118,31 @@ def _within(sentences: list[Sentence], budget_chars: int, priority: Callable[[Se
 
 def gather(documents: list[str], question: str, whole_tokens: int, lookup_tokens: int) -> tuple[str, list[Sentence]]:
     """(strategy, sentences in document order): "whole" (every mention of the question's names,
-    within `whole_tokens`), "lookup" (the few sentences naming most of it, and one hop from them,
-    within `lookup_tokens`) or "none" (the question names nothing the documents hold)."""
+    within `whole_tokens`); "exact" (a sentence holds every name the question gives: the sentences
+    that do, and one hop from them, within `lookup_tokens`; nothing else is needed); "lookup" (the
+    sentences naming most of the question, and one hop, within `lookup_tokens`, before the ranked
+    chunks); or "none" (the question names nothing the documents hold)."""
     names = question_names(question)
     first = mentions(documents, names)
     if not first:
         return "none", []
     if is_whole_document(question):
-        return "whole", _within(first, whole_tokens * _CHARS_PER_TOKEN, lambda s: (-len(s.names), s.document, s.start))
+        if sum(s.end - s.start for s in first) > whole_tokens * _CHARS_PER_TOKEN:
+            return "none", []  # not every mention fits: no exhaustive answer to give, the ranked chunks answer
+        return "whole", first
     budget = lookup_tokens * _CHARS_PER_TOKEN
     weight = {(s.document, s.start): sum(len(name) for name in s.names) for s in first}
     top = max(weight.values())
-    best = [s for s in first if weight[(s.document, s.start)] == top][:LOOKUP_SENTENCES]  # the fullest match of the question
+    best = [s for s in first if weight[(s.document, s.start)] == top]  # the fullest match of the question
+    if len(best) > LOOKUP_SENTENCES or len(first) > HOP_SENTENCES:
+        return "none", []  # names the document uses often (a book's main characters): the ranked chunks answer
     taken = {(s.document, s.start) for s in best}
-    hop: list[Sentence] = []
-    if len(first) <= HOP_SENTENCES:  # a rarely named subject: follow the names its best sentences add
-        hop_names = {name for s in best for name in question_names(documents[s.document][s.start : s.end])} - set(names)
-        hop = [s for s in mentions(documents, sorted(hop_names)) if (s.document, s.start) not in taken][:HOP_SENTENCES]
-    return "lookup", _within(
+    hop_names = {name for s in best for name in question_names(documents[s.document][s.start : s.end])} - set(names)
+    hop = [s for s in mentions(documents, sorted(hop_names)) if (s.document, s.start) not in taken][:HOP_SENTENCES]
+    # every name the question gives, in one sentence, and more than one name or a name with an
+    # initial: the question picks one of look-alikes, and ranked chunks would bring the others back
+    exact = top == sum(len(name) for name in names) and (len(names) > 1 or re.search(r"\b[A-Z]\.", names[0]) is not None)
+    return "exact" if exact else "lookup", _within(
         best + hop, budget, lambda s: ((s.document, s.start) not in {(b.document, b.start) for b in best}, s.document, s.start)
     )
 

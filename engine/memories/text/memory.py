@@ -73,10 +73,10 @@ class TextMemory(Memory):
         whole = min(max_tokens, self.options.gather_tokens)
         strategy, sentences = gather(texts, query, whole, min(whole, self.options.lookup_tokens))
         gathered = self.excerpts.sentences(sentences, strategy)
-        if strategy == "whole":
+        if strategy == "exact":  # the ranked chunks would bring back the look-alikes the question rules out
             return gathered
         used = sum(self.excerpts.token_count(piece.text) for piece in gathered)
-        ranked = self._ranked_pieces(query, max(1, max_tokens - used)) if max_tokens > used else []
+        ranked = self._ranked_pieces(query, max_tokens - used) if max_tokens > used else []
         return merged(gathered, ranked, [document_id for document_id, _ in self.store.documents])
 
     def _ranked_pieces(self, query: str, max_tokens: int) -> list[ContextPiece]:
