@@ -92,10 +92,10 @@ def _rms_norm(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 @runtime_checkable
 class Wrapped(Protocol):
     """A layer a memory's adapter wraps (a low-rank adapter over a projection): outside the memory's binding it
-    computes exactly its `base` layer. A batched step never runs inside a binding (a binding covers
-    single forward passes on the compute thread), so it calls the base layer."""
-
-    base: nn.Module
+    computes exactly the layer `outside_binding` returns. A batched step never runs inside a binding
+    (a binding covers single forward passes on the compute thread), so it calls that layer. Only a
+    method here: from Python 3.12 `isinstance` looks attributes up statically, and a torch
+    submodule (kept in `_modules`) would not be found."""
 
     def outside_binding(self) -> nn.Module:
         """The layer this one computes outside a binding."""

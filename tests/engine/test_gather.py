@@ -71,15 +71,18 @@ def test_two_hops_follow_the_name_the_first_sentences_add():
     ]
 
 
-def test_merged_drops_sentences_inside_ranked_excerpts_and_keeps_document_order():
+def test_merged_joins_sentences_that_overlap_ranked_excerpts_and_keeps_document_order():
     from engine.interface import RetrievedItem
     from engine.memories.base import ContextPiece
 
     def piece(document: str, start: int, end: int) -> ContextPiece:
         return ContextPiece("x", RetrievedItem(chunk_id=0, document_id=document, char_start=start, char_end=end, score=1.0))
 
-    out = merged([piece("b", 5, 9), piece("a", 50, 60), piece("a", 1, 3)], [piece("a", 40, 80)], ["a", "b"])
-    assert [(p.item.document_id, p.item.char_start) for p in out] == [("a", 1), ("a", 40), ("b", 5)]
+    documents = [("a", "abcdefghij" * 10), ("b", "klmnopqrst" * 10)]
+    gathered = [piece("b", 5, 9), piece("a", 50, 60), piece("a", 1, 3), piece("a", 78, 90)]
+    out = merged(gathered, [piece("a", 40, 80)], documents)
+    assert [(p.item.document_id, p.item.char_start, p.item.char_end) for p in out] == [("a", 1, 3), ("a", 40, 90), ("b", 5, 9)]
+    assert out[1].text == documents[0][1][40:90]  # the overlapping sentence widened the ranked excerpt: no text twice
 
 
 def test_the_text_memory_answers_a_whole_document_question_from_every_mention(tiny_tokenizer, embedder):
@@ -116,8 +119,9 @@ def test_gather_options_are_checked():
     from engine.memories import check_options
 
     check_options("text", {"gather": True, "gather_tokens": 1024, "lookup_tokens": 128})
+    check_options("text", {"gather_tokens": 128})  # alone, gather off
     with pytest.raises(InvalidRequestError, match="lookup_tokens"):
-        check_options("text", {"gather": True, "lookup_tokens": 4096, "gather_tokens": 1024})
+        check_options("text", {"gather": True, "lookup_tokens": 0})
     with pytest.raises(InvalidRequestError):
         check_options("text", {"gather": "yes"})
 
@@ -129,3 +133,17 @@ def test_names_used_often_or_mentions_past_the_budget_gather_nothing():
     assert gather([text], "What does Alice say to the Caterpillar?", 2048, 256) == ("none", [])
     strategy, sentences = gather([text], "How many times is the Lobster Quadrille named?", 2048, 256)
     assert strategy == "whole" and sentences == mentions([text], ["Lobster Quadrille"])
+
+
+def test_a_pronoun_opening_a_sentence_is_no_hop_and_a_scan_is_bounded():
+    filler = "She walked along the shore and said nothing. " * 20
+    documents = [filler + "She was the daughter of Corra Dene, said Ilsa Varn. " + filler + "By trade Corra Dene was a tanner."]
+    strategy, sentences = gather(documents, "What was the trade of Ilsa Varn's mother?", 2048, 256)
+    texts = [documents[0][s.start : s.end] for s in sentences]
+    assert strategy == "lookup" and texts[-1] == "By trade Corra Dene was a tanner." and len(texts) == 2
+    assert len(mentions(documents, ["She"], limit=3)) == 4  # stops one past the limit
+
+
+def test_a_best_sentence_longer_than_the_budget_gathers_nothing():
+    documents = ["Aldous K. Ashdown of Mill Row " + "and so on " * 300 + "left a bell."]
+    assert gather(documents, "What did Aldous K. Ashdown of Mill Row leave?", 2048, 64) == ("none", [])

@@ -345,3 +345,15 @@ def test_serving_cache_stores_states_in_the_model_dtype():
     assert cache.dtype == torch.bfloat16 and cache.capacity == 64
     assert torch.equal(cache.states[:20], compressed)
     assert cache.nbytes == 64 * neurocache.compressed_dim * 2 + 2 * 64 * 8
+
+
+def test_a_lora_layer_is_wrapped_for_the_batched_step():
+    """The batched step reaches an adapter's LoRA layer through `Wrapped` (no import of it): it must match."""
+    from torch import nn
+
+    from engine.memories.neurocache.adapter import LoRALinear, RetrievalState
+    from engine.models.llama_step import Wrapped, _plain
+
+    base = nn.Linear(8, 8)
+    lora = LoRALinear(base, rank=2, alpha=4.0, shared=RetrievalState())
+    assert isinstance(lora, Wrapped) and _plain(lora) is base and _plain(base) is base

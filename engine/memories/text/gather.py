@@ -21,8 +21,8 @@ mother, then her trade).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 
 from engine.memories.base import ContextPiece
 
@@ -40,7 +40,10 @@ _QUESTION_WORDS = frozenset(
 _SENTENCE_END = re.compile(r"(?<=[.!?])(?<!\b[A-Z]\.)[\"')\]]*\s+|\n\s*\n")
 _CHARS_PER_TOKEN = 4
 LOOKUP_SENTENCES = 4  # a local question's exact-match sentences, at most
-HOP_SENTENCES = 8  # a second hop follows names only from this few first-hop sentences
+HOP_SENTENCES = 8  # names in more sentences than this are used often: nothing is gathered for them
+MAX_NAMES = 16  # a question's names scanned for, at most (the longest first)
+MAX_HOP_CHARS = 2_000  # of a best sentence, the characters read for the names a hop follows
+MIN_SENTENCE_CHARS = 16  # a whole-document scan stops past budget / this many sentences
 
 
 def question_names(question: str) -> list[str]:
@@ -69,15 +72,15 @@ class Sentence:
     names: frozenset[str]  # the question's (or a hop's) names it holds
 
 
-def _sentence_spans(text: str) -> list[tuple[int, int]]:
-    spans, start = [], 0
+def _sentence_spans(text: str) -> Iterator[tuple[int, int]]:
+    """(start, end) of each sentence of `text`, one at a time (no list of a whole book's sentences)."""
+    start = 0
     for match in _SENTENCE_END.finditer(text):
         if text[start : match.start()].strip():
-            spans.append((start, match.start()))
+            yield start, match.start()
         start = match.end()
     if text[start:].strip():
-        spans.append((start, len(text)))
-    return spans
+        yield start, len(text)
 
 
 def _pattern(names: list[str]) -> re.Pattern[str]:
@@ -85,24 +88,29 @@ def _pattern(names: list[str]) -> re.Pattern[str]:
     return re.compile(rf"(?<![\w.])(?:{alternatives})(?!\w)")
 
 
-def mentions(documents: list[str], names: list[str]) -> list[Sentence]:
-    """Every sentence of `documents` holding one of `names` exactly, in document order."""
+def mentions(documents: list[str], names: list[str], limit: int | None = None) -> list[Sentence]:
+    """The sentences of `documents` holding one of `names` exactly, in document order: all of them,
+    or the first `limit` + 1 (one more than `limit` says there are more)."""
     if not names:
         return []
-    pattern, found = _pattern(names), []
+    pattern, found = _pattern(names[:MAX_NAMES]), []
     for number, text in enumerate(documents):
-        hits = [(m.start(), " ".join(m.group(0).split())) for m in pattern.finditer(text)]
-        if not hits:
+        hits = pattern.finditer(text)
+        hit = next(hits, None)
+        if hit is None:
             continue
-        spans, index = _sentence_spans(text), 0
-        for start, end in spans:
+        for start, end in _sentence_spans(text):
             held = set()
-            while index < len(hits) and hits[index][0] < end:
-                if hits[index][0] >= start:
-                    held.add(hits[index][1])
-                index += 1
+            while hit is not None and hit.start() < end:
+                if hit.start() >= start:
+                    held.add(" ".join(hit.group(0).split()))
+                hit = next(hits, None)
             if held:
                 found.append(Sentence(number, start, end, frozenset(held)))
+                if limit is not None and len(found) > limit:
+                    return found
+            if hit is None:
+                break
     return found
 
 
@@ -116,47 +124,77 @@ def _within(sentences: list[Sentence], budget_chars: int, priority: Callable[[Se
     return sorted(kept, key=lambda s: (s.document, s.start))
 
 
+def _hop_names(documents: list[str], best: list[Sentence], given: list[str]) -> list[str]:
+    """The names the best sentences add to the question's, but not a capitalised word that opens
+    its sentence ("She", "Later"), nor one the documents use often."""
+    found: set[str] = set()
+    for s in best:
+        held = documents[s.document][s.start : min(s.end, s.start + MAX_HOP_CHARS)]
+        for name in question_names(held):
+            if " " not in name and held.lstrip().startswith(name):
+                continue
+            found.add(name)
+    rare = [
+        name
+        for name in sorted(found - set(given))[:MAX_NAMES]
+        if len(mentions(documents, [name], HOP_SENTENCES)) <= HOP_SENTENCES
+    ]
+    return rare
+
+
 def gather(documents: list[str], question: str, whole_tokens: int, lookup_tokens: int) -> tuple[str, list[Sentence]]:
     """(strategy, sentences in document order): "whole" (every mention of the question's names,
     within `whole_tokens`); "exact" (a sentence holds every name the question gives: the sentences
     that do, and one hop from them, within `lookup_tokens`; nothing else is needed); "lookup" (the
     sentences naming most of the question, and one hop, within `lookup_tokens`, before the ranked
-    chunks); or "none" (the question names nothing the documents hold)."""
-    names = question_names(question)
-    first = mentions(documents, names)
-    if not first:
-        return "none", []
+    chunks); or "none" (nothing to gather: the ranked chunks answer alone). What a question scans
+    is bounded: at most MAX_NAMES names, and a scan stops once it has more sentences than it can use."""
+    names = question_names(question)[:MAX_NAMES]
     if is_whole_document(question):
-        if sum(s.end - s.start for s in first) > whole_tokens * _CHARS_PER_TOKEN:
+        budget = whole_tokens * _CHARS_PER_TOKEN
+        first = mentions(documents, names, budget // MIN_SENTENCE_CHARS)
+        if not first or len(first) > budget // MIN_SENTENCE_CHARS or sum(s.end - s.start for s in first) > budget:
             return "none", []  # not every mention fits: no exhaustive answer to give, the ranked chunks answer
         return "whole", first
-    budget = lookup_tokens * _CHARS_PER_TOKEN
+    first = mentions(documents, names, HOP_SENTENCES)
+    if not first or len(first) > HOP_SENTENCES:
+        return "none", []  # nothing named, or names the document uses often (a book's main characters)
     weight = {(s.document, s.start): sum(len(name) for name in s.names) for s in first}
     top = max(weight.values())
     best = [s for s in first if weight[(s.document, s.start)] == top]  # the fullest match of the question
-    if len(best) > LOOKUP_SENTENCES or len(first) > HOP_SENTENCES:
-        return "none", []  # names the document uses often (a book's main characters): the ranked chunks answer
+    if len(best) > LOOKUP_SENTENCES:
+        return "none", []
     taken = {(s.document, s.start) for s in best}
-    hop_names = {name for s in best for name in question_names(documents[s.document][s.start : s.end])} - set(names)
-    hop = [s for s in mentions(documents, sorted(hop_names)) if (s.document, s.start) not in taken][:HOP_SENTENCES]
+    hop = [s for s in mentions(documents, _hop_names(documents, best, names)) if (s.document, s.start) not in taken]
+    kept = _within(
+        best + hop[:HOP_SENTENCES],
+        lookup_tokens * _CHARS_PER_TOKEN,
+        lambda s: ((s.document, s.start) not in taken, s.document, s.start),
+    )
+    if not {(s.document, s.start) for s in kept} & taken:
+        return "none", []  # the best sentences do not fit the budget: the ranked chunks answer
     # every name the question gives, in one sentence, and more than one name or a name with an
     # initial: the question picks one of look-alikes, and ranked chunks would bring the others back
     exact = top == sum(len(name) for name in names) and (len(names) > 1 or re.search(r"\b[A-Z]\.", names[0]) is not None)
-    return "exact" if exact else "lookup", _within(
-        best + hop, budget, lambda s: ((s.document, s.start) not in {(b.document, b.start) for b in best}, s.document, s.start)
-    )
+    return "exact" if exact else "lookup", kept
 
 
-def merged(gathered: list[ContextPiece], ranked: list[ContextPiece], order: list[str]) -> list[ContextPiece]:
-    """Gathered sentences and ranked excerpts in document order (`order`: the documents' ids), a
-    sentence that lies inside a ranked excerpt left out."""
-
-    def inside(piece: ContextPiece) -> bool:
-        item = piece.item
-        return any(
-            r.item.document_id == item.document_id and r.item.char_start <= item.char_start and item.char_end <= r.item.char_end
-            for r in ranked
-        )
-
-    pieces = [piece for piece in gathered if not inside(piece)] + ranked
-    return sorted(pieces, key=lambda piece: (order.index(piece.item.document_id), piece.item.char_start))
+def merged(gathered: list[ContextPiece], ranked: list[ContextPiece], documents: list[tuple[str, str]]) -> list[ContextPiece]:
+    """Gathered sentences and ranked excerpts in document order (`documents`: (id, text) each); a
+    sentence that overlaps a ranked excerpt widens that excerpt to cover it instead, so no text is
+    handed over twice."""
+    order = {document_id: number for number, (document_id, _) in enumerate(documents)}
+    texts = dict(documents)
+    pieces = sorted([*gathered, *ranked], key=lambda piece: (order[piece.item.document_id], piece.item.char_start))
+    out: list[ContextPiece] = []
+    for piece in pieces:
+        last = out[-1] if out else None
+        if last is not None and last.item.document_id == piece.item.document_id and piece.item.char_start < last.item.char_end:
+            if last.item.gathered is not None and piece.item.gathered is None:
+                last, piece = piece, last  # the ranked excerpt keeps its own fields
+            start, end = min(last.item.char_start, piece.item.char_start), max(last.item.char_end, piece.item.char_end)
+            item = replace(last.item, char_start=start, char_end=end)
+            out[-1] = ContextPiece(texts[item.document_id][start:end], item)
+            continue
+        out.append(piece)
+    return out

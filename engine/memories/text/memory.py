@@ -73,11 +73,13 @@ class TextMemory(Memory):
         whole = min(max_tokens, self.options.gather_tokens)
         strategy, sentences = gather(texts, query, whole, min(whole, self.options.lookup_tokens))
         gathered = self.excerpts.sentences(sentences, strategy)
-        if strategy == "exact":  # the ranked chunks would bring back the look-alikes the question rules out
-            return gathered
-        used = sum(self.excerpts.token_count(piece.text) for piece in gathered)
-        ranked = self._ranked_pieces(query, max_tokens - used) if max_tokens > used else []
-        return merged(gathered, ranked, [document_id for document_id, _ in self.store.documents])
+        if strategy == "exact" and sum(self.excerpts.token_count(piece.text) + 2 for piece in gathered) <= whole:
+            return gathered  # the ranked chunks would bring back the look-alikes the question rules out
+        used = sum(self.excerpts.token_count(piece.text) + 2 for piece in gathered)  # and the blank line between
+        if used > whole:  # the characters' estimate fell short: never more than the budget
+            return self._ranked_pieces(query, max_tokens)
+        ranked = self._ranked_pieces(query, max_tokens - used)
+        return merged(gathered, ranked, self.store.documents)
 
     def _ranked_pieces(self, query: str, max_tokens: int) -> list[ContextPiece]:
         """The chunks the fused ranking takes, as excerpts."""

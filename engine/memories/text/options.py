@@ -56,8 +56,8 @@ class TextOptions:
             raise ValueError("sentence_share must be between 0 and 1")
         if not isinstance(self.gather, bool):
             raise ValueError("gather must be true or false")
-        if not 0 <= self.lookup_tokens <= self.gather_tokens <= 32_768:
-            raise ValueError("need 0 <= lookup_tokens <= gather_tokens <= 32768")
+        if not (1 <= self.gather_tokens <= 32_768 and 1 <= self.lookup_tokens <= 32_768):
+            raise ValueError("gather_tokens and lookup_tokens must be between 1 and 32768")
 
     def score_fusion(self) -> bool:
         return (self.retrieval, self.fusion) == ("hybrid", "score")
