@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator, Callable
 
 from engine.config import GenerationLimits
 from engine.errors import InvalidRequestError, TooLargeError
-from engine.interface import MAX_TEMPERATURE, SEED_RANGE, GenerationEvent, GenerationParams
+from engine.interface import MAX_TEMPERATURE, SEED_RANGE, DocumentInfo, GenerationEvent, GenerationParams, Retrieval
 from engine.memories import ContextPiece
 from engine.memories.base import AnswerRequest, MemoryWrite
 from engine.prompts import Messages, overhead_tokens, render
@@ -125,7 +125,7 @@ class Answering:
                 loaded.model, loaded.tokenizer, runtime.stop_tokens, messages, pieces, params, time.perf_counter() - started
             )
             if memory.plain_answer and runtime.batcher is not None:
-                yield memory.retrieval(request)
+                yield placed(memory.retrieval(request), session.documents)
                 prompt_ids = await asyncio.to_thread(memory.answer_prompt, request)
                 async with contextlib.aclosing(self._generate(runtime, prompt_ids, params)) as answer:
                     async for event in answer:
@@ -139,7 +139,7 @@ class Answering:
                     if isinstance(step, MemoryWrite):
                         await self._write_answer(session, step, holding_lock=memory.answer_holds_write_lock)
                     else:
-                        yield step
+                        yield placed(step, session.documents) if isinstance(step, Retrieval) else step
         finally:
             session.last_used_at = time.time()
 
@@ -165,6 +165,23 @@ class Answering:
         steps = generate_steps(loaded.model, loaded.tokenizer, prompt_ids, params, runtime.stop_tokens)
         async for event in runtime.worker.iterate(steps):
             yield event
+
+
+def placed(retrieval: Retrieval, documents: list[DocumentInfo]) -> Retrieval:
+    """Each passage with its document's name, its pages (PDF) and the section it falls under."""
+    by_id = {document.id: document for document in documents}
+    items = []
+    for item in retrieval.items:
+        document = by_id.get(item.document_id)
+        if document is None:
+            items.append(item)
+            continue
+        pages = document.layout.page_range(item.char_start, item.char_end) or (None, None)
+        section = document.layout.section_at(item.char_start)
+        items.append(
+            dataclasses.replace(item, document_name=document.name, page_start=pages[0], page_end=pages[1], section=section)
+        )
+    return dataclasses.replace(retrieval, items=tuple(items))
 
 
 def _check_context(room: int, prompt_tokens: int, params: GenerationParams) -> None:

@@ -130,6 +130,24 @@ class IngestConfig:
 
 
 @dataclass(frozen=True)
+class ParseLimits:
+    """Bounds on parsing one uploaded file (engine/documents/): PDF, EPUB, DOCX and HTML parse in a
+    child process under the time and memory limits, whose memory is reserved from the server's
+    budget meanwhile."""
+
+    max_pages: int = 2_000
+    max_unpacked_bytes: int = 256 << 20  # what an EPUB or DOCX may unpack to
+    seconds: float = 60.0  # wall clock of one file's parse
+    memory_bytes: int = 1 << 30  # address space a parse may add to its process
+
+    def __post_init__(self) -> None:
+        _require(self.max_pages > 0, "max_document_pages must be positive")
+        _require(self.max_unpacked_bytes > 0, "max_unpacked_bytes must be positive")
+        _require(self.seconds > 0, "parse_seconds must be positive")
+        _require(self.memory_bytes >= 64 << 20, "parse_memory_bytes must be at least 64 MiB")
+
+
+@dataclass(frozen=True)
 class GenerationLimits:
     """Bounds on what one request may ask of the model worker."""
 
@@ -158,6 +176,7 @@ class EngineConfig:
     models: ModelSpec = field(default_factory=ModelSpec)
     sessions: SessionLimits = field(default_factory=SessionLimits)
     ingest: IngestConfig = field(default_factory=IngestConfig)
+    parse: ParseLimits = field(default_factory=ParseLimits)
     generation: GenerationLimits = field(default_factory=GenerationLimits)
     default_memory: str = "auto"  # "auto": a plugin model's own memory, else the model's manifest (engine/models/manifest.py)
     data_dir: Path | None = None  # sessions are saved here as they change; None: kept in RAM only
@@ -196,6 +215,14 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     Setting("session_memory_bytes", "sessions.memory_budget_bytes", "what one session's memory may hold"),
     Setting("segment_len", "ingest.segment_len", "tokens a document is fed to a memory at a time (Neurocache's n)"),
     Setting("max_document_tokens", "ingest.max_document_tokens", "tokens of one document; more get 413"),
+    Setting("max_document_pages", "parse.max_pages", "pages of one PDF; more get 422"),
+    Setting("max_unpacked_bytes", "parse.max_unpacked_bytes", "bytes an EPUB or DOCX may unpack to; more get 422"),
+    Setting("parse_seconds", "parse.seconds", "seconds parsing one PDF, EPUB, DOCX or HTML file may take; more get 422"),
+    Setting(
+        "parse_memory_bytes",
+        "parse.memory_bytes",
+        "memory parsing one file may take (its child process's limit, reserved from the server's budget meanwhile)",
+    ),
     Setting("max_new_tokens", "generation.max_new_tokens", "the most tokens a request may ask to generate"),
     Setting("default_max_tokens", "generation.default_max_tokens", "tokens generated when a request does not say"),
     Setting("max_queue", "generation.max_queue", "requests admitted per model worker before 429"),
@@ -247,7 +274,13 @@ DERIVED_FIELDS = (
     "embedder_adapter",
     "session_id_prefix",
 )
-_SECTIONS = {"models": ModelSpec, "sessions": SessionLimits, "ingest": IngestConfig, "generation": GenerationLimits}
+_SECTIONS = {
+    "models": ModelSpec,
+    "sessions": SessionLimits,
+    "ingest": IngestConfig,
+    "parse": ParseLimits,
+    "generation": GenerationLimits,
+}
 
 
 def setting(flag: str) -> Setting:

@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.answering import Answering
 from engine.config import EngineConfig
+from engine.documents import parse_cost, parse_upload
 from engine.errors import NotReadyError
 from engine.ingest import Ingestion
 from engine.interface import (
@@ -22,7 +23,9 @@ from engine.interface import (
     GenerationParams,
     IngestEvent,
     ModelInfo,
+    ParsedDocument,
     SessionInfo,
+    Upload,
 )
 from engine.memories import MEMORIES
 from engine.models.embedder import Embedder
@@ -137,9 +140,17 @@ class Engine:
     async def clear_cache(self, session_id: str) -> CacheInfo:
         return await self.session_service.clear(session_id)
 
-    async def ingest(self, session_id: str, text: str, name: str) -> EventIterator[IngestEvent]:
+    async def parse(self, upload: Upload) -> ParsedDocument:
+        """A file's text, pages and sections (engine/documents/). What the parse may take is reserved
+        from the server's memory budget while it runs (429 when the server is full)."""
+        with self.sessions.reserve(None, parse_cost(upload, self.config.parse), transient=True):
+            return await asyncio.to_thread(parse_upload, upload, self.config.parse)
+
+    async def ingest(self, session_id: str, document: str | ParsedDocument, name: str) -> EventIterator[IngestEvent]:
+        """Ingest plain text, or a parsed document whose pages and sections its passages will cite."""
         self._require_ready()
-        return await self.ingestion.start(session_id, text, name)
+        parsed = ParsedDocument(document) if isinstance(document, str) else document
+        return await self.ingestion.start(session_id, parsed, name)
 
     async def ask(self, session_id: str, question: str, params: GenerationParams) -> EventIterator[GenerationEvent]:
         """Answer one question from the session's memory: a retrieval event, text deltas, then done."""

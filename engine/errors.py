@@ -67,3 +67,15 @@ class StorageError(LongdocError):
     """The server could not save a session (its disk is full or failing); the session stays in RAM."""
 
     kind = "insufficient_storage"
+
+
+class DocumentError(InvalidRequestError):
+    """A file that cannot be read as the format it is: corrupt, encrypted, without text, too deep or too big unpacked."""
+
+    kind = "invalid_document"
+
+
+class UnsupportedFormatError(InvalidRequestError):
+    """A body longdoc does not read: a media type or charset it does not know, bytes not in the charset."""
+
+    kind = "unsupported_media_type"

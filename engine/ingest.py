@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.config import IngestConfig
 from engine.errors import InvalidRequestError, NotFoundError, TooLargeError
-from engine.interface import DocumentInfo, IngestDone, IngestEvent, IngestProgress
+from engine.interface import DocumentInfo, IngestDone, IngestEvent, IngestProgress, Layout, ParsedDocument
 from engine.memories import Memory, Segment
 from engine.runtime.os_memory import return_free_memory
 from engine.runtime.worker import EventStream, Releasable, released_on_error
@@ -30,6 +30,7 @@ class TokenizedDocument:
     id: str
     name: str
     text: str
+    layout: Layout
     token_ids: np.ndarray  # int32 [n]
     token_spans: np.ndarray  # int32 [n, 2]: each token's characters in `text`
 
@@ -72,6 +73,7 @@ def tokenize_document(
     text: str,
     max_tokens: int | None = None,
     piece_chars: int = PIECE_CHARS,
+    layout: Layout | None = None,
 ) -> TokenizedDocument:
     """Tokenize piece by piece; raises TooLargeError as soon as the count passes `max_tokens`, so
     a document far over the limit costs the limit's work and memory, not its own."""
@@ -92,6 +94,7 @@ def tokenize_document(
         id=document_id,
         name=name,
         text=text,
+        layout=layout or Layout(),
         token_ids=np.concatenate(ids) if ids else np.zeros(0, np.int32),
         token_spans=np.concatenate(spans) if spans else np.zeros((0, 2), np.int32),
     )
@@ -133,6 +136,7 @@ def ingest_steps(
             segments=n_segments,
             seconds=time.perf_counter() - started,
             warning=_dropped_warning(memory, memory.dropped_tokens() - dropped_before, total_tokens),
+            layout=document.layout,
         )
         on_commit(info)
         yield IngestDone(info)
@@ -161,9 +165,10 @@ class Ingestion:
         self.config = config
         self.session_service = session_service
 
-    async def start(self, session_id: str, text: str, name: str) -> EventStream[IngestEvent]:
+    async def start(self, session_id: str, parsed: ParsedDocument, name: str) -> EventStream[IngestEvent]:
         """Tokenize and check the document now; the returned event stream ingests it segment by segment."""
         session = self.session_service.use(session_id)
+        text = parsed.text
         if not text.strip():
             raise InvalidRequestError("the document is empty")
         held: list[Releasable] = [Pin(session)]  # resident and busy until the event stream ends
@@ -173,7 +178,7 @@ class Ingestion:
             tokenizer = self.session_service.models.named(session.model).loaded.tokenizer
             document_id = "d-" + secrets.token_hex(6)
             document = await asyncio.to_thread(
-                tokenize_document, tokenizer, document_id, name, text, self.config.max_document_tokens
+                tokenize_document, tokenizer, document_id, name, text, self.config.max_document_tokens, layout=parsed.layout
             )
             # an early refusal; ingest_steps asks again under the write lock, where the memory cannot change
             estimate = session.memory.estimate_bytes(len(text), len(document.token_ids))

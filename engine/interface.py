@@ -5,6 +5,7 @@ This module imports neither torch nor faiss, so the server can depend on it free
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -44,6 +45,59 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class Section:
+    start: int  # character offset in the document's text
+    level: int  # 1 for a chapter or top heading, 2 below it, ...
+    title: str
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a document's pages and sections start in its text (engine/documents/)."""
+
+    format: str = "text"  # "text", "markdown", "html", "pdf", "epub" or "docx"
+    pages: tuple[int, ...] = ()  # character where each page starts (PDF only); page n (1-based) is pages[n - 1]
+    sections: tuple[Section, ...] = ()
+    title: str | None = None
+
+    def page_range(self, start: int, end: int) -> tuple[int, int] | None:
+        """The 1-based first and last page of characters [start, end), or None without pages."""
+        if not self.pages:
+            return None
+        first = max(1, bisect.bisect_right(self.pages, start))
+        last = max(first, bisect.bisect_right(self.pages, max(start, end - 1)))
+        return first, last
+
+    def section_at(self, offset: int) -> str | None:
+        """The title of the last section starting at or before `offset`; None before the first."""
+        i = bisect.bisect_right([s.start for s in self.sections], offset)
+        return self.sections[i - 1].title if i else None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Layout:
+        sections = tuple(Section(**s) for s in data.get("sections", ()))
+        return cls(data.get("format", "text"), tuple(data.get("pages", ())), sections, data.get("title"))
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A document as a client sent it: its bytes and what the request said about them."""
+
+    data: bytes
+    media_type: str = ""  # the declared media type, without parameters ("" when none)
+    filename: str | None = None
+    charset: str | None = None  # the declared charset of a text body
+
+
+@dataclass(frozen=True)
+class ParsedDocument:
+    """A document's plain text and where its pages and sections start in it."""
+
+    text: str
+    layout: Layout = field(default_factory=Layout)
+
+
+@dataclass(frozen=True)
 class DocumentInfo:
     id: str
     name: str
@@ -52,6 +106,13 @@ class DocumentInfo:
     segments: int
     seconds: float
     warning: str | None = None  # set when the memory could not keep all of this document
+    layout: Layout = field(default_factory=Layout)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DocumentInfo:
+        """The inverse of `asdict` (a snapshot's metadata); a snapshot from before layouts has none."""
+        layout = Layout.from_dict(data.get("layout") or {})
+        return cls(**{k: v for k, v in data.items() if k != "layout"}, layout=layout)
 
 
 @dataclass(frozen=True)
@@ -94,6 +155,12 @@ class RetrievedItem:
     # whole-document question), "exact" (the sentences holding every name the question gives, one
     # hop) or "lookup" (those naming most of it, one hop, before ranked chunks); None: a ranked chunk
     gathered: str | None = None
+    # where the passage sits, filled in from the document's layout: 1-based pages (PDF) and the
+    # section (heading) it falls under
+    document_name: str | None = None
+    page_start: int | None = None
+    page_end: int | None = None
+    section: str | None = None
 
 
 @dataclass(frozen=True)
@@ -202,7 +269,11 @@ class EngineClient(Protocol):
 
     async def clear_cache(self, session_id: str) -> CacheInfo: ...
 
-    async def ingest(self, session_id: str, text: str, name: str) -> EventIterator[IngestEvent]: ...
+    async def parse(self, upload: Upload) -> ParsedDocument:
+        """A file's text, pages and sections. Raises UnsupportedFormatError (415), DocumentError (422)."""
+        ...
+
+    async def ingest(self, session_id: str, document: str | ParsedDocument, name: str) -> EventIterator[IngestEvent]: ...
 
     async def ask(self, session_id: str, question: str, params: GenerationParams) -> EventIterator[GenerationEvent]: ...
 

@@ -16,6 +16,7 @@ from starlette.types import Scope
 
 from engine.errors import (
     ConflictError,
+    DocumentError,
     InvalidRequestError,
     LongdocError,
     NotFoundError,
@@ -24,12 +25,15 @@ from engine.errors import (
     SnapshotUnreadableError,
     StorageError,
     TooLargeError,
+    UnsupportedFormatError,
 )
 
 log = logging.getLogger(__name__)
 
 STATUS_BY_ERROR: dict[type[LongdocError], int] = {
     InvalidRequestError: 400,
+    DocumentError: 422,
+    UnsupportedFormatError: 415,
     NotFoundError: 404,
     ConflictError: 409,
     SnapshotUnreadableError: 500,

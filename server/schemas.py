@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from engine.interface import (
     MAX_NO_REPEAT_NGRAM_SIZE,
@@ -80,6 +80,33 @@ class DocumentPublic(BaseModel):
     warning: str | None = Field(
         None, description="set when the session's memory could not keep all of the document (a window or a full cache)"
     )
+    format: str = Field("text", description="text, markdown, html, pdf, epub or docx: what the upload was parsed as")
+    title: str | None = Field(None, description="the title the file gives itself (PDF metadata, HTML <title>, EPUB)")
+    page_count: int = Field(0, description="pages (PDF); 0 for formats without pages")
+    section_count: int = Field(0, description="headings found (chapters, sections); GET the document for its outline")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flatten_layout(cls, data: Any) -> Any:
+        """An engine DocumentInfo (as a dict) carries its layout nested; the API shows its summary."""
+        if isinstance(data, dict) and isinstance(data.get("layout"), dict):
+            layout = data["layout"]
+            data = {k: v for k, v in data.items() if k != "layout"}
+            data |= {"format": layout["format"], "title": layout["title"]}
+            data |= {"page_count": len(layout["pages"]), "section_count": len(layout["sections"])}
+        return data
+
+
+class SectionPublic(BaseModel):
+    title: str
+    level: int = Field(description="1 for a chapter or top heading, 2 below it, ...")
+    char_start: int
+    page: int | None = Field(None, description="the 1-based page it starts on (PDF)")
+
+
+class DocumentDetail(DocumentPublic):
+    outline: list[SectionPublic] = Field(default_factory=list, description="the document's headings, in order")
+    pages: list[int] = Field(default_factory=list, description="the character where each page starts in the extracted text (PDF)")
 
 
 class CachePublic(BaseModel):
@@ -150,6 +177,10 @@ class RetrievedItemPublic(BaseModel):
         "(the sentences naming all of them, one hop) or 'lookup' (those naming most, one hop, before ranked chunks); "
         "absent for a ranked chunk",
     )
+    document_name: str | None = None
+    page_start: int | None = Field(None, description="the 1-based page the passage starts on (PDF)")
+    page_end: int | None = Field(None, description="the page it ends on")
+    section: str | None = Field(None, description="the heading (chapter, section) the passage falls under")
 
 
 class RetrievalPublic(BaseModel):

@@ -98,7 +98,7 @@ class Session:
             options=dict(meta["options"]),
             created_at=float(meta["created_at"]),
             last_used_at=float(meta["last_used_at"]),
-            documents=[DocumentInfo(**d) for d in meta["documents"]],
+            documents=[DocumentInfo.from_dict(d) for d in meta["documents"]],
             owner=meta.get("owner"),
             saved_cache=CacheInfo(**meta["cache"]),
         )

@@ -1,8 +1,8 @@
-"""Document upload: JSON `{"text", "name"}`, a multipart file, or a text/plain body."""
+"""Document upload: JSON `{"text", "name"}`, a multipart file, or the file as the body (text, Markdown,
+HTML, PDF, EPUB or DOCX: engine/documents/ reads each)."""
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import asdict
@@ -12,8 +12,9 @@ from fastapi.sse import EventSourceResponse
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
+from engine.documents.detect import ACCEPTED
 from engine.errors import InvalidRequestError, TooLargeError
-from engine.interface import IngestDone, IngestEvent, IngestProgress
+from engine.interface import IngestDone, IngestEvent, IngestProgress, Upload
 from server.deps import CallerDep, EngineDep, MetricsDep, SettingsDep, visible_session
 from server.errors import ApiError
 from server.metrics import IngestionMeter
@@ -23,6 +24,7 @@ from server.streaming import event_stream, sse
 router = APIRouter(prefix="/v1/sessions", tags=["documents"])
 
 MULTIPART_SLACK = 64 * 1024  # form boundaries and headers around the file
+FILE_TYPES = [media for media in ACCEPTED if media != "text/plain"]  # a file sent as the body, besides text
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -39,29 +41,18 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def charset_of(content_type: str) -> str:
-    """The charset parameter of a Content-Type header; UTF-8 when there is none."""
-    for param in content_type.split(";")[1:]:
+def media_of(content_type: str) -> tuple[str, str | None]:
+    """The media type of a Content-Type header and its charset parameter (None when there is none)."""
+    media, *params = content_type.split(";")
+    charset = None
+    for param in params:
         key, _, value = param.partition("=")
         if key.strip().lower() == "charset" and value.strip():
-            return value.strip().strip('"')
-    return "utf-8"
+            charset = value.strip().strip('"')
+    return media.strip().lower(), charset
 
 
-def decode_text(data: bytes, charset: str = "utf-8") -> str:
-    try:
-        codec = codecs.lookup(charset).name
-    except LookupError:
-        raise ApiError(415, "unsupported_media_type", f"unknown charset {charset!r}") from None
-    if codec == "utf-8":
-        codec = "utf-8-sig"  # drop a byte-order mark
-    try:
-        return data.decode(codec)
-    except UnicodeDecodeError as exc:
-        raise ApiError(415, "unsupported_media_type", f"the document is not valid {charset} text ({exc.reason})") from exc
-
-
-async def _from_multipart(request: Request, body: bytes) -> tuple[str, str | None, bool]:
+async def _from_multipart(request: Request, body: bytes) -> tuple[Upload, str | None, bool]:
     async def replay() -> dict[str, object]:
         return {"type": "http.request", "body": body, "more_body": False}
 
@@ -69,35 +60,35 @@ async def _from_multipart(request: Request, body: bytes) -> tuple[str, str | Non
     upload = form.get("file")
     if not isinstance(upload, UploadFile):
         raise InvalidRequestError("multipart uploads need a file field named 'file'")
-    text = decode_text(await upload.read(), charset_of(upload.content_type or ""))
+    media, charset = media_of(upload.content_type or "")
     name = form.get("name") or upload.filename
     stream = str(form.get("stream", "false")).lower() in ("1", "true", "yes")
-    return text, str(name) if name else None, stream
+    return Upload(await upload.read(), media, upload.filename, charset), str(name) if name else None, stream
 
 
-def _from_json(body: bytes) -> tuple[str, str | None, bool]:
+def _from_json(body: bytes) -> tuple[Upload, str | None, bool]:
     try:
         document = DocumentCreate.model_validate_json(body)
     except ValidationError as exc:
         raise ApiError(422, "validation_error", "; ".join(e["msg"] for e in exc.errors())) from exc
-    return document.text, document.name, document.stream
+    return Upload(document.text.encode(), "text/plain", None, "utf-8"), document.name, document.stream
 
 
-async def parse_document(request: Request, limit: int) -> tuple[str, str | None, bool]:
-    """(text, name, stream) from whichever body the client sent."""
-    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if media not in ("application/json", "multipart/form-data", "text/plain"):
-        raise ApiError(415, "unsupported_media_type", "send application/json, multipart/form-data or text/plain")
-    body = await read_body(request, limit + (MULTIPART_SLACK if media != "text/plain" else 0))
+async def read_upload(request: Request, limit: int) -> tuple[Upload, str | None, bool]:
+    """(upload, name, stream) from whichever body the client sent: JSON text, a multipart file, or
+    the file itself as the body (its format from its bytes, its Content-Type and ?name=)."""
+    media, charset = media_of(request.headers.get("content-type", ""))
+    if not media:
+        raise ApiError(
+            415, "unsupported_media_type", "send a Content-Type: application/json, multipart/form-data or the file's type"
+        )
+    body = await read_body(request, limit + (MULTIPART_SLACK if media in ("application/json", "multipart/form-data") else 0))
     if media == "application/json":
-        text, name, stream = _from_json(body)
-    elif media == "multipart/form-data":
-        text, name, stream = await _from_multipart(request, body)
-    else:
-        text, name, stream = decode_text(body, charset_of(request.headers.get("content-type", ""))), None, False
-    if len(text.encode()) > limit:
-        raise TooLargeError(f"the document is over the limit of {limit} bytes")
-    return text, name, stream
+        return _from_json(body)
+    if media == "multipart/form-data":
+        return await _from_multipart(request, body)
+    name = request.query_params.get("name")
+    return Upload(body, media, name, charset), name, False
 
 
 DOCUMENT_BODY = {
@@ -117,6 +108,7 @@ DOCUMENT_BODY = {
                 }
             },
             "text/plain": {"schema": {"type": "string", "minLength": 1}},
+            **{media: {"schema": {"type": "string", "format": "binary"}} for media in FILE_TYPES},
         },
     }
 }
@@ -131,10 +123,14 @@ async def add_document(
     metrics: MetricsDep,
     caller: CallerDep,
     stream: bool = Query(False, description="stream ingestion progress as server-sent events"),
+    name: str | None = Query(None, max_length=256, description="the document's name, for a file sent as the body"),
 ) -> EventSourceResponse | DocumentPublic:
-    text, name, stream_body = await parse_document(request, settings.max_document_bytes)
     memory = visible_session(engine, session_id, caller).memory
-    events = await engine.ingest(session_id, text, name or "document")
+    upload, given_name, stream_body = await read_upload(request, settings.max_document_bytes)
+    parsed = await engine.parse(upload)
+    if len(parsed.text.encode()) > settings.max_document_bytes:
+        raise TooLargeError(f"the document's text is over the limit of {settings.max_document_bytes} bytes")
+    events = await engine.ingest(session_id, parsed, given_name or name or "document")
     meter = IngestionMeter(metrics, memory)
     if stream or stream_body:
         return event_stream(_progress_events(events, meter), events, metrics)

@@ -9,7 +9,16 @@ from fastapi import APIRouter, Response
 from engine.errors import NotFoundError
 from engine.interface import SessionInfo
 from server.deps import CallerDep, EngineDep, visible_session
-from server.schemas import CachePublic, DocumentList, DocumentPublic, SessionCreate, SessionList, SessionPublic
+from server.schemas import (
+    CachePublic,
+    DocumentDetail,
+    DocumentList,
+    DocumentPublic,
+    SectionPublic,
+    SessionCreate,
+    SessionList,
+    SessionPublic,
+)
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
@@ -49,10 +58,18 @@ async def list_documents(session_id: str, engine: EngineDep, caller: CallerDep) 
 
 
 @router.get("/{session_id}/documents/{document_id}")
-async def get_document(session_id: str, document_id: str, engine: EngineDep, caller: CallerDep) -> DocumentPublic:
+async def get_document(session_id: str, document_id: str, engine: EngineDep, caller: CallerDep) -> DocumentDetail:
+    """One document with its outline (headings, each with its page) and where its pages start."""
     for document in visible_session(engine, session_id, caller).documents:
         if document.id == document_id:
-            return DocumentPublic.model_validate(asdict(document))
+            layout = document.layout
+            outline = [
+                SectionPublic(
+                    title=s.title, level=s.level, char_start=s.start, page=(layout.page_range(s.start, s.start + 1) or (None,))[0]
+                )
+                for s in layout.sections
+            ]
+            return DocumentDetail.model_validate(asdict(document) | {"outline": outline, "pages": list(layout.pages)})
     raise NotFoundError(f"session {session_id} has no document {document_id!r}")
 
 
