@@ -140,6 +140,9 @@ class Engine:
     async def clear_cache(self, session_id: str) -> CacheInfo:
         return await self.session_service.clear(session_id)
 
+    async def document_text(self, session_id: str, document_id: str) -> str:
+        return await self.session_service.document_text(session_id, document_id)
+
     async def parse(self, upload: Upload) -> ParsedDocument:
         """A file's text, pages and sections (engine/documents/). What the parse may take is reserved
         from the server's memory budget while it runs (429 when the server is full)."""

@@ -8,7 +8,7 @@ import functools
 import secrets
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -30,9 +30,9 @@ class TokenizedDocument:
     id: str
     name: str
     text: str
-    layout: Layout
     token_ids: np.ndarray  # int32 [n]
     token_spans: np.ndarray  # int32 [n, 2]: each token's characters in `text`
+    layout: Layout = field(default_factory=Layout)
 
     def segments(self, segment_len: int) -> Iterator[Segment]:
         for i in range(0, len(self.token_ids), segment_len):

@@ -269,6 +269,10 @@ class EngineClient(Protocol):
 
     async def clear_cache(self, session_id: str) -> CacheInfo: ...
 
+    async def document_text(self, session_id: str, document_id: str) -> str:
+        """The text a document was ingested as; NotFoundError when the memory does not keep it."""
+        ...
+
     async def parse(self, upload: Upload) -> ParsedDocument:
         """A file's text, pages and sections. Raises UnsupportedFormatError (415), DocumentError (422)."""
         ...

@@ -222,6 +222,10 @@ class Memory(ABC):
         """Tokens of committed documents the memory no longer holds (a window or a full cache)."""
         return 0
 
+    def document_text(self, document_id: str) -> str | None:
+        """A committed document's text, for a memory that keeps it (None: this one does not)."""
+        return None
+
     @abstractmethod
     def stats(self) -> CacheInfo:
         """Entries, bytes, capacity and documents of what is committed."""

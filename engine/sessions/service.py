@@ -122,6 +122,23 @@ class SessionService:
         return_free_memory()
         return session.cache()
 
+    async def document_text(self, session_id: str, document_id: str) -> str:
+        """The text a document was ingested as (a PDF's or a web page's extracted text), from a
+        memory that keeps it."""
+        session = self.use(session_id)
+        if not any(document.id == document_id for document in session.documents):
+            raise NotFoundError(f"session {session_id} has no document {document_id!r}")
+        pin = Pin(session)
+        try:
+            await self.resident(session)
+            assert session.memory is not None
+            text = session.memory.document_text(document_id)
+        finally:
+            pin.release()
+        if text is None:
+            raise NotFoundError(f"the {session.kind} memory does not keep its documents' text (the text memory does)")
+        return text
+
     def _reset(self, session: Session) -> None:
         assert session.memory is not None
         session.memory.reset()

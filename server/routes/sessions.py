@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from fastapi import APIRouter, Response
+from fastapi.responses import PlainTextResponse
 
 from engine.errors import NotFoundError
 from engine.interface import SessionInfo
@@ -71,6 +72,14 @@ async def get_document(session_id: str, document_id: str, engine: EngineDep, cal
             ]
             return DocumentDetail.model_validate(asdict(document) | {"outline": outline, "pages": list(layout.pages)})
     raise NotFoundError(f"session {session_id} has no document {document_id!r}")
+
+
+@router.get("/{session_id}/documents/{document_id}/text", response_class=PlainTextResponse)
+async def get_document_text(session_id: str, document_id: str, engine: EngineDep, caller: CallerDep) -> PlainTextResponse:
+    """The text the document was ingested as (a PDF's, EPUB's or web page's extracted text), which
+    passages' character offsets point into; sessions whose memory keeps it (text) only."""
+    visible_session(engine, session_id, caller)
+    return PlainTextResponse(await engine.document_text(session_id, document_id))
 
 
 @router.get("/{session_id}/cache")

@@ -19,9 +19,11 @@ export class ApiError extends Error {
   }
 }
 
-function headers(json) {
+// A Blob (a file) goes as the body itself, with its own type; anything else as JSON.
+function headers(body) {
   const h = {};
-  if (json) h["content-type"] = "application/json";
+  if (body instanceof Blob) h["content-type"] = body.type || "application/octet-stream";
+  else if (body !== undefined) h["content-type"] = "application/json";
   if (apiKey()) h.authorization = `Bearer ${apiKey()}`;
   return h;
 }
@@ -41,8 +43,8 @@ async function errorOf(response) {
 async function send(method, path, body, signal) {
   const response = await fetch(path, {
     method,
-    headers: headers(body !== undefined),
-    body: body === undefined ? undefined : JSON.stringify(body),
+    headers: headers(body),
+    body: body === undefined || body instanceof Blob ? body : JSON.stringify(body),
     signal,
   });
   if (!response.ok) throw await errorOf(response);
@@ -52,6 +54,10 @@ async function send(method, path, body, signal) {
 export async function call(method, path, body) {
   const response = await send(method, path, body);
   return response.status === 204 ? null : response.json();
+}
+
+export async function callText(path) {
+  return (await send("GET", path)).text();
 }
 
 // One {event, data} per server-sent event. An `error` event is thrown as an ApiError, and so is a

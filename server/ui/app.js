@@ -1,6 +1,6 @@
 // The page: sessions, uploads with progress, streamed answers, and the passages behind them.
 
-import { ApiError, apiKey, call, setApiKey, stream } from "./api.js";
+import { ApiError, apiKey, call, callText, setApiKey, stream } from "./api.js";
 import { dropTexts, loadText, pruneTexts, saveText } from "./texts.js";
 import { render, show, utf16Offsets } from "./viewer.js";
 
@@ -136,15 +136,19 @@ async function ingest(file) {
   bar.hidden = false;
   $("ingest-status").textContent = `Reading ${file.name}…`;
   try {
-    const text = await file.text();
-    const body = { text, name: file.name, stream: true };
-    for await (const { event, data } of stream(`/v1/sessions/${sessionId}/documents`, body)) {
+    // plain text goes as JSON and is kept as read; any other file goes as it is, and its text as
+    // the server extracted it is fetched afterwards (passages point into that text)
+    const plain = isPlainText(file);
+    const text = plain ? await file.text() : undefined;
+    const url = `/v1/sessions/${sessionId}/documents` + (plain ? "" : `?stream=true&name=${encodeURIComponent(file.name)}`);
+    const body = plain ? { text, name: file.name, stream: true } : file;
+    for await (const { event, data } of stream(url, body)) {
       if (event === "progress") {
         bar.value = data.tokens_total ? data.tokens_done / data.tokens_total : 0;
         $("ingest-status").textContent = `${file.name}: ${data.tokens_done} of ${data.tokens_total} tokens`;
       } else if (event === "done") {
         bar.value = 1;
-        await saveText(sessionId, data.id, text);
+        await saveText(sessionId, data.id, plain ? text : await extractedText(sessionId, data.id));
         $("ingest-status").textContent = `${file.name}: ${data.tokens} tokens in ${data.seconds.toFixed(1)} s` + (data.warning ? ` (${data.warning})` : "");
         await refreshSessions();
         if (state.session?.id === sessionId) await viewDocument(sessionId, data.id, []);
@@ -155,6 +159,26 @@ async function ingest(file) {
     $("file").disabled = false;
     $("file").value = "";
   }
+}
+
+function isPlainText(file) {
+  return file.type === "text/plain" || /\.te?xt$/i.test(file.name);
+}
+
+// The text the server made of a file; undefined when its memory does not keep texts.
+async function extractedText(sessionId, documentId) {
+  try {
+    return await callText(`/v1/sessions/${sessionId}/documents/${documentId}/text`);
+  } catch (error) {
+    if (error.status === 404) return undefined;
+    throw error;
+  }
+}
+
+// "p. 12 · Chapter 3": where a passage sits, when its document has pages or sections.
+function placeOf(p) {
+  const pages = p.page_start == null ? "" : p.page_end > p.page_start ? `pp. ${p.page_start}–${p.page_end}` : `p. ${p.page_start}`;
+  return [pages, p.section || ""].filter(Boolean).join(" · ");
 }
 
 function setUpDrop() {
@@ -205,8 +229,17 @@ async function viewDocument(sessionId, documentId, passages) {
     return false;
   }
   $("viewer-note").replaceChildren();
-  render($("viewer"), text, passages.map((p) => (p.document_id === documentId ? p : { ...p, char_end: -1 })));
+  const pages = doc?.page_count ? await pageStarts(sessionId, documentId) : [];
+  render($("viewer"), text, passages.map((p) => (p.document_id === documentId ? p : { ...p, char_end: -1 })), pages);
   return true;
+}
+
+const pagesCache = new Map();
+
+async function pageStarts(sessionId, documentId) {
+  const key = `${sessionId}/${documentId}`;
+  if (!pagesCache.has(key)) pagesCache.set(key, (await call("GET", `/v1/sessions/${sessionId}/documents/${documentId}`)).pages);
+  return pagesCache.get(key);
 }
 
 function attachInput(sessionId, documentId, passages) {
@@ -244,8 +277,10 @@ async function showPassages(sessionId, items) {
   }
   $("passages").replaceChildren(...items.map((p, i) => {
     const score = p.score == null ? "" : `, score ${p.score.toFixed(3)}`;
-    const name = documentOf(sessionId, p.document_id)?.name || p.document_id;
-    const button = element("button", { type: "button", textContent: `${name}, characters ${p.char_start}–${p.char_end}${score}`, onclick: guarded(() => openPassage(i + 1, true)) });
+    const name = p.document_name || documentOf(sessionId, p.document_id)?.name || p.document_id;
+    const place = placeOf(p);
+    const label = `${name}${place ? ` (${place})` : ""}, characters ${p.char_start}–${p.char_end}${score}`;
+    const button = element("button", { type: "button", textContent: label, onclick: guarded(() => openPassage(i + 1, true)) });
     const doc = texts[p.document_id];
     const excerpt = doc ? doc.text.slice(doc.at(p.char_start), doc.at(Math.min(p.char_end, p.char_start + 240))) : "";
     return element("li", {}, button, element("blockquote", { textContent: excerpt }));

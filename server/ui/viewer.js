@@ -34,19 +34,48 @@ export function markSpans(passages, text) {
   return cut;
 }
 
-export function render(pre, text, passages) {
+// A page's start, drawn by CSS from data-page so that the text (and a copy of it) stays the document's.
+function pageMark(page) {
+  const mark = document.createElement("span");
+  mark.className = "page-mark";
+  mark.dataset.page = String(page);
+  mark.setAttribute("role", "separator");
+  mark.setAttribute("aria-label", `page ${page}`);
+  return mark;
+}
+
+// The text into `pre`, the passages marked and, before the character where each page starts
+// (`pages`, code-point offsets), that page's mark.
+export function render(pre, text, passages, pages = []) {
+  const at = utf16Offsets(text);
+  const breaks = pages.map((start) => at(start));
   const fragment = document.createDocumentFragment();
-  let at = 0;
+  let next = 0; // the first page whose mark is not placed yet
+  const put = (from, to, numbers) => {
+    for (;;) {
+      while (next < breaks.length && breaks[next] <= from) fragment.append(pageMark(++next));
+      if (from >= to) return;
+      const end = next < breaks.length ? Math.min(to, breaks[next]) : to;
+      if (numbers) {
+        const mark = document.createElement("mark");
+        mark.dataset.passages = numbers.join(" ");
+        mark.tabIndex = -1;
+        mark.textContent = text.slice(from, end);
+        fragment.append(mark);
+      } else {
+        fragment.append(text.slice(from, end));
+      }
+      from = end;
+    }
+  };
+  let cursor = 0;
   for (const span of markSpans(passages, text)) {
-    fragment.append(text.slice(at, span.start));
-    const mark = document.createElement("mark");
-    mark.dataset.passages = span.numbers.join(" ");
-    mark.tabIndex = -1;
-    mark.textContent = text.slice(span.start, span.end);
-    fragment.append(mark);
-    at = span.end;
+    put(cursor, span.start, null);
+    put(span.start, span.end, span.numbers);
+    cursor = span.end;
   }
-  fragment.append(text.slice(at));
+  put(cursor, text.length, null);
+  while (next < breaks.length) fragment.append(pageMark(++next));
   pre.replaceChildren(fragment);
 }
 

@@ -20,6 +20,7 @@ import pytest
 from playwright.sync_api import Page, Route, expect, sync_playwright
 
 from engine.config import SMALL_MODEL
+from research.evals.docfiles import book_pdf
 from scripts.drills.server import Server
 from tests.helpers import CACHE_DIR, FIXTURES
 
@@ -226,13 +227,17 @@ def test_stop_ends_the_generation_on_the_server(page, server):
 
 def drop_file(page: Page, selector: str, path: Path) -> None:
     """A file dragged from the desktop and dropped on `selector`, as the browser delivers it."""
+    drop_bytes(page, selector, path.name, path.read_bytes(), "text/plain")
+
+
+def drop_bytes(page: Page, selector: str, name: str, data: bytes, media_type: str) -> None:
     page.locator(selector).evaluate(
-        """(target, [name, text]) => {
+        """(target, [name, bytes, type]) => {
             const data = new DataTransfer();
-            data.items.add(new File([text], name, { type: "text/plain" }));
+            data.items.add(new File([new Uint8Array(bytes)], name, { type }));
             for (const type of ["dragover", "drop"]) target.dispatchEvent(new DragEvent(type, { dataTransfer: data, bubbles: true, cancelable: true }));
         }""",
-        [path.name, path.read_text(encoding="utf-8")],
+        [name, list(data), media_type],
     )
 
 
@@ -288,3 +293,25 @@ def test_phone_width_and_keyboard(browser, server, page):
     expect(phone.locator("#viewer-note")).to_contain_text("does not hold this document")  # its text is in the other page
     assert phone.errors == []
     phone.close()
+
+
+def test_a_dropped_pdf_is_read_and_its_passages_cite_their_pages(page, server):
+    paragraphs = [" ".join(p.split()) for p in BOOK.read_text(encoding="utf-8").split("\n\n") if len(p.split()) > 12][:80]
+    book = book_pdf(paragraphs, title="Alice in Tests", columns=2, seed=4)
+    sid = new_session(page)
+    drop_bytes(page, "#drop", "alice.pdf", book.pdf, "application/pdf")
+    expect(page.locator("#ingest-status")).to_contain_text("alice.pdf: ", timeout=LONG)
+    expect(page.locator("#ingest-status")).to_contain_text("tokens in", timeout=LONG)
+    info = httpx.get(f"{server.url}/v1/sessions/{sid}", headers=AUTH).json()
+    assert [(d["name"], d["format"]) for d in info["documents"]] == [("alice.pdf", "pdf")]
+    pages = info["documents"][0]["page_count"]
+    expect(page.locator("#viewer .page-mark")).to_have_count(pages)  # the extracted text, its pages marked
+    expect(page.locator("#viewer")).to_contain_text("Alice was beginning to get very tired")
+    assert "%PDF" not in page.inner_text("#viewer")
+    ask(page, "What did the Caterpillar ask Alice?", 8)
+    expect(page.locator("#answer-status")).to_contain_text("Done", timeout=LONG)
+    labels = page.locator("#passages li button").all_text_contents()
+    assert labels and all(re.search(r"alice\.pdf \(pp?\. \d+", label) for label in labels), labels
+    expect(page.locator("#viewer mark.current")).to_be_in_viewport()
+    page.screenshot(path=ARTIFACTS / "6-pdf.png")
+    assert page.errors == []

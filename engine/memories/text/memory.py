@@ -114,6 +114,9 @@ class TextMemory(Memory):
             transient = max(transient, pass_bytes(self._model.config, self._rerank_tokens, self.options.rerank, element))
         return kept, transient
 
+    def document_text(self, document_id: str) -> str | None:
+        return next((text for id_, text in self.store.documents if id_ == document_id), None)
+
     def stats(self) -> CacheInfo:
         return CacheInfo(
             memory=self.kind,
