@@ -16,6 +16,9 @@ from engine.errors import DocumentError
 from engine.interface import Layout, ParsedDocument, Section
 
 PAGE_NUMBER = re.compile(r"^\W*(page\s+)?([0-9]+|[ivxlcdm]+)(\s*(of|/)\s*[0-9]+)?\W*$", re.IGNORECASE)
+DOT_LEADER = re.compile(r"(?:\s?\.){4,}\s?")  # a table of contents' ". . . . ." between a title and its page
+ROMAN = re.compile(r"\b[ivxlcdm]+\b")
+RUNNING_PAGES = 3  # an edge line on this many pages is a running header or footer
 EDGE_LINES = 2  # lines at the top and at the foot of a page that may be running headers or footers
 SOFT_HYPHENS = "\u00ad\x02"
 
@@ -36,13 +39,24 @@ class PdfLine:
     text: str
 
 
-def _runs(textpage: pdfium.PdfTextPage) -> list[Run]:
+def _runs(textpage: pdfium.PdfTextPage, width: float, height: float) -> list[Run]:
+    """The page's text lines as PDFium reads them (its spacing, its joins of hyphenated line ends,
+    marked U+FFFE), each placed by the boxes of its first and last characters."""
+    text = textpage.get_text_range()
+    if len(text) != textpage.count_chars():  # characters outside the BMP: no offsets to place lines by
+        return [Run(0, 0, width, height, text.replace("\ufffe", "").replace("\r\n", " "))]
     runs = []
-    for i in range(textpage.count_rects()):
-        left, bottom, right, top = textpage.get_rect(i)
-        text = textpage.get_text_bounded(left, bottom, right, top).replace("\r", "").replace("\n", " ")
-        if text.strip():
-            runs.append(Run(left, bottom, right, top, text))
+    start = 0
+    for line in text.split("\r\n"):
+        stripped = line.strip()
+        if stripped:
+            first = start + len(line) - len(line.lstrip())
+            last = start + len(line.rstrip()) - 1
+            left, bottom, _, top = textpage.get_charbox(first)
+            _, last_bottom, right, last_top = textpage.get_charbox(last)
+            text_line = DOT_LEADER.sub(" … ", stripped.replace("\ufffe", ""))
+            runs.append(Run(left, min(bottom, last_bottom), max(right, left), max(top, last_top), text_line))
+        start += len(line) + 2
     return runs
 
 
@@ -110,7 +124,8 @@ def _reading_order(runs: list[Run], width: float) -> list[list[PdfLine]]:
 
 
 def _edge_key(text: str) -> str:
-    return re.sub(r"\d+", "#", text.strip().lower())
+    """A line with its numbers (arabic or roman: page numbers, chapter numbers) made alike."""
+    return ROMAN.sub("#", re.sub(r"\d+", "#", text.strip().lower()))
 
 
 def _leading(pages: list[list[list[PdfLine]]]) -> float:
@@ -141,8 +156,7 @@ def _running_lines(pages: list[list[list[PdfLine]]], leading: float) -> set[str]
     counts: Counter[str] = Counter()
     for blocks in pages:
         counts.update({_edge_key(line.text) for line in _edges(blocks, leading)})
-    threshold = max(3, len(pages) // 4)
-    return {key for key, n in counts.items() if n >= threshold}
+    return {key for key, n in counts.items() if n >= RUNNING_PAGES}
 
 
 def _paragraphs(blocks: list[list[PdfLine]], running: set[str], leading: float) -> list[str]:
@@ -217,11 +231,11 @@ def parse_pdf(data: bytes, max_pages: int) -> ParsedDocument:
         for index in range(len(pdf)):
             page = pdf[index]
             textpage = page.get_textpage()
-            pages.append(_reading_order(_runs(textpage), page.get_width()))
+            pages.append(_reading_order(_runs(textpage, page.get_width(), page.get_height()), page.get_width()))
             textpage.close()
             page.close()
         leading = _leading(pages)
-        running = _running_lines(pages, leading) if len(pages) >= 3 else set()
+        running = _running_lines(pages, leading)
         builder = TextBuilder()
         last = ""
         for blocks in pages:
