@@ -13,7 +13,7 @@ APT := $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive
 DRILL_VENV  := .venv-drills
 DRILL_STAMP := $(DRILL_VENV)/.installed
 
-.PHONY: serve test install chromium bench bench-kvcache bench-batching bench-scaleout peers corpus drills observe image image-smoke clean
+.PHONY: serve test install chromium bench bench-kvcache bench-batching bench-scaleout peers corpus documents bench-documents drills observe image image-smoke clean
 
 $(STAMP): pyproject.toml engine/models/wheels.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -102,6 +102,15 @@ bench-kvcache: $(STAMP)
 
 corpus: $(STAMP)
 	$(BIN)/python -m scripts.fetch_corpus
+
+# real manuals as PDF, EPUB, HTML and DOCX from pinned Debian packages, SHA-256 checked (data/documents)
+documents: $(STAMP)
+	$(BIN)/python -m research.evals.realdocs
+
+# parsing figures on those files and on generated PDFs, and facts on known pages of a 300-page PDF
+# asked through REST against the same text as .txt, docs/studies/documents.md
+bench-documents: $(STAMP) documents
+	$(BIN)/python -m bench.bench_documents $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(DRILL_VENV) build *.egg-info

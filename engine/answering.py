@@ -7,12 +7,12 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 from engine.config import GenerationLimits
-from engine.errors import InvalidRequestError, TooLargeError
+from engine.errors import InvalidRequestError, NotFoundError, TooLargeError
 from engine.interface import MAX_TEMPERATURE, SEED_RANGE, DocumentInfo, GenerationEvent, GenerationParams, Retrieval
-from engine.memories import ContextPiece
+from engine.memories import ContextPiece, memory_type
 from engine.memories.base import AnswerRequest, MemoryWrite
 from engine.prompts import Messages, overhead_tokens, render
 from engine.runtime.generation import generate_steps
@@ -50,21 +50,34 @@ class Answering:
             raise TooLargeError(f"the prompt has {chars} characters; the limit is {limit} (LONGDOC_MAX_PROMPT_CHARS)")
 
     async def chat(
-        self, messages: Messages, params: GenerationParams, model: str | None, session_id: str | None
+        self,
+        messages: Messages,
+        params: GenerationParams,
+        model: str | None,
+        session_id: str | None,
+        documents: Sequence[str] | None = None,
     ) -> EventStream[GenerationEvent]:
-        """Chat completion; with a session, the last user turn is answered from the session's memory."""
+        """Chat completion; with a session, the last user turn is answered from the session's memory
+        (from `documents` of it only, when given)."""
         params = self._check_params(params)
         self._check_prompt_chars(messages)
         if not messages or messages[-1].get("role") != "user" or not messages[-1].get("content", "").strip():
             raise InvalidRequestError("the last message must be a non-empty user message")
         session = self.session_service.use(session_id) if session_id else None
+        chosen = _chosen_documents(session, documents)
         held: list[Releasable] = [Pin(session)] if session is not None else []
         with released_on_error(held):
-            events = await self._admit(messages, params, model, session, held)
+            events = await self._admit(messages, params, model, session, held, chosen)
         return EventStream(events, held)
 
     async def _admit(
-        self, messages: Messages, params: GenerationParams, model: str | None, session: Session | None, held: list[Releasable]
+        self,
+        messages: Messages,
+        params: GenerationParams,
+        model: str | None,
+        session: Session | None,
+        held: list[Releasable],
+        documents: frozenset[str] | None,
     ) -> AsyncGenerator[GenerationEvent, None]:
         """Check and admit a chat; what it holds (reservation, worker slot) is appended to `held`."""
         if session is not None:
@@ -95,7 +108,7 @@ class Answering:
             def recount() -> None:  # under the session's lock: what it holds may have changed since
                 reservation.grow_to(memory.answer_bytes(overhead, params.max_tokens, context_len, kv_bytes)[0])
 
-            events = self._session_events(runtime, session, messages, params, budget, recount)
+            events = self._session_events(runtime, session, messages, params, budget, recount, documents)
         # what the answer allocates at its largest is reserved before it exists
         held.append(store.reserve(None, transient, transient=True))
         held.append(runtime.worker.admit())
@@ -109,6 +122,7 @@ class Answering:
         params: GenerationParams,
         budget: int,
         recount: Callable[[], None],
+        documents: frozenset[str] | None,
     ) -> AsyncGenerator[GenerationEvent, None]:
         """Retrieve up to `budget` tokens of context for the last user turn, then let the memory
         answer on the model's worker (the request's pin keeps the session busy). A memory whose
@@ -119,7 +133,7 @@ class Answering:
         worker = self.session_service.memory_worker(session)
         try:
             started = time.perf_counter()
-            pieces: list[ContextPiece] = await worker.run(memory.retrieve, messages[-1]["content"], budget)
+            pieces: list[ContextPiece] = await worker.run(memory.retrieve, messages[-1]["content"], budget, documents)
             loaded = runtime.loaded
             request = AnswerRequest(
                 loaded.model, loaded.tokenizer, runtime.stop_tokens, messages, pieces, params, time.perf_counter() - started
@@ -165,6 +179,24 @@ class Answering:
         steps = generate_steps(loaded.model, loaded.tokenizer, prompt_ids, params, runtime.stop_tokens)
         async for event in runtime.worker.iterate(steps):
             yield event
+
+
+def _chosen_documents(session: Session | None, documents: Sequence[str] | None) -> frozenset[str] | None:
+    """The documents a request keeps its answer to, checked against the session and its memory."""
+    if documents is None:
+        return None
+    if session is None:
+        raise InvalidRequestError("'documents' needs a session: name one with session_id")
+    unknown = sorted(set(documents) - {document.id for document in session.documents})
+    if unknown:
+        raise NotFoundError(f"session {session.id} has no document {', '.join(map(repr, unknown))}")
+    if not documents:
+        raise InvalidRequestError("'documents' is empty: name at least one, or leave it out for all")
+    if not memory_type(session.kind).filters_documents:
+        raise InvalidRequestError(
+            f"the {session.kind} memory answers from all of a session's documents; 'documents' needs a text session"
+        )
+    return frozenset(documents)
 
 
 def placed(retrieval: Retrieval, documents: list[DocumentInfo]) -> Retrieval:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -155,15 +155,23 @@ class Engine:
         parsed = ParsedDocument(document) if isinstance(document, str) else document
         return await self.ingestion.start(session_id, parsed, name)
 
-    async def ask(self, session_id: str, question: str, params: GenerationParams) -> EventIterator[GenerationEvent]:
-        """Answer one question from the session's memory: a retrieval event, text deltas, then done."""
-        return await self.chat([{"role": "user", "content": question}], params, None, session_id)
+    async def ask(
+        self, session_id: str, question: str, params: GenerationParams, documents: Sequence[str] | None = None
+    ) -> EventIterator[GenerationEvent]:
+        """Answer one question from the session's memory (from `documents` of it only, when given):
+        a retrieval event, text deltas, then done."""
+        return await self.chat([{"role": "user", "content": question}], params, None, session_id, documents)
 
     async def chat(
-        self, messages: Messages, params: GenerationParams, model: str | None, session_id: str | None
+        self,
+        messages: Messages,
+        params: GenerationParams,
+        model: str | None,
+        session_id: str | None,
+        documents: Sequence[str] | None = None,
     ) -> EventIterator[GenerationEvent]:
         self._require_ready()
-        return await self.answering.chat(messages, params, model, session_id)
+        return await self.answering.chat(messages, params, model, session_id, documents)
 
     def stats(self) -> EngineStats:
         memory_bytes: dict[str, int] = {kind: 0 for kind in MEMORIES}

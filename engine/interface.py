@@ -6,6 +6,7 @@ This module imports neither torch nor faiss, so the server can depend on it free
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -279,10 +280,19 @@ class EngineClient(Protocol):
 
     async def ingest(self, session_id: str, document: str | ParsedDocument, name: str) -> EventIterator[IngestEvent]: ...
 
-    async def ask(self, session_id: str, question: str, params: GenerationParams) -> EventIterator[GenerationEvent]: ...
+    async def ask(
+        self, session_id: str, question: str, params: GenerationParams, documents: Sequence[str] | None = None
+    ) -> EventIterator[GenerationEvent]:
+        """`documents` (ids) keeps the answer to those of the session's documents (text memory)."""
+        ...
 
     async def chat(
-        self, messages: list[dict[str, str]], params: GenerationParams, model: str | None, session_id: str | None
+        self,
+        messages: list[dict[str, str]],
+        params: GenerationParams,
+        model: str | None,
+        session_id: str | None,
+        documents: Sequence[str] | None = None,
     ) -> EventIterator[GenerationEvent]: ...
 
     def stats(self) -> EngineStats: ...

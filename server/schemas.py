@@ -56,6 +56,8 @@ RepetitionPenalty = Annotated[
 ]
 StopString = Annotated[Text, Field(max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+DocumentIds = Annotated[list[Annotated[Text, Field(max_length=64)]], Field(min_length=1, max_length=1024)]
+DOCUMENTS = "answer from these of the session's documents only (their ids; text memory); all when left out"
 IGNORE_EOS = "the model's end-of-sequence tokens do not end the answer: it runs to max_tokens or a stop string"
 
 
@@ -162,6 +164,7 @@ class AskRequest(BaseModel):
     repetition_penalty: RepetitionPenalty = REPETITION_PENALTY
     ignore_eos: Flag = Field(False, description=IGNORE_EOS)
     stream: Flag = False
+    documents: DocumentIds | None = Field(None, description=DOCUMENTS)
 
 
 class RetrievedItemPublic(BaseModel):
@@ -245,6 +248,7 @@ class ChatCompletionRequest(BaseModel):
     stream: Flag = False
     stream_options: StreamOptions | None = None
     session_id: Text | None = Field(None, max_length=128, description="longdoc extension: answer from this session's memory")
+    documents: DocumentIds | None = Field(None, description=f"longdoc extension, with session_id: {DOCUMENTS}")
 
 
 class ModelCard(BaseModel):

@@ -36,7 +36,7 @@ class _Extractor(HTMLParser):
         return any(self.skipping.values()) or (self.only_main and not self.main_depth)
 
     def _flush(self) -> None:
-        text = " ".join(" ".join(self.words).split())
+        text = " ".join("".join(self.words).split())
         self.words = []
         if not text:
             return

@@ -122,6 +122,7 @@ class Memory(ABC):
     options_type: ClassVar[type | None] = None  # the dataclass its options are read into (None: not declared)
     runs_on_model: ClassVar[bool] = False  # ingestion needs the language model's worker
     answer_holds_write_lock: ClassVar[bool] = False  # answering reads state ingestion writes: hold the session's write lock
+    filters_documents: ClassVar[bool] = False  # `retrieve` can keep to some of the session's documents
     # what the ingestion warning advises when a document pushed older text out of the memory
     dropped_advice: ClassVar[str] = (
         "Make the session with a larger capacity, or with memory 'text', which keeps every document whole."
@@ -175,8 +176,9 @@ class Memory(ABC):
         """An upper estimate of the bytes a document of this size would add."""
 
     @abstractmethod
-    def retrieve(self, query: str, max_tokens: int) -> list[ContextPiece]:
-        """What to put before `query`, at most `max_tokens` tokens, in document order."""
+    def retrieve(self, query: str, max_tokens: int, documents: frozenset[str] | None = None) -> list[ContextPiece]:
+        """What to put before `query`, at most `max_tokens` tokens, in document order; with
+        `documents` (ids), from those documents only (memories with `filters_documents`)."""
 
     # ---- answering (the defaults: document text in the prompt, the plain model answers) ---------
 

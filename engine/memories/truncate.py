@@ -79,7 +79,7 @@ class TruncateMemory(Memory):
     def estimate_bytes(self, chars: int, tokens: int) -> int:
         return min(tokens, self.options.window_tokens) * _BYTES_PER_TOKEN
 
-    def retrieve(self, query: str, max_tokens: int) -> list[ContextPiece]:
+    def retrieve(self, query: str, max_tokens: int, documents: frozenset[str] | None = None) -> list[ContextPiece]:
         pieces: list[ContextPiece] = []
         budget = max_tokens
         for document_id, ids, spans in reversed(self._tail):

@@ -86,7 +86,7 @@ class StateMemory(Memory):
     def estimate_bytes(self, chars: int, tokens: int) -> int:
         return self.state.growth(tokens + len(self._separator))
 
-    def retrieve(self, query: str, max_tokens: int) -> list[ContextPiece]:
+    def retrieve(self, query: str, max_tokens: int, documents: frozenset[str] | None = None) -> list[ContextPiece]:
         return []  # the documents are in the model's state, not in the prompt
 
     def answer_room(self, context_len: int) -> int | None:

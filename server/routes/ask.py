@@ -72,7 +72,7 @@ async def ask(
     visible_session(engine, session_id, caller)
     timer = GenerationTimer(metrics, ENDPOINT)
     params = generation_params(body, body.max_tokens or settings.default_max_tokens)
-    events = await engine.ask(session_id, body.question, params)
+    events = await engine.ask(session_id, body.question, params, body.documents)
     if body.stream:
         return event_stream(_ask_events(events, metrics, timer), events, metrics)
     answer: list[str] = []

@@ -54,7 +54,7 @@ async def chat_completions(
     defaults = engine.generation_defaults(body.model or (session.model if session else None))
     params = generation_params(body, body.max_completion_tokens or body.max_tokens or settings.default_max_tokens, defaults)
     messages = [m.model_dump() for m in body.messages]
-    events = await engine.chat(messages, params, body.model, body.session_id)
+    events = await engine.chat(messages, params, body.model, body.session_id, body.documents)
     model = body.model or (session.model if session else engine.list_models()[0].name)
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
     if body.stream:

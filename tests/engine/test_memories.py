@@ -620,3 +620,21 @@ def test_the_estimate_is_reserved_under_the_ingest_lock_before_anything_is_stage
     steps = ingest_steps(memory, document, segment_len=64, reserve=lambda n: calls.append(n), on_commit=lambda d: None)
     list(steps)
     assert calls[:2] == [estimate, "begin"] and len(calls) > 3
+
+
+@pytest.mark.parametrize("options", [{}, {"fusion": "rank"}, {"gather": True}])
+def test_text_retrieval_keeps_to_the_documents_named(context, tiny_tokenizer, options):
+    memory = text_memory(context, options)
+    lighthouse = "The lighthouse of Velmora is painted green and white. " * 3
+    ingest(memory, tiny_tokenizer, "a", filler(30) + " " + lighthouse)
+    ingest(memory, tiny_tokenizer, "b", filler(30) + " " + lighthouse.replace("green", "blue"))
+    ingest(memory, tiny_tokenizer, "c", filler(60))
+    question = "What colour is the lighthouse of Velmora?"
+    both = {p.item.document_id for p in memory.retrieve(question, 1000)}
+    assert {"a", "b"} <= both  # the same facts in two documents: both are found
+    for only in ("a", "b", "c"):
+        pieces = memory.retrieve(question, 1000, frozenset({only}))
+        assert pieces and {p.item.document_id for p in pieces} == {only}
+    assert {p.item.document_id for p in memory.retrieve(question, 1000, frozenset({"a", "c"}))} <= {"a", "c"}
+    assert memory.retrieve(question, 1000, frozenset({"unknown"})) == []
+    assert memory.retrieve(question, 1000, None) == memory.retrieve(question, 1000)

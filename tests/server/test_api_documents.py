@@ -109,3 +109,25 @@ def test_hostile_and_broken_files_get_a_json_4xx_and_change_nothing(make_client)
     assert_error(multipart, 422, "invalid_document")
     assert client.get(f"/v1/sessions/{session_id}").json()["documents"] == before["documents"]
     assert client.get("/healthz").status_code == 200
+
+
+def test_a_question_can_keep_to_some_documents(make_client):
+    client = make_client()
+    session_id = new_session(client, memory="text")
+    url = f"/v1/sessions/{session_id}/documents"
+    first = client.post(f"{url}?name=one.txt", content=BOOK[:6000], headers={"content-type": "text/plain"}).json()["id"]
+    second = client.post(f"{url}?name=two.txt", content=BOOK[6000:12000], headers={"content-type": "text/plain"}).json()["id"]
+    ask = f"/v1/sessions/{session_id}/ask"
+    body = {"question": "What did Alice see?", "max_tokens": 2}
+    for chosen in ([first], [second], [first, second]):
+        items = client.post(ask, json=body | {"documents": chosen}).json()["retrieval"]["items"]
+        assert items and {i["document_id"] for i in items} <= set(chosen)
+        assert {i["document_name"] for i in items} <= {"one.txt", "two.txt"}
+    chat = {"messages": [{"role": "user", "content": "What did Alice see?"}], "max_tokens": 2, "session_id": session_id}
+    assert client.post("/v1/chat/completions", json=chat | {"documents": [second]}).status_code == 200
+    assert_error(client.post(ask, json=body | {"documents": ["d-nope"]}), 404, "not_found")
+    assert_error(client.post(ask, json=body | {"documents": []}), 422)
+    assert_error(client.post("/v1/chat/completions", json=chat | {"session_id": None, "documents": [first]}), 400)
+    window = new_session(client, memory="truncate")
+    doc = client.post(f"/v1/sessions/{window}/documents", json={"text": BOOK[:3000]}).json()["id"]
+    assert_error(client.post(f"/v1/sessions/{window}/ask", json=body | {"documents": [doc]}), 400, "invalid_request")

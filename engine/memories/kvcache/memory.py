@@ -204,7 +204,7 @@ class KVCacheMemory(Memory):
 
     # ---- answering -----------------------------------------------------------------------------
 
-    def retrieve(self, query: str, max_tokens: int) -> list[ContextPiece]:
+    def retrieve(self, query: str, max_tokens: int, documents: frozenset[str] | None = None) -> list[ContextPiece]:
         return []  # each layer selects segments itself, while answering
 
     def answer_room(self, context_len: int) -> int | None:

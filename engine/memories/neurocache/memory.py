@@ -114,7 +114,7 @@ class NeurocacheMemory(Memory):
     def estimate_bytes(self, chars: int, tokens: int) -> int:
         return 0
 
-    def retrieve(self, query: str, max_tokens: int) -> list[ContextPiece]:
+    def retrieve(self, query: str, max_tokens: int, documents: frozenset[str] | None = None) -> list[ContextPiece]:
         return []  # retrieval happens inside the model, once per token
 
     def answer_steps(self, request: AnswerRequest) -> Iterator[GenerationEvent | MemoryWrite]:

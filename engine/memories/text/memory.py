@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from engine.interface import CacheInfo
 from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment
 from engine.memories.text.excerpts import Excerpts
@@ -23,6 +25,7 @@ from engine.memories.text.store import TextStore
 
 class TextMemory(Memory):
     kind = "text"
+    filters_documents = True
     options_type = TextOptions
 
     def __init__(self, context: MemoryContext, options: dict[str, Any]) -> None:
@@ -64,12 +67,15 @@ class TextMemory(Memory):
     def estimate_bytes(self, chars: int, tokens: int) -> int:
         return self.store.estimate_bytes(chars, tokens)
 
-    def retrieve(self, query: str, max_tokens: int) -> list[ContextPiece]:
+    def retrieve(self, query: str, max_tokens: int, documents: frozenset[str] | None = None) -> list[ContextPiece]:
         if self.store.index.ntotal == 0:
             return []
+        allowed = self._allowed_chunks(documents)
+        if allowed is not None and not allowed.any():
+            return []
         if not self.options.gather:
-            return self._ranked_pieces(query, max_tokens)
-        texts = [text for _, text in self.store.documents]
+            return self._ranked_pieces(query, max_tokens, allowed)
+        texts = [text if documents is None or id_ in documents else "" for id_, text in self.store.documents]
         whole = min(max_tokens, self.options.gather_tokens)
         strategy, sentences = gather(texts, query, whole, min(whole, self.options.lookup_tokens))
         gathered = self.excerpts.sentences(sentences, strategy)
@@ -77,14 +83,21 @@ class TextMemory(Memory):
             return gathered  # the ranked chunks would bring back the look-alikes the question rules out
         used = sum(self.excerpts.token_count(piece.text) + 2 for piece in gathered)  # and the blank line between
         if used > whole:  # the characters' estimate fell short: never more than the budget
-            return self._ranked_pieces(query, max_tokens)
-        ranked = self._ranked_pieces(query, max_tokens - used)
+            return self._ranked_pieces(query, max_tokens, allowed)
+        ranked = self._ranked_pieces(query, max_tokens - used, allowed)
         return merged(gathered, ranked, self.store.documents)
 
-    def _ranked_pieces(self, query: str, max_tokens: int) -> list[ContextPiece]:
-        """The chunks the fused ranking takes, as excerpts."""
+    def _allowed_chunks(self, documents: frozenset[str] | None) -> np.ndarray | None:
+        """Which chunks belong to `documents` (a mask over the chunks); None: every chunk."""
+        if documents is None:
+            return None
+        numbers = [number for number, (id_, _) in enumerate(self.store.documents) if id_ in documents]
+        return np.isin(self.store.chunks.documents, numbers)
+
+    def _ranked_pieces(self, query: str, max_tokens: int, allowed: np.ndarray | None = None) -> list[ContextPiece]:
+        """The chunks the fused ranking takes (of the `allowed` ones), as excerpts."""
         query_vector = self.ranking.query_vector(query)
-        chosen = self.ranking.chosen(query, query_vector, max_tokens)
+        chosen = self.ranking.chosen(query, query_vector, max_tokens, allowed)
         if self.options.focus_tokens:
             assert query_vector is not None
             return self.excerpts.focus(query, query_vector, chosen, min(max_tokens, self.options.focus_tokens))

@@ -44,14 +44,16 @@ class Ranking:
         dense = self.options.retrieval != "lexical" or self.options.focus_tokens > 0
         return self.store.embedder.encode([query])[0] if dense else None
 
-    def chosen(self, query: str, query_vector: np.ndarray | None, max_tokens: int) -> dict[int, float]:
+    def chosen(
+        self, query: str, query_vector: np.ndarray | None, max_tokens: int, allowed: np.ndarray | None = None
+    ) -> dict[int, float]:
         """Chunk -> fused score, best first, within `top_k`, the token budget and `margin` of the
-        first chunk taken."""
+        first chunk taken; of the `allowed` chunks only (a mask; None: all)."""
         chosen: dict[int, float] = {}
         tokens = self.store.chunks.tokens
         budget = min(max_tokens, self.options.context_tokens)
         margin, floor = self.options.score_margin(), -math.inf  # with a margin, the floor is set by the first chunk taken
-        for row, score in self.ordered(query, query_vector):
+        for row, score in self.ordered(query, query_vector, allowed):
             if len(chosen) == self.options.top_k or budget < 1 or score < floor:
                 break
             if tokens[row] <= budget:
@@ -61,19 +63,22 @@ class Ranking:
                 budget -= int(tokens[row])
         return chosen
 
-    def ordered(self, query: str, query_vector: np.ndarray | None) -> list[tuple[int, float]]:
+    def ordered(self, query: str, query_vector: np.ndarray | None, allowed: np.ndarray | None = None) -> list[tuple[int, float]]:
         """(chunk, score) in the order chunks are taken: fused, or with `rerank` the reader's
         order of the first `rerank` (the rest are not taken)."""
-        ranked = self.ranked(query, query_vector)
+        ranked = self.ranked(query, query_vector, allowed)
         return self._reranked(query, ranked[: self.options.rerank]) if self.options.rerank else ranked
 
-    def ranked(self, query: str, query_vector: np.ndarray | None) -> list[tuple[int, float]]:
-        """(chunk, score) best first: fused scores or ranks (options.fusion), or one ranking alone (options.retrieval)."""
+    def ranked(self, query: str, query_vector: np.ndarray | None, allowed: np.ndarray | None = None) -> list[tuple[int, float]]:
+        """(chunk, score) best first: fused scores or ranks (options.fusion), or one ranking alone
+        (options.retrieval); of the `allowed` chunks only, when given (a mask over the chunks)."""
         index, retrieval = self.store.index, self.options.retrieval
         depth = min(index.ntotal, max(50, 4 * self.options.top_k))
         if retrieval == "hybrid" and self.options.fusion == "score":
             assert query_vector is not None
-            return self._score_fused(query, query_vector, depth)
+            return self._score_fused(query, query_vector, depth, allowed)
+        if allowed is not None:
+            depth = index.ntotal  # rankings are cut to the allowed chunks after the search
         rankings: list[list[int]] = []
         if retrieval in ("hybrid", "dense"):
             assert query_vector is not None
@@ -83,9 +88,13 @@ class Ranking:
             lexical = self.store.lexical.scores(query)
             order = np.argsort(-lexical, kind="stable")[:depth]
             rankings.append([r for r in order.tolist() if lexical[r] > 0])
+        if allowed is not None:
+            rankings = [[r for r in ranking if allowed[r]] for ranking in rankings]
         return self.fused(rankings)
 
-    def _score_fused(self, query: str, query_vector: np.ndarray, depth: int) -> list[tuple[int, float]]:
+    def _score_fused(
+        self, query: str, query_vector: np.ndarray, depth: int, allowed: np.ndarray | None = None
+    ) -> list[tuple[int, float]]:
         """(chunk, weighted sum of its standardized MiniLM and BM25 scores), the best `depth`, ties by
         chunk number. Every chunk is scored: the chunks' vectors are read in place, one float a
         chunk each way (with `sentence_share`, the sentences' cosines in blocks)."""
@@ -98,6 +107,9 @@ class Ranking:
             assert len(self.store.sentences.starts) == len(dense) + 1, "sentence_share: every chunk's sentences kept"
             meaning = (1.0 - share) * meaning + share * _standardized(self._best_sentences(dense, query_vector))
         fused = weight * meaning + (1.0 - weight) * _standardized(self.store.lexical.scores(query))
+        if allowed is not None:  # standardized over the session's chunks as always, then kept to these
+            fused = np.where(allowed, fused, -np.inf)
+            depth = min(depth, int(allowed.sum()))
         best = np.argpartition(-fused, depth - 1)[:depth]
         best = best[np.lexsort((best, -fused[best]))]
         return [(int(row), float(fused[row])) for row in best]
