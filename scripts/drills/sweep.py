@@ -4,13 +4,17 @@ greedy answer)."""
 
 from __future__ import annotations
 
+import io
 import json
 import time
+import zipfile
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from pypdf import PdfWriter
 
+from research.evals.docfiles import Line, Page, make_pdf
 from scripts.drills.server import Server
 
 CHAT = "/v1/chat/completions"
@@ -159,6 +163,62 @@ def cases(max_document_bytes: int) -> list[Case]:
     ]
 
 
+def _zip(members: dict[str, bytes]) -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return out.getvalue()
+
+
+def file_cases() -> list[Case]:
+    """Hostile and broken files (issue 63): each a JSON 4xx, nothing hangs, nothing else changes."""
+    documents, pdf = "/v1/sessions/{s}/documents", {"content-type": "application/pdf"}
+    raw = {"content-type": "application/octet-stream"}
+    plain = make_pdf([Page([Line(72, 700, "a secret page")])])
+    writer = PdfWriter(clone_from=io.BytesIO(plain))
+    writer.encrypt(user_password="secret", owner_password="owner", algorithm="RC4-128")
+    encrypted = io.BytesIO()
+    writer.write(encrypted)
+    pages = [Page([Line(72, 700, f"page {i} of many")]) for i in range(2_500)]
+    depth = 150_000  # 1.65 MB, under the drills' document limit
+    return [
+        Case("encrypted PDF", "POST", documents, (422,), encrypted.getvalue(), pdf),
+        Case("PDF without a text layer", "POST", documents, (422,), make_pdf([Page()], drawing=b"0 0 1 rg 9 9 99 99 re f"), pdf),
+        Case("corrupt PDF", "POST", documents, (422,), b"%PDF-1.7\n" + bytes(range(256)) * 64, pdf),
+        Case("truncated PDF", "POST", documents, (422,), plain[: len(plain) // 2], pdf),
+        Case("PDF over the page limit (2,500 pages)", "POST", documents, (422,), make_pdf(pages), pdf),
+        Case(
+            "zip bomb as DOCX (past 256 MiB unpacked)",
+            "POST",
+            documents,
+            (422,),
+            _zip({"word/document.xml": b" " * (257 << 20)}),
+            raw,
+        ),
+        Case("EPUB without a container", "POST", documents, (422,), _zip({"mimetype": b"application/epub+zip"}), raw),
+        Case(
+            "XML entities in a DOCX",
+            "POST",
+            documents,
+            (422,),
+            _zip({"word/document.xml": b'<!DOCTYPE d [<!ENTITY a "a">]><d>&a;</d>'}),
+            raw,
+        ),
+        Case("a zip that is no document", "POST", documents, (415,), _zip({"a.txt": b"x"}), raw),
+        # parsed in full, then refused for holding no text (so the reference session stays as it was)
+        Case(
+            "HTML nested 150,000 deep",
+            "POST",
+            documents,
+            (400,),
+            b"<div>" * depth + b"</div>" * depth,
+            {"content-type": "text/html"},
+        ),
+        Case("an image", "POST", documents, (415,), b"\x89PNG\r\n\x1a\n" + b"\x00" * 64, {"content-type": "image/png"}),
+    ]
+
+
 def fingerprint(client: httpx.Client, session_id: str) -> tuple:
     """What must not change: the session's documents, its cache, and a greedy answer."""
     info = client.get(f"/v1/sessions/{session_id}").json()
@@ -173,7 +233,7 @@ def run_sweep(server: Server, max_document_bytes: int, reference_text: str) -> d
     before = fingerprint(client, session_id)
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
-    for case in cases(max_document_bytes):
+    for case in cases(max_document_bytes) + file_cases():
         response = client.request(
             case.method, server.url + case.path.replace("{s}", session_id), content=case.body, headers=case.headers
         )
