@@ -75,7 +75,12 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
     app.state.keys = settings.key_ring()
     app.state.metrics = Metrics(lambda: app.state.engine.stats() if hasattr(app.state, "engine") else None)
     install_error_handlers(app)
-    app.add_middleware(RequestBodyLimit, limit=settings.max_request_bytes, read_timeout=settings.body_read_timeout_seconds)
+    app.add_middleware(
+        RequestBodyLimit,
+        limit=settings.max_request_bytes,
+        read_timeout=settings.body_read_timeout_seconds,
+        linger_bytes=settings.linger_bytes,
+    )
     app.include_router(health.router)
     app.include_router(ui.router)
     app.mount("/ui", ui.page_files(), name="ui")

@@ -78,6 +78,12 @@ class Settings(BaseSettings):
     max_prompt_chars: int = engine_setting("max_prompt_chars")
     max_generation_seconds: float = engine_setting("max_generation_seconds")
     body_read_timeout_seconds: float = Field(30.0, gt=0, description="408 when a request body stalls this long")
+    linger_bytes: int = Field(
+        128 * 1024**2,
+        ge=0,
+        description="a request refused before its body was read (413, 401, 415...) has the rest of the body read and "
+        "dropped, up to this many bytes, so the client gets the JSON error rather than a reset connection",
+    )
     max_connections: int = Field(512, gt=0, description="open connections before uvicorn answers 503")
     keep_alive_seconds: float = Field(5.0, gt=0, description="idle keep-alive connections are closed after this")
     segment_len: int = engine_setting("segment_len")

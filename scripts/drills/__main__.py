@@ -1,6 +1,6 @@
 """`make drills`: reliability drills against a real `longdoc serve` on the small model (SmolLM2-135M; scripts/drills/server.py).
 
-    python -m scripts.drills [--only sweep,load,rss,fuzz,first] [--sessions 16] [--starts 10] [--out results.json]
+    python -m scripts.drills [--only sweep,refusals,load,rss,crash,fuzz,first] [--sessions 16] [--starts 10] [--out results.json]
 
 Prints each drill's figures as JSON and exits non-zero if any drill failed.
 """
@@ -19,11 +19,12 @@ from scripts.drills.crash import crash_passed, run_crash
 from scripts.drills.first import first_passed, run_first
 from scripts.drills.fuzz import fuzz_passed, run_fuzz
 from scripts.drills.load import BOOK, load_passed, run_load
+from scripts.drills.refusals import refusals_passed, run_refusals
 from scripts.drills.rss import rss_passed, run_rss
 from scripts.drills.server import Server
 from scripts.drills.sweep import run_sweep, sweep_passed
 
-DRILLS = ("sweep", "load", "rss", "crash", "fuzz", "first")
+DRILLS = ("sweep", "refusals", "load", "rss", "crash", "fuzz", "first")
 LEAK_TOLERANCE = 0.05
 MAX_DOCUMENT_BYTES = 2_000_000
 # Bounded so a drill measures the server's handling, not minutes of decoding on 2 cores.
@@ -63,6 +64,14 @@ def main() -> int:
         keys_file.write_text("".join(f"user{i}:{key}\n" for i, key in enumerate(keys)))
         results, passed = {}, {}
         book = BOOK.read_text(encoding="utf-8")
+        if "refusals" in chosen:  # the server's default limits (32 MiB documents, 4 MiB JSON bodies)
+            server = Server([]).start()
+            try:
+                results["refusals"] = run_refusals(server)
+                passed["refusals"] = refusals_passed(results["refusals"])
+                report("refusals", results["refusals"])
+            finally:
+                server.stop()
         if {"sweep", "rss", "fuzz"} & set(chosen):  # no keys: every route reachable without headers
             server = Server(SERVER_ARGS).start()
             try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import time
 
+import httpx
 import pytest
 
 from scripts.drills.server import Server
@@ -24,6 +25,8 @@ def server(tiny_dir):
         "1",
         "--max-request-bytes",
         "100000",
+        "--max-document-bytes",
+        "1000000",
     ]
     server = Server(args).start(timeout=120)
     yield server.port
@@ -64,3 +67,47 @@ def test_a_declared_huge_body_is_refused_unread(server):
     )
     response = exchange(server, head, [])
     assert response.startswith("HTTP/1.1 413") and "LONGDOC_MAX_REQUEST_BYTES" in response
+
+
+def sent_whole(port: int, head: bytes, body: bytes) -> str:
+    """Send the whole body, then read the response; a reset connection fails the test."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head)
+        sock.sendall(body)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+@pytest.mark.parametrize(
+    ("path", "media", "size", "status"),
+    [
+        ("/v1/chat/completions", b"application/json", 10_000_000, "413"),  # over max_request_bytes
+        ("/v1/sessions/{s}/documents", b"text/plain", 5_000_000, "413"),  # over max_document_bytes
+        ("/v1/sessions/s-nope/documents", b"text/plain", 5_000_000, "404"),  # refused before its body is read
+    ],
+)
+def test_a_refused_body_is_read_so_the_error_reaches_the_client(server, path, media, size, status):
+    session = httpx.post(f"http://127.0.0.1:{server}/v1/sessions", json={"memory": "text"}).json()["id"]
+    head = b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+    response = sent_whole(server, head % (path.replace("{s}", session).encode(), media, size), b"w" * size)
+    assert response.startswith(f"HTTP/1.1 {status}") and '{"error":{"type":' in response
+
+
+def test_a_chunked_body_cut_off_at_the_limit_still_gets_its_413(server):
+    head = b"POST /v1/sessions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+    chunk = b"x" * 65536
+    body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(40)) + b"0\r\n\r\n"  # 2.6 MB
+    response = sent_whole(server, head, body)
+    assert response.startswith("HTTP/1.1 413") and "LONGDOC_MAX_REQUEST_BYTES" in response
+
+
+def test_a_client_waiting_for_100_continue_is_refused_at_once(server):
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: 50000000\r\nexpect: 100-continue\r\nconnection: close\r\n\r\n"
+    )
+    started = time.monotonic()
+    response = exchange(server, head, [])
+    assert response.startswith("HTTP/1.1 413") and time.monotonic() - started < 1.0  # no wait for a body never sent
