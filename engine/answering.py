@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from engine.config import GenerationLimits
 from engine.errors import InvalidRequestError, NotFoundError, TooLargeError
 from engine.interface import MAX_TEMPERATURE, SEED_RANGE, DocumentInfo, GenerationEvent, GenerationParams, Retrieval
-from engine.memories import ContextPiece, memory_type
+from engine.memories import ContextPiece, Scope, memory_type
 from engine.memories.base import AnswerRequest, MemoryWrite
 from engine.prompts import Messages, overhead_tokens, render
 from engine.runtime.generation import generate_steps
@@ -133,7 +133,8 @@ class Answering:
         worker = self.session_service.memory_worker(session)
         try:
             started = time.perf_counter()
-            pieces: list[ContextPiece] = await worker.run(memory.retrieve, messages[-1]["content"], budget, documents)
+            scope = Scope(documents, {document.id: document.layout for document in session.documents})
+            pieces: list[ContextPiece] = await worker.run(memory.retrieve, messages[-1]["content"], budget, scope)
             loaded = runtime.loaded
             request = AnswerRequest(
                 loaded.model, loaded.tokenizer, runtime.stop_tokens, messages, pieces, params, time.perf_counter() - started

@@ -13,6 +13,7 @@ from typing import Any
 from engine.answering import Answering
 from engine.config import EngineConfig
 from engine.documents import parse_cost, parse_upload
+from engine.documents.parsers import plain_text
 from engine.errors import NotReadyError
 from engine.ingest import Ingestion
 from engine.interface import (
@@ -152,7 +153,7 @@ class Engine:
     async def ingest(self, session_id: str, document: str | ParsedDocument, name: str) -> EventIterator[IngestEvent]:
         """Ingest plain text, or a parsed document whose pages and sections its passages will cite."""
         self._require_ready()
-        parsed = ParsedDocument(document) if isinstance(document, str) else document
+        parsed = plain_text(document) if isinstance(document, str) else document
         return await self.ingestion.start(session_id, parsed, name)
 
     async def ask(

@@ -154,7 +154,9 @@ class RetrievedItem:
     layers: int | None = None  # kvcache: in how many layers the prompt pass selected this segment
     # text memory with `gather`: "whole" (every sentence naming the question's names, for a
     # whole-document question), "exact" (the sentences holding every name the question gives, one
-    # hop) or "lookup" (those naming most of it, one hop, before ranked chunks); None: a ranked chunk
+    # hop) or "lookup" (those naming most of it, one hop, before ranked chunks); with `locate`, "tail"
+    # (the last tokens of the chapter or document an ending question names); None: a ranked chunk
+    # (one that took in a gathered sentence carries its mark)
     gathered: str | None = None
     # where the passage sits, filled in from the document's layout: 1-based pages (PDF) and the
     # section (heading) it falls under

@@ -178,7 +178,8 @@ class RetrievedItemPublic(BaseModel):
         None,
         description="text memory with gather: 'whole' (every sentence naming the question's names), 'exact' "
         "(the sentences naming all of them, one hop) or 'lookup' (those naming most, one hop, before ranked chunks); "
-        "absent for a ranked chunk",
+        "text memory with locate: 'tail' (the end of the chapter or document an ending question names); "
+        "absent for a ranked chunk (one that took in a gathered sentence carries its mark)",
     )
     document_name: str | None = None
     page_start: int | None = Field(None, description="the 1-based page the passage starts on (PDF)")

@@ -10,12 +10,13 @@ from engine.documents.html import parse_html
 from engine.documents.markdown import parse_markdown
 from engine.documents.packages import parse_docx, parse_epub
 from engine.documents.pdf import parse_pdf
-from engine.interface import ParsedDocument
+from engine.documents.plaintext import text_sections
+from engine.interface import Layout, ParsedDocument
 
 Parser = Callable[[bytes, str | None, ParseLimits], ParsedDocument]
 
 PARSERS: dict[str, Parser] = {
-    "text": lambda data, charset, limits: ParsedDocument(decode_text(data, charset)),
+    "text": lambda data, charset, limits: plain_text(decode_text(data, charset)),
     "markdown": lambda data, charset, limits: parse_markdown(decode_text(data, charset)),
     "html": lambda data, charset, limits: parse_html(decode_text(data, charset, html=True)),
     "pdf": lambda data, charset, limits: parse_pdf(data, limits.max_pages),
@@ -27,3 +28,8 @@ SANDBOXED = frozenset({"pdf", "epub", "docx", "html"})  # parsers that do real w
 
 def parse_in_process(data: bytes, format: str, charset: str | None, limits: ParseLimits) -> ParsedDocument:
     return PARSERS[format](data, charset, limits)
+
+
+def plain_text(text: str) -> ParsedDocument:
+    """Text as it is, its chapter headings as sections."""
+    return ParsedDocument(text, Layout("text", (), text_sections(text)))

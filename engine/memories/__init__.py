@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import InvalidRequestError
-from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment
+from engine.memories.base import ContextPiece, Memory, MemoryContext, Scope, Segment
 from engine.memories.kvcache.memory import KVCacheMemory
 from engine.memories.neurocache.memory import NeurocacheMemory
 from engine.memories.text.memory import TextMemory
@@ -56,6 +56,7 @@ __all__ = [
     "ContextPiece",
     "Memory",
     "MemoryContext",
+    "Scope",
     "Segment",
     "build_memory",
     "check_options",

@@ -17,7 +17,7 @@ from pydantic import TypeAdapter, ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from engine.errors import InvalidRequestError
-from engine.interface import CacheInfo, GenerationEvent, GenerationParams, Retrieval, RetrievedItem
+from engine.interface import CacheInfo, GenerationEvent, GenerationParams, Layout, Retrieval, RetrievedItem
 from engine.models.embedder import Embedder
 from engine.prompts import Messages, render, with_context
 from engine.runtime.generation import StopTokens, generate_steps
@@ -58,6 +58,15 @@ class MemoryContext:
     context_len: int = 0  # the served model's positions
     # per memory kind, the default options the model's manifest sets (kvcache's text index ranks with `text`'s)
     manifest_options: Mapping[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What a question's retrieval may use of the session: some documents only (`documents`, ids;
+    None: all), and each document's layout (its pages and sections, for questions about a place)."""
+
+    documents: frozenset[str] | None = None
+    layouts: Mapping[str, Layout] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -176,9 +185,9 @@ class Memory(ABC):
         """An upper estimate of the bytes a document of this size would add."""
 
     @abstractmethod
-    def retrieve(self, query: str, max_tokens: int, documents: frozenset[str] | None = None) -> list[ContextPiece]:
-        """What to put before `query`, at most `max_tokens` tokens, in document order; with
-        `documents` (ids), from those documents only (memories with `filters_documents`)."""
+    def retrieve(self, query: str, max_tokens: int, scope: Scope | None = None) -> list[ContextPiece]:
+        """What to put before `query`, at most `max_tokens` tokens, in document order; with a
+        `scope` naming documents, from those only (memories with `filters_documents`)."""
 
     # ---- answering (the defaults: document text in the prompt, the plain model answers) ---------
 

@@ -8,7 +8,7 @@ from typing import Any, cast
 import numpy as np
 
 from engine.interface import CacheInfo, RetrievedItem
-from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment
+from engine.memories.base import ContextPiece, Memory, MemoryContext, Scope, Segment
 
 _BYTES_PER_TOKEN = 4 + 8  # int32 id + two int32 character offsets
 
@@ -79,7 +79,7 @@ class TruncateMemory(Memory):
     def estimate_bytes(self, chars: int, tokens: int) -> int:
         return min(tokens, self.options.window_tokens) * _BYTES_PER_TOKEN
 
-    def retrieve(self, query: str, max_tokens: int, documents: frozenset[str] | None = None) -> list[ContextPiece]:
+    def retrieve(self, query: str, max_tokens: int, scope: Scope | None = None) -> list[ContextPiece]:
         pieces: list[ContextPiece] = []
         budget = max_tokens
         for document_id, ids, spans in reversed(self._tail):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.interface import CacheInfo, GenerationEvent, Retrieval
-from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, MemoryWrite, Segment
+from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, MemoryWrite, Scope, Segment
 from engine.prompts import render
 from engine.runtime.generation import decode_steps
 from research.lms.feeders import feeder_for
@@ -86,7 +86,7 @@ class StateMemory(Memory):
     def estimate_bytes(self, chars: int, tokens: int) -> int:
         return self.state.growth(tokens + len(self._separator))
 
-    def retrieve(self, query: str, max_tokens: int, documents: frozenset[str] | None = None) -> list[ContextPiece]:
+    def retrieve(self, query: str, max_tokens: int, scope: Scope | None = None) -> list[ContextPiece]:
         return []  # the documents are in the model's state, not in the prompt
 
     def answer_room(self, context_len: int) -> int | None:

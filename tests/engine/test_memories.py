@@ -12,7 +12,7 @@ import pytest
 from engine.errors import BudgetExceededError, InvalidRequestError, TooLargeError
 from engine.ingest import ingest_steps, piece_bounds, tokenize_document
 from engine.interface import DocumentInfo, IngestDone
-from engine.memories import MemoryContext, build_memory
+from engine.memories import MemoryContext, Scope, build_memory
 from engine.memories.text.memory import TextMemory
 from engine.memories.text.store import Sentences, chunk_sentences, sentence_end, sentence_start
 from tests.helpers import filler
@@ -633,8 +633,8 @@ def test_text_retrieval_keeps_to_the_documents_named(context, tiny_tokenizer, op
     both = {p.item.document_id for p in memory.retrieve(question, 1000)}
     assert {"a", "b"} <= both  # the same facts in two documents: both are found
     for only in ("a", "b", "c"):
-        pieces = memory.retrieve(question, 1000, frozenset({only}))
+        pieces = memory.retrieve(question, 1000, Scope(frozenset({only})))
         assert pieces and {p.item.document_id for p in pieces} == {only}
-    assert {p.item.document_id for p in memory.retrieve(question, 1000, frozenset({"a", "c"}))} <= {"a", "c"}
-    assert memory.retrieve(question, 1000, frozenset({"unknown"})) == []
-    assert memory.retrieve(question, 1000, None) == memory.retrieve(question, 1000)
+    assert {p.item.document_id for p in memory.retrieve(question, 1000, Scope(frozenset({"a", "c"})))} <= {"a", "c"}
+    assert memory.retrieve(question, 1000, Scope(frozenset({"unknown"}))) == []
+    assert memory.retrieve(question, 1000, Scope()) == memory.retrieve(question, 1000)

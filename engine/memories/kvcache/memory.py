@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from engine.interface import CacheInfo, GenerationEvent, Retrieval, RetrievedItem
-from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, MemoryWrite, Segment
+from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, MemoryWrite, Scope, Segment
 from engine.memories.kvcache.select import ARCHITECTURES, SelectConfig, SelectiveAnswer, SelectiveModel
 from engine.memories.kvcache.store import KVStore
 from engine.memories.text.memory import TextMemory
@@ -204,7 +204,7 @@ class KVCacheMemory(Memory):
 
     # ---- answering -----------------------------------------------------------------------------
 
-    def retrieve(self, query: str, max_tokens: int, documents: frozenset[str] | None = None) -> list[ContextPiece]:
+    def retrieve(self, query: str, max_tokens: int, scope: Scope | None = None) -> list[ContextPiece]:
         return []  # each layer selects segments itself, while answering
 
     def answer_room(self, context_len: int) -> int | None:

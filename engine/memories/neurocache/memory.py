@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.interface import CacheInfo, GenerationDone, GenerationEvent, Retrieval
-from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, MemoryWrite, Segment
+from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, MemoryWrite, Scope, Segment
 from engine.memories.neurocache.adapter import CacheBinding, Neurocache
 from engine.memories.neurocache.adapter_io import load_adapter
 from engine.prompts import history_tokens, render
@@ -114,7 +114,7 @@ class NeurocacheMemory(Memory):
     def estimate_bytes(self, chars: int, tokens: int) -> int:
         return 0
 
-    def retrieve(self, query: str, max_tokens: int, documents: frozenset[str] | None = None) -> list[ContextPiece]:
+    def retrieve(self, query: str, max_tokens: int, scope: Scope | None = None) -> list[ContextPiece]:
         return []  # retrieval happens inside the model, once per token
 
     def answer_steps(self, request: AnswerRequest) -> Iterator[GenerationEvent | MemoryWrite]:

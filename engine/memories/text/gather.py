@@ -182,7 +182,7 @@ def gather(documents: list[str], question: str, whole_tokens: int, lookup_tokens
 def merged(gathered: list[ContextPiece], ranked: list[ContextPiece], documents: list[tuple[str, str]]) -> list[ContextPiece]:
     """Gathered sentences and ranked excerpts in document order (`documents`: (id, text) each); a
     sentence that overlaps a ranked excerpt widens that excerpt to cover it instead, so no text is
-    handed over twice."""
+    handed over twice; the widened excerpt keeps its score and takes the gathered one's mark."""
     order = {document_id: number for number, (document_id, _) in enumerate(documents)}
     texts = dict(documents)
     pieces = sorted([*gathered, *ranked], key=lambda piece: (order[piece.item.document_id], piece.item.char_start))
@@ -193,7 +193,7 @@ def merged(gathered: list[ContextPiece], ranked: list[ContextPiece], documents: 
             if last.item.gathered is not None and piece.item.gathered is None:
                 last, piece = piece, last  # the ranked excerpt keeps its own fields
             start, end = min(last.item.char_start, piece.item.char_start), max(last.item.char_end, piece.item.char_end)
-            item = replace(last.item, char_start=start, char_end=end)
+            item = replace(last.item, char_start=start, char_end=end, gathered=last.item.gathered or piece.item.gathered)
             out[-1] = ContextPiece(texts[item.document_id][start:end], item)
             continue
         out.append(piece)

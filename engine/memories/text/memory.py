@@ -14,13 +14,14 @@ from typing import Any
 import numpy as np
 
 from engine.interface import CacheInfo
-from engine.memories.base import ContextPiece, Memory, MemoryContext, Segment
+from engine.memories.base import ContextPiece, Memory, MemoryContext, Scope, Segment
 from engine.memories.text.excerpts import Excerpts
-from engine.memories.text.gather import gather, merged
+from engine.memories.text.gather import Sentence, gather, merged
+from engine.memories.text.locate import Place, places
 from engine.memories.text.options import TextOptions
 from engine.memories.text.ranking import Ranking
 from engine.memories.text.rerank import QUESTION_TOKENS, frame_tokens, pass_bytes
-from engine.memories.text.store import TextStore
+from engine.memories.text.store import TextStore, sentence_start
 
 
 class TextMemory(Memory):
@@ -67,12 +68,17 @@ class TextMemory(Memory):
     def estimate_bytes(self, chars: int, tokens: int) -> int:
         return self.store.estimate_bytes(chars, tokens)
 
-    def retrieve(self, query: str, max_tokens: int, documents: frozenset[str] | None = None) -> list[ContextPiece]:
+    def retrieve(self, query: str, max_tokens: int, scope: Scope | None = None) -> list[ContextPiece]:
         if self.store.index.ntotal == 0:
             return []
+        documents = scope.documents if scope is not None else None
         allowed = self._allowed_chunks(documents)
         if allowed is not None and not allowed.any():
             return []
+        if self.options.locate and scope is not None:
+            found = places(query, self.store.documents, scope.layouts, documents)
+            if found:
+                return self._located(query, max_tokens, found, allowed)
         if not self.options.gather:
             return self._ranked_pieces(query, max_tokens, allowed)
         texts = [text if documents is None or id_ in documents else "" for id_, text in self.store.documents]
@@ -86,6 +92,29 @@ class TextMemory(Memory):
             return self._ranked_pieces(query, max_tokens, allowed)
         ranked = self._ranked_pieces(query, max_tokens - used, allowed)
         return merged(gathered, ranked, self.store.documents)
+
+    def _located(self, query: str, max_tokens: int, found: list[Place], allowed: np.ndarray | None) -> list[ContextPiece]:
+        """Ranked chunks of the places only; for an ending, the places' last `tail_tokens` too."""
+        chunks = self.store.chunks
+        inside = np.zeros(len(chunks), bool)
+        for place in found:
+            inside |= (chunks.documents == place.document) & (chunks.spans[:, 0] < place.end) & (chunks.spans[:, 1] > place.start)
+        if allowed is not None:
+            inside &= allowed
+        endings = [place for place in found if place.ending]
+        tails: list[ContextPiece] = []
+        if endings:
+            each = min(self.options.tail_tokens, max_tokens // 2) // len(endings)
+            for place in endings:
+                text = self.store.documents[place.document][1]
+                at = max(place.start, place.end - each * CHARS_PER_TOKEN)
+                start = sentence_start(text, at, reach=300, low=place.start)
+                tails += self.excerpts.sentences([Sentence(place.document, start, place.end, frozenset())], "tail")
+        used = sum(self.excerpts.token_count(piece.text) + 2 for piece in tails)
+        if used > max_tokens:  # the characters' estimate fell short: never more than the budget
+            tails, used = [], 0
+        ranked = self._ranked_pieces(query, max_tokens - used, inside if inside.any() else allowed)
+        return merged(tails, ranked, self.store.documents)
 
     def _allowed_chunks(self, documents: frozenset[str] | None) -> np.ndarray | None:
         """Which chunks belong to `documents` (a mask over the chunks); None: every chunk."""
@@ -148,3 +177,6 @@ class TextMemory(Memory):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.store.load_state_dict(state):
             self.remade_on_load = True
+
+
+CHARS_PER_TOKEN = 4  # English prose, about; the tail's pieces are counted in tokens after

@@ -26,6 +26,10 @@ class TextOptions:
     gather: bool = False  # whole-document questions get every sentence naming the question's names (gather.py)
     gather_tokens: int = 2048  # at most this many tokens of them; a local question's exact matches at most lookup_tokens
     lookup_tokens: int = 256
+    # a question about a named chapter (book, part...) or the ending ranks only the chunks there, and
+    # an ending gets the place's last tail_tokens too (locate.py)
+    locate: bool = False
+    tail_tokens: int = 768
 
     def __post_init__(self) -> None:
         if not 16 <= self.chunk_tokens <= 512:
@@ -58,6 +62,10 @@ class TextOptions:
             raise ValueError("gather must be true or false")
         if not (1 <= self.gather_tokens <= 32_768 and 1 <= self.lookup_tokens <= 32_768):
             raise ValueError("gather_tokens and lookup_tokens must be between 1 and 32768")
+        if not isinstance(self.locate, bool):
+            raise ValueError("locate must be true or false")
+        if not 16 <= self.tail_tokens <= 32_768:
+            raise ValueError("tail_tokens must be between 16 and 32768")
 
     def score_fusion(self) -> bool:
         return (self.retrieval, self.fusion) == ("hybrid", "score")

@@ -1,0 +1,22 @@
+"""Chapter headings of plain text: a short line of its own after a blank line that names a chapter,
+book, part, canto or act with a number ("CHAPTER IV", "Book II", "Part 3: The Return"); scripture
+without headings gets a chapter where each chapter's first verse starts ("27:1 And when ...")."""
+
+from __future__ import annotations
+
+import re
+
+from engine.interface import Section
+
+HEADING = re.compile(
+    r"(?:\A|\n[ \t]*\n)[ \t]*((?:chapter|book|part|canto|act)[ \t]+(?:[ivxlcdm]+|\d+)\b[^\n]{0,60}?)[ \t]*(?=\n|\Z)",
+    re.IGNORECASE,
+)
+FIRST_VERSE = re.compile(r"^(\d+):1[ \t]", re.MULTILINE)
+
+
+def text_sections(text: str) -> tuple[Section, ...]:
+    sections = [Section(m.start(1), 1, " ".join(m.group(1).split())) for m in HEADING.finditer(text)]
+    if not sections:
+        sections = [Section(m.start(), 1, f"Chapter {m.group(1)}") for m in FIRST_VERSE.finditer(text)]
+    return tuple(sections)

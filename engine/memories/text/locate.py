@@ -1,0 +1,80 @@
+"""Questions about a place in a document: a named chapter (book, part, canto, act: "In Chapter III",
+"How does Book X end?") or its ending ("How does the story end?", "the last thing Alice says").
+
+`places` finds where such a question points, by the documents' sections (engine/documents/: a
+PDF's bookmarks, an EPUB's or web page's headings, plain text's chapter headings). The `text`
+memory with `locate` then ranks only the chunks inside that place, and for an ending hands the
+reader the place's last `tail_tokens` too, marked `gathered: "tail"`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from engine.interface import Layout
+
+KINDS = "chapter|book|part|canto|act"
+REFERENCE = re.compile(rf"\b({KINDS})\s+([ivxlcdm]+|\d+)\b", re.IGNORECASE)
+TITLE = re.compile(rf"^\s*({KINDS})\s+([ivxlcdm]+|\d+)\b", re.IGNORECASE)
+ROMAN = re.compile(r"^m{0,4}(cm|cd|d?c{0,3})(xc|xl|l?x{0,3})(ix|iv|v?i{0,3})$")
+ROMAN_VALUES = {"i": 1, "v": 5, "x": 10, "l": 50, "c": 100, "d": 500, "m": 1000}
+ENDING = re.compile(
+    r"\bhow does\b[^?.]{0,60}\bend\b|\bhow did\b[^?.]{0,60}\bend\b|\bend(?:ing)? of (?:the )?(?:book|story|novel|tale|poem)\b"
+    r"|\bhow (?:it|the \w+) ends\b|\blast (?:chapter|book|part|scene|words|thing|lines)\b|\bfinal (?:chapter|scene|words|lines)\b",
+    re.IGNORECASE,
+)
+
+
+def number(token: str) -> int | None:
+    """An arabic or roman number ("27", "XII"), or None."""
+    if token.isdigit():
+        return int(token)
+    roman = token.lower()
+    if not roman or not ROMAN.match(roman):
+        return None
+    values = [ROMAN_VALUES[c] for c in roman]
+    return sum(-v if i + 1 < len(values) and v < values[i + 1] else v for i, v in enumerate(values))
+
+
+def _key(kind: str, token: str) -> tuple[str, int] | None:
+    value = number(token)
+    return (kind.lower(), value) if value is not None else None
+
+
+@dataclass(frozen=True)
+class Place:
+    document: int  # its number among the memory's documents
+    start: int
+    end: int
+    ending: bool  # the question asks how it ends
+
+
+def is_ending(question: str) -> bool:
+    return bool(ENDING.search(question))
+
+
+def places(
+    question: str, documents: list[tuple[str, str]], layouts: Mapping[str, Layout], allowed: frozenset[str] | None
+) -> list[Place]:
+    """Where the question points in `documents` ((id, text) each): the named sections found, or for
+    an ending question naming none, each document whole; [] when it points nowhere."""
+    ending = is_ending(question)
+    named = {key for kind, token in REFERENCE.findall(question) if (key := _key(kind, token))}
+    found = []
+    for n, (document_id, text) in enumerate(documents):
+        if allowed is not None and document_id not in allowed:
+            continue
+        if not named:
+            if ending:
+                found.append(Place(n, 0, len(text), True))
+            continue
+        layout = layouts.get(document_id)
+        sections = layout.sections if layout else ()
+        for i, section in enumerate(sections):
+            title = TITLE.match(section.title)
+            if title and _key(*title.groups()) in named:
+                end = next((s.start for s in sections[i + 1 :] if s.level <= section.level), len(text))
+                found.append(Place(n, section.start, end, ending))
+    return found

@@ -1,0 +1,57 @@
+"""Questions about a place: named chapters and endings (engine/memories/text/locate.py, `locate`)."""
+
+from __future__ import annotations
+
+from engine.documents.parsers import plain_text
+from engine.memories import MemoryContext, Scope, build_memory
+from engine.memories.text.locate import is_ending, number, places
+from tests.engine.test_memories import ingest
+from tests.helpers import FIXTURES
+
+ALICE = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")
+
+
+def test_numbers_arabic_and_roman():
+    assert [number(t) for t in ("27", "XII", "iv", "MCMXC", "dim", "IIII", "")] == [27, 12, 4, 1990, None, None, None]
+
+
+def test_plain_text_chapters_and_verses():
+    sections = plain_text(ALICE).layout.sections
+    assert [s.title for s in sections][:3] == ["CHAPTER I", "CHAPTER II", "CHAPTER III"] and len(sections) == 12
+    assert all(ALICE[s.start :].startswith(s.title) for s in sections)
+    verses = "1:1 In the beginning.\n1:2 And then.\n2:1 Later on.\n2:2 The end.\n"
+    assert [(s.title, s.start) for s in plain_text(verses).layout.sections] == [
+        ("Chapter 1", 0),
+        ("Chapter 2", verses.index("2:1")),
+    ]
+    assert plain_text("We read Chapter IV of it yesterday.\n").layout.sections == ()  # a mention, not a heading
+
+
+def test_questions_point_at_named_sections_or_the_ending():
+    layout = plain_text(ALICE).layout
+    documents, layouts = [("a", ALICE)], {"a": layout}
+    (third,) = places("In Chapter III, how do the creatures get dry?", documents, layouts, None)
+    assert ALICE[third.start :].startswith("CHAPTER III") and ALICE[third.end :].startswith("CHAPTER IV") and not third.ending
+    (eighth,) = places("How does Chapter VIII end?", documents, layouts, None)
+    assert eighth.ending and ALICE[eighth.end :].startswith("CHAPTER IX")
+    (whole,) = places("How does the story end?", documents, layouts, None)
+    assert (whole.start, whole.end, whole.ending) == (0, len(ALICE), True)
+    assert places("Who is the Cheshire Cat?", documents, layouts, None) == []
+    assert places("How does the story end?", documents, layouts, frozenset({"b"})) == []
+    assert places("In Chapter XL what happens?", documents, layouts, None) == []  # no such chapter
+    assert is_ending("What is the last thing Alice says to the court?") and not is_ending("Where does the road end up?")
+
+
+def test_a_located_question_reads_its_place_and_an_ending_its_tail(tiny_tokenizer, embedder):
+    memory = build_memory("text", MemoryContext(tokenizer=tiny_tokenizer, embedder=embedder), {"locate": True})
+    ingest(memory, tiny_tokenizer, "a", ALICE)
+    scope = Scope(None, {"a": plain_text(ALICE).layout})
+    start, end = ALICE.index("CHAPTER VIII"), ALICE.index("CHAPTER IX")
+    pieces = memory.retrieve("How does Chapter VIII end? What are the King and the Queen doing?", 1500, scope)
+    assert pieces and all(start <= p.item.char_end and p.item.char_start < end for p in pieces)
+    tail = [p for p in pieces if p.item.gathered == "tail"]
+    assert len(tail) == 1 and tail[0].item.char_start < end <= tail[0].item.char_end  # a ranked chunk may run on
+    ending = memory.retrieve("How does the book end?", 1500, scope)
+    assert ending[-1].item.char_end == len(ALICE) and ending[-1].item.gathered == "tail"
+    plain = memory.retrieve("Who is the Cheshire Cat?", 1500, scope)
+    assert plain == memory.retrieve("Who is the Cheshire Cat?", 1500) and not any(p.item.gathered for p in plain)
