@@ -138,13 +138,15 @@ class ParseLimits:
     max_pages: int = 2_000
     max_unpacked_bytes: int = 256 << 20  # what an EPUB or DOCX may unpack to
     seconds: float = 60.0  # wall clock of one file's parse
-    memory_bytes: int = 1 << 30  # address space a parse may add to its process
+    memory_bytes: int = 512 << 20  # address space a parse may add to its process
+    max_parallel: int = 2  # files parsed at once; more get 429
 
     def __post_init__(self) -> None:
         _require(self.max_pages > 0, "max_document_pages must be positive")
         _require(self.max_unpacked_bytes > 0, "max_unpacked_bytes must be positive")
         _require(self.seconds > 0, "parse_seconds must be positive")
         _require(self.memory_bytes >= 64 << 20, "parse_memory_bytes must be at least 64 MiB")
+        _require(self.max_parallel >= 1, "max_parallel_parses must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     Setting("max_document_pages", "parse.max_pages", "pages of one PDF; more get 422"),
     Setting("max_unpacked_bytes", "parse.max_unpacked_bytes", "bytes an EPUB or DOCX may unpack to; more get 422"),
     Setting("parse_seconds", "parse.seconds", "seconds parsing one PDF, EPUB, DOCX or HTML file may take; more get 422"),
+    Setting("max_parallel_parses", "parse.max_parallel", "files parsed at once (each in its own child process); more get 429"),
     Setting(
         "parse_memory_bytes",
         "parse.memory_bytes",

@@ -6,15 +6,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.answering import Answering
 from engine.config import EngineConfig
-from engine.documents import parse_cost, parse_upload
+from engine.documents import detect_format, parse_cost, parse_detected
 from engine.documents.parsers import plain_text
-from engine.errors import NotReadyError
+from engine.errors import NotReadyError, RetryLaterError
 from engine.ingest import Ingestion
 from engine.interface import (
     CacheInfo,
@@ -55,6 +56,7 @@ class Engine:
         self._embedder_factory = embedder_factory or self._default_embedder
         self._reaper: asyncio.Task[None] | None = None
         self._ready = False
+        self._parse_slots = threading.BoundedSemaphore(config.parse.max_parallel)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -145,10 +147,28 @@ class Engine:
         return await self.session_service.document_text(session_id, document_id)
 
     async def parse(self, upload: Upload) -> ParsedDocument:
-        """A file's text, pages and sections (engine/documents/). What the parse may take is reserved
-        from the server's memory budget while it runs (429 when the server is full)."""
-        with self.sessions.reserve(None, parse_cost(upload, self.config.parse), transient=True):
-            return await asyncio.to_thread(parse_upload, upload, self.config.parse)
+        """A file's text, pages and sections (engine/documents/), its format found off the event
+        loop. What the parse may take is reserved from the server's memory budget, and a slot of
+        `max_parallel` held, until the parse ends, even when the request is gone first (429 when
+        the server is full or every slot is busy)."""
+        limits = self.config.parse
+        if not self._parse_slots.acquire(blocking=False):
+            raise RetryLaterError(f"{limits.max_parallel} files are being parsed; retry shortly", retry_after=2.0)
+        try:
+            format = await asyncio.to_thread(detect_format, upload.data, upload.media_type, upload.filename)
+            reservation = self.sessions.reserve(None, parse_cost(upload, format, limits), transient=True)
+        except BaseException:
+            self._parse_slots.release()
+            raise
+
+        def parse_holding() -> ParsedDocument:
+            try:
+                return parse_detected(upload, format, limits)
+            finally:
+                reservation.release()
+                self._parse_slots.release()
+
+        return await asyncio.to_thread(parse_holding)
 
     async def ingest(self, session_id: str, document: str | ParsedDocument, name: str) -> EventIterator[IngestEvent]:
         """Ingest plain text, or a parsed document whose pages and sections its passages will cite."""

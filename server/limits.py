@@ -9,13 +9,15 @@ A response sent before its request's body was read (413, 401, 415, 404...) would
 client's bytes unread; closing the socket then resets the connection (TCP sends RST over unread
 data), and a client still sending sees ECONNRESET instead of the JSON error. So the rest of the
 body is read and dropped first, up to `linger_bytes` (a lingering close, as nginx and Apache do),
-unless the client waits for "100 Continue" before sending it.
+unless the client waits for "100 Continue" before sending it. As nginx's lingering close, it gives
+up when the client pauses for LINGER_READ_SECONDS or after LINGER_SECONDS in all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import time
 from dataclasses import dataclass
 
 from starlette.exceptions import HTTPException
@@ -24,6 +26,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.errors import json_error
 
 DOCUMENT_UPLOAD = re.compile(r"^/v1/sessions/[^/]+/documents/?$")
+LINGER_READ_SECONDS = 5.0  # at most; the body read timeout when that is shorter
+LINGER_SECONDS = 30.0
 
 
 def _too_large(limit: int) -> str:
@@ -58,8 +62,9 @@ class RequestBodyLimit:
         async def guarded() -> Message:
             if state.done:  # after the body, receive() waits for a disconnect: no timeout there
                 return await receive()
-            message = await self._next(receive)
+            message = await self._next(receive, self.read_timeout)
             if message is None:
+                state.done = True  # stalled: nothing to linger over
                 # FastAPI passes HTTPException through body parsing to the error handlers
                 raise HTTPException(408, f"no request body bytes for {self.read_timeout:g} s (LONGDOC_BODY_READ_TIMEOUT_SECONDS)")
             self._count(message, state)
@@ -74,10 +79,11 @@ class RequestBodyLimit:
 
         await self.app(scope, guarded, send_after_body)
 
-    async def _next(self, receive: Receive) -> Message | None:
-        """The next message, or None when none came for `read_timeout` seconds."""
+    @staticmethod
+    async def _next(receive: Receive, timeout: float) -> Message | None:
+        """The next message, or None when none came for `timeout` seconds."""
         try:
-            return await asyncio.wait_for(receive(), self.read_timeout)
+            return await asyncio.wait_for(receive(), timeout)
         except TimeoutError:
             return None
 
@@ -95,8 +101,11 @@ class RequestBodyLimit:
             return  # the client sends nothing until told to continue, and will not be
         if declared is not None and declared > self.linger_bytes:
             return  # too much to read: the client may see a reset
+        deadline = time.monotonic() + LINGER_SECONDS
+        pause = min(self.read_timeout, LINGER_READ_SECONDS)
         while not state.done and state.received <= self.linger_bytes:
-            message = await self._next(receive)
+            left = deadline - time.monotonic()
+            message = await self._next(receive, min(pause, left)) if left > 0 else None
             if message is None:
                 return
             self._count(message, state)

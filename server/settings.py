@@ -65,6 +65,7 @@ class Settings(BaseSettings):
     max_unpacked_bytes: int = engine_setting("max_unpacked_bytes")
     parse_seconds: float = engine_setting("parse_seconds")
     parse_memory_bytes: int = engine_setting("parse_memory_bytes")
+    max_parallel_parses: int = engine_setting("max_parallel_parses")
     max_sessions: int = engine_setting("max_sessions")
     session_ttl_seconds: float = engine_setting("session_ttl_seconds")
     saved_session_ttl_seconds: float = engine_setting("saved_session_ttl_seconds")

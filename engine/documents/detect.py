@@ -34,8 +34,8 @@ def _zip_kind(data: bytes) -> str:
         if "mimetype" in names and archive.getinfo("mimetype").file_size < 64:
             if archive.read("mimetype").strip() == b"application/epub+zip":
                 return "epub"
-    except (zipfile.BadZipFile, ValueError, EOFError, OSError, NotImplementedError) as exc:
-        raise DocumentError(f"the file is a damaged zip archive ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - zipfile raises RuntimeError, zlib.error and more on broken archives
+        raise DocumentError(f"the file is a damaged zip archive ({type(exc).__name__}: {exc})") from None
     if "META-INF/container.xml" in names:
         return "epub"
     if "word/document.xml" in names:
@@ -51,18 +51,21 @@ def declared_format(media_type: str, filename: str | None) -> str | None:
 
 
 def detect_format(data: bytes, media_type: str = "", filename: str | None = None) -> str:
-    """ "pdf", "epub", "docx", "html", "markdown" or "text"; UnsupportedFormatError for anything else."""
+    """ "pdf", "epub", "docx", "html", "markdown" or "text"; UnsupportedFormatError for anything else.
+    What is declared as text (text/plain, HTML, Markdown, or such a name) is that, unless it starts
+    as a PDF does; what is declared as nothing or as a binary type is known by its bytes."""
     head = data[:1024]
-    if b"%PDF-" in head:
-        return "pdf"
-    if head.startswith(b"PK\x03\x04"):
-        return _zip_kind(data)
     declared = declared_format(media_type, filename)
+    textual = declared in ("text", "markdown", "html")
+    if head.startswith(b"%PDF-") or (not textual and b"%PDF-" in head):
+        return "pdf"
+    if head.startswith(b"PK\x03\x04") and not textual:
+        return _zip_kind(data)
     if declared in BINARY:
         raise DocumentError(f"the file was sent as {declared.upper()} but is not one (its first bytes are {head[:8]!r})")
     if media_type and media_type not in ACCEPTED and declared is None:
         raise UnsupportedFormatError(f"longdoc reads {', '.join(ACCEPTED)}; not {media_type}")
-    if declared in ("html", "markdown"):
+    if declared is not None:
         return declared
     return "html" if HTML_START.match(head) else "text"
 

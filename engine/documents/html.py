@@ -26,7 +26,9 @@ class _Extractor(HTMLParser):
         self.builder = builder
         self.only_main = only_main
         self.skipping: dict[str, int] = {}
-        self.main_depth = 0
+        self.main_depth = 0  # <main> and <article> elements open
+        self.role_main: str | None = None  # the tag of an open element with role="main"...
+        self.role_main_nesting = 0  # ...and how many of that tag are open inside it and it
         self.heading: int | None = None
         self.words: list[str] = []
         self.title_parts: list[str] = []
@@ -48,7 +50,14 @@ class _Extractor(HTMLParser):
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         if tag == "title":
             self.in_title = True
-        if tag in MAIN or ("role", "main") in attrs:
+        if tag == "body":
+            self.skipping.pop("head", None)  # </head> is optional: the body ends the head
+        if tag == self.role_main:
+            self.role_main_nesting += 1
+        elif self.role_main is None and ("role", "main") in attrs and tag not in MAIN:
+            self.role_main, self.role_main_nesting = tag, 1
+            self.main_depth += 1
+        if tag in MAIN:
             self.main_depth += 1
         if tag in SKIPPED or (tag in FURNITURE and not self.main_depth):
             self._flush()
@@ -71,6 +80,11 @@ class _Extractor(HTMLParser):
             self._flush()
         if tag in MAIN and self.main_depth:
             self.main_depth -= 1
+        if tag == self.role_main:
+            self.role_main_nesting -= 1
+            if not self.role_main_nesting:
+                self.role_main = None
+                self.main_depth -= 1
 
     def handle_data(self, data: str) -> None:
         if self.in_title:

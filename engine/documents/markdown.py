@@ -7,7 +7,7 @@ import re
 
 from engine.interface import Layout, ParsedDocument, Section
 
-ATX = re.compile(r" {0,3}(#{1,6})[ \t]+(.+?)[ \t#]*$")
+ATX = re.compile(r" {0,3}(#{1,6})[ \t]+(.*)$")  # its closing #s stripped after: no backtracking
 SETEXT = re.compile(r" {0,3}(=+|-+)[ \t]*$")
 FENCE = re.compile(r" {0,3}(```|~~~)")
 
@@ -21,8 +21,8 @@ def parse_markdown(text: str) -> ParsedDocument:
         body = line.rstrip("\r\n")
         if FENCE.match(body):
             fenced, previous = not fenced, None
-        elif not fenced and (atx := ATX.match(body)):
-            sections.append(Section(offset + atx.start(2), len(atx.group(1)), atx.group(2).strip()))
+        elif not fenced and (atx := ATX.match(body)) and (title := atx.group(2).rstrip(" \t#").strip()):
+            sections.append(Section(offset + atx.start(2), len(atx.group(1)), title))
             previous = None
         elif not fenced and previous is not None and SETEXT.match(body):
             start, title = previous

@@ -3,11 +3,15 @@ bomb stops at the cap, whatever its headers claim), their XML refused when it de
 
 from __future__ import annotations
 
+import codecs
 import io
 import posixpath
 import re
 import zipfile
+from collections.abc import Iterator
+from urllib.parse import unquote
 from xml.etree import ElementTree
+from xml.parsers import expat
 
 from engine.documents.html import extract_html
 from engine.documents.parsed import TextBuilder
@@ -15,6 +19,7 @@ from engine.errors import DocumentError
 from engine.interface import ParsedDocument
 
 MAX_MEMBERS = 10_000
+XML_ENCODING = re.compile(rb"""^\s*<\?xml[^>]*encoding=["']([\w.-]+)["']""")
 READ_CHUNK = 1 << 16
 
 
@@ -52,13 +57,43 @@ class Package:
         return b"".join(chunks)
 
     def xml(self, name: str) -> ElementTree.Element:
+        """A member parsed as XML; one with a document type declaration (where entities are
+        declared, in any encoding) is refused: these formats need none."""
         data = self.read(name)
-        if b"<!ENTITY" in data:
-            raise DocumentError(f"the {self.kind} file's {name!r} declares XML entities; longdoc does not expand them")
+        if _declares_doctype(data):
+            raise DocumentError(f"the {self.kind} file's {name!r} declares a document type; longdoc does not read those")
         try:
             return ElementTree.fromstring(data)
         except ElementTree.ParseError as exc:
             raise DocumentError(f"the {self.kind} file's {name!r} is not well-formed XML ({exc})") from None
+
+
+class _Prolog(Exception):
+    """Raised at the first element: the prolog, where a document type would be, is over."""
+
+    def __init__(self, doctype: bool) -> None:
+        self.doctype = doctype
+
+
+def _declares_doctype(data: bytes) -> bool:
+    """Whether XML declares a document type before its first element (expat reads its encoding)."""
+
+    def doctype(*_: object) -> None:
+        raise _Prolog(True)
+
+    def element(*_: object) -> None:
+        raise _Prolog(False)
+
+    parser = expat.ParserCreate()
+    parser.StartDoctypeDeclHandler = doctype
+    parser.StartElementHandler = element
+    try:
+        parser.Parse(data, True)
+    except _Prolog as prolog:
+        return prolog.doctype
+    except expat.ExpatError:
+        return False  # ElementTree says what is wrong with it
+    return False
 
 
 def _local(tag: str) -> str:
@@ -91,23 +126,36 @@ def _docx_level(paragraph: ElementTree.Element) -> int | None:
     return None
 
 
-def _docx_text(paragraph: ElementTree.Element) -> str:
-    parts = []
-    for element in paragraph.iter():
-        name = _local(element.tag)
-        if name == "t" and element.text:
-            parts.append(element.text)
+def _docx_text(element: ElementTree.Element, parts: list[str]) -> None:
+    """The text of a paragraph's runs; an alternative's fallback (the same text again) is skipped."""
+    for child in element:
+        name = _local(child.tag)
+        if name == "Fallback":
+            continue
+        if name == "t" and child.text:
+            parts.append(child.text)
         elif name in ("tab", "br", "cr"):
             parts.append(" ")
-    return "".join(parts)
+        _docx_text(child, parts)
+
+
+def _outer_paragraphs(element: ElementTree.Element) -> Iterator[ElementTree.Element]:
+    """Paragraphs not inside another paragraph (a text box's are read with the paragraph holding it)."""
+    for child in element:
+        if _local(child.tag) == "p":
+            yield child
+        else:
+            yield from _outer_paragraphs(child)
 
 
 def parse_docx(data: bytes, max_unpacked: int) -> ParsedDocument:
     package = Package(data, max_unpacked, "DOCX")
     body = package.xml("word/document.xml")
     builder = TextBuilder()
-    for paragraph in _children(body, "p"):
-        text = _docx_text(paragraph)
+    for paragraph in _outer_paragraphs(body):
+        parts: list[str] = []
+        _docx_text(paragraph, parts)
+        text = "".join(parts)
         level = _docx_level(paragraph)
         if level is None:
             builder.paragraph(text)
@@ -136,13 +184,24 @@ def parse_epub(data: bytes, max_unpacked: int) -> ParsedDocument:
     manifest = {item.get("id"): item.get("href", "") for item in _children(opf, "item")}
     title = next((e.text for e in opf.iter() if _local(e.tag) == "title" and e.text), None)
     builder = TextBuilder()
+    read = 0
     for itemref in _children(opf, "itemref"):
         href = manifest.get(itemref.get("idref"))
-        if not href:
-            continue
-        name = posixpath.normpath(posixpath.join(base, href.split("#")[0]))
-        chapter = package.read(name).decode("utf-8", errors="replace")
-        if "<!ENTITY" in chapter:
-            raise DocumentError(f"the EPUB file's {name!r} declares XML entities; longdoc does not expand them")
-        extract_html(chapter, builder)
+        name = posixpath.normpath(posixpath.join(base, unquote(href.split("#")[0]))) if href else ""
+        if name not in package.names:
+            continue  # a spine entry without its file: the rest of the book is still read
+        data = package.read(name)
+        declared = XML_ENCODING.match(data)
+        # the HTML reader expands no entities a chapter declares: its text is read as text
+        extract_html(data.decode(_codec(declared.group(1).decode("ascii") if declared else "utf-8"), errors="replace"), builder)
+        read += 1
+    if not read:
+        raise DocumentError("the EPUB file's spine names no chapter it holds")
     return builder.build("epub", title)
+
+
+def _codec(name: str) -> str:
+    try:
+        return codecs.lookup(name).name
+    except LookupError:
+        return "utf-8"

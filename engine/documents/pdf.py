@@ -211,8 +211,8 @@ def _sections(pdf: pdfium.PdfDocument, builder: TextBuilder, text: str) -> tuple
             continue
         start = builder.pages[page]
         end = builder.pages[page + 1] if page + 1 < len(builder.pages) else len(text)
-        found = text.lower().find(title.lower(), start, end)
-        sections.append(Section(found if found >= 0 else start, item.level + 1, title))
+        found = re.compile(re.escape(title), re.IGNORECASE).search(text, start, end)  # this page only
+        sections.append(Section(found.start() if found else start, item.level + 1, title))
     return tuple(sorted(sections, key=lambda s: s.start))
 
 

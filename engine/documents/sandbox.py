@@ -6,22 +6,29 @@ sections come back as JSON (never pickle: the child handles hostile bytes)."""
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
 from dataclasses import asdict
+from typing import Any
 
 from engine.config import ParseLimits
 from engine.documents.parsers import parse_in_process
 from engine.errors import DocumentError, LongdocError, UnsupportedFormatError
 from engine.interface import Layout, ParsedDocument
 
-ERRORS: dict[str, type[LongdocError]] = {"invalid_document": DocumentError, "unsupported_media_type": UnsupportedFormatError}
+CHILD_ENVIRONMENT = ("PATH", "PYTHONPATH", "LANG", "LC_ALL", "TMPDIR")
+ERRORS: dict[str | None, type[LongdocError]] = {
+    "invalid_document": DocumentError,
+    "unsupported_media_type": UnsupportedFormatError,
+}
 
 
 def parse_sandboxed(data: bytes, format: str, charset: str | None, limits: ParseLimits) -> ParsedDocument:
     """Blocking: run on a thread. Raises the parser's error, or DocumentError for a timeout or a crash."""
     arguments = [format, charset or "", json.dumps(asdict(limits))]
+    environment = {name: os.environ[name] for name in CHILD_ENVIRONMENT if name in os.environ}  # no keys or secrets
     try:
         child = subprocess.run(
             [sys.executable, "-m", "engine.documents.sandbox", *arguments],
@@ -29,6 +36,7 @@ def parse_sandboxed(data: bytes, format: str, charset: str | None, limits: Parse
             capture_output=True,
             timeout=limits.seconds,
             check=False,
+            env=environment,
         )
     except subprocess.TimeoutExpired:
         raise DocumentError(f"parsing took longer than {limits.seconds:g} s (LONGDOC_PARSE_SECONDS)") from None
@@ -39,8 +47,27 @@ def parse_sandboxed(data: bytes, format: str, charset: str | None, limits: Parse
             f"the parser stopped on this file (exit status {child.returncode}: over {limits.memory_bytes} bytes of memory, or a crash)"
         ) from None
     if "error" in reply:
-        raise ERRORS.get(reply["kind"], DocumentError)(reply["error"])
-    return ParsedDocument(reply["text"], Layout.from_dict(reply["layout"]))
+        raise ERRORS.get(reply.get("kind"), DocumentError)(str(reply["error"]))
+    return _checked(reply)
+
+
+def _checked(reply: dict[str, Any]) -> ParsedDocument:
+    """The child's reply as a document, its shape checked (the child handled hostile bytes)."""
+    try:
+        text, layout = reply["text"], Layout.from_dict(reply["layout"])
+        pages, starts = layout.pages, [s.start for s in layout.sections]
+        valid = (
+            isinstance(text, str)
+            and all(isinstance(p, int) and 0 <= p <= len(text) for p in pages)
+            and list(pages) == sorted(pages)
+            and all(isinstance(s, int) and 0 <= s <= len(text) for s in starts)
+            and all(isinstance(s.title, str) and isinstance(s.level, int) for s in layout.sections)
+        )
+    except (KeyError, TypeError, AttributeError):
+        valid = False
+    if not valid:
+        raise DocumentError("the parser's reply for this file was malformed")
+    return ParsedDocument(text, layout)
 
 
 def _limit_memory(extra: int) -> None:

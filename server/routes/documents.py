@@ -66,17 +66,18 @@ async def _from_multipart(request: Request, body: bytes) -> tuple[Upload, str | 
     return Upload(await upload.read(), media, upload.filename, charset), str(name) if name else None, stream
 
 
-def _from_json(body: bytes) -> tuple[Upload, str | None, bool]:
+def _from_json(body: bytes) -> tuple[str, str | None, bool]:
     try:
         document = DocumentCreate.model_validate_json(body)
     except ValidationError as exc:
         raise ApiError(422, "validation_error", "; ".join(e["msg"] for e in exc.errors())) from exc
-    return Upload(document.text.encode(), "text/plain", None, "utf-8"), document.name, document.stream
+    return document.text, document.name, document.stream
 
 
-async def read_upload(request: Request, limit: int) -> tuple[Upload, str | None, bool]:
-    """(upload, name, stream) from whichever body the client sent: JSON text, a multipart file, or
-    the file itself as the body (its format from its bytes, its Content-Type and ?name=)."""
+async def read_upload(request: Request, limit: int) -> tuple[Upload | str, str | None, bool]:
+    """(upload, name, stream) from whichever body the client sent: JSON text (taken as plain text,
+    as it is), a multipart file, or the file itself as the body (its format from its Content-Type,
+    ?name= and its bytes)."""
     media, charset = media_of(request.headers.get("content-type", ""))
     if not media:
         raise ApiError(
@@ -127,8 +128,9 @@ async def add_document(
 ) -> EventSourceResponse | DocumentPublic:
     memory = visible_session(engine, session_id, caller).memory
     upload, given_name, stream_body = await read_upload(request, settings.max_document_bytes)
-    parsed = await engine.parse(upload)
-    if len(parsed.text.encode()) > settings.max_document_bytes:
+    parsed = upload if isinstance(upload, str) else await engine.parse(upload)
+    text = parsed if isinstance(parsed, str) else parsed.text
+    if len(text.encode()) > settings.max_document_bytes:
         raise TooLargeError(f"the document's text is over the limit of {settings.max_document_bytes} bytes")
     events = await engine.ingest(session_id, parsed, given_name or name or "document")
     meter = IngestionMeter(metrics, memory)

@@ -80,7 +80,10 @@ def test_format_comes_from_the_bytes_first_then_the_type_then_the_name():
     assert detect_format(pdf, "text/plain") == "pdf"  # a PDF sent as text is still a PDF
     assert detect_format(make_docx([("", "x")]), "application/octet-stream") == "docx"
     assert detect_format(make_epub("t", [("c", ["p"])]), "") == "epub"
-    assert detect_format(b"<!DOCTYPE html><p>x", "text/plain") == "html"
+    assert detect_format(b"<!DOCTYPE html><p>x", "") == "html"  # known by its bytes when nothing is declared
+    assert detect_format(b"<!DOCTYPE html><p>x", "text/plain") == "text"  # declared text stays text
+    assert detect_format(b"Every PDF starts with %PDF-1.7", "text/plain") == "text"
+    assert detect_format(make_docx([("", "x")]), "text/plain") == "text"
     assert detect_format(b"# Title", "", "notes.md") == "markdown"
     assert detect_format(b"# Title", "text/plain") == "text"
     with pytest.raises(UnsupportedFormatError, match="neither an EPUB nor a Word"):
@@ -155,16 +158,41 @@ def test_a_zip_bomb_stops_at_the_unpacked_cap():
         parse(bomb, limits=ParseLimits(max_unpacked_bytes=1 << 20))
 
 
-def test_xml_entities_are_refused():
-    laughs = b'<?xml version="1.0"?><!DOCTYPE d [<!ENTITY a "aaaa">]><w:document>&a;</w:document>'
-    with pytest.raises(DocumentError, match="entities"):
-        parse(make_zip({"word/document.xml": laughs}))
+def test_xml_document_types_are_refused_in_any_encoding():
+    laughs = '<?xml version="1.0"?><!DOCTYPE d [<!ENTITY a "aaaa">]><w:document>&a;</w:document>'
+    for data in (laughs.encode(), laughs.replace('"1.0"', '"1.0" encoding="UTF-16"').encode("utf-16")):
+        with pytest.raises(DocumentError, match="document type"):
+            parse(make_zip({"word/document.xml": data}))
+
+
+def test_broken_zips_are_422_not_500():
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("mimetype", b"application/epub+zip")
+    data = bytearray(out.getvalue())
+    at = data.index(b"mimetype", 30) + len("mimetype")  # the local header's name, then the deflated bytes
+    data[at : at + 8] = b"\xff" * 8
+    with pytest.raises(DocumentError, match="damaged zip"):
+        detect_format(bytes(data))
+
+
+def test_markdown_headings_take_linear_time():
+    line = "# a" + " #" * 200_000 + "x"
+    started = time.perf_counter()
+    document = parse(line.encode(), "text/markdown")
+    assert time.perf_counter() - started < 2 and len(document.layout.sections) == 1
+
+
+def test_html_without_a_closing_head_and_with_a_main_role():
+    assert parse(b"<html><head><title>T</title><body><p>Hello there</p>", "text/html").text == "Hello there"
+    page = b"<body><nav>n</nav><div role=main><div><p>A</p></div><p>B</p></div><footer>F</footer></body>"
+    assert parse(page, "text/html").text == "A\n\nB"
 
 
 def test_a_parse_over_its_time_or_memory_limit_is_stopped():
-    book = book_pdf(PARAGRAPHS, title="t")
+    book = book_pdf(PARAGRAPHS * 20, title="t")  # 1,000 pages: 2 s or more, past the child's start
     with pytest.raises(DocumentError, match="longer than"):
-        parse(book.pdf, limits=ParseLimits(seconds=0.01))
+        parse(book.pdf, limits=ParseLimits(seconds=1.0))
     big = make_zip({"word/document.xml": b"<w:document>" + b" " * (200 << 20) + b"</w:document>"})
     with pytest.raises(DocumentError, match="more than 67108864 bytes|stopped"):
         parse(big, limits=ParseLimits(memory_bytes=64 << 20, max_unpacked_bytes=1 << 30))

@@ -82,6 +82,24 @@ def _zip(members: dict[str, bytes]) -> bytes:
     return out.getvalue()
 
 
+def _encrypted_mimetype() -> bytes:
+    """A zip whose `mimetype` member is flagged encrypted: zipfile raises RuntimeError reading it."""
+    data = bytearray(_zip({"mimetype": b"application/epub+zip"}))
+    for header in (b"PK\x03\x04", b"PK\x01\x02"):  # the general-purpose flags: bit 0, encrypted
+        at = data.index(header)
+        flags = at + (6 if header == b"PK\x03\x04" else 8)
+        data[flags] |= 1
+    return bytes(data)
+
+
+def test_json_text_is_taken_as_written(client):
+    session_id = new_session(client, memory="text")
+    url = f"/v1/sessions/{session_id}/documents"
+    for text in ("%PDF-1.7 is how every PDF starts.", "<!DOCTYPE html><p>markup, kept as text</p>"):
+        response = client.post(url, json={"text": text})
+        assert response.status_code == 201 and response.json()["chars"] == len(text) and response.json()["format"] == "text"
+
+
 def test_hostile_and_broken_files_get_a_json_4xx_and_change_nothing(make_client):
     client = make_client(max_unpacked_bytes=1 << 20, max_document_pages=50)
     session_id = new_session(client, memory="text")
@@ -96,6 +114,7 @@ def test_hostile_and_broken_files_get_a_json_4xx_and_change_nothing(make_client)
         ("over the page limit", make_pdf([Page([Line(72, 700, f"p{i}")]) for i in range(51)]), PDF_TYPE, 422),
         ("zip bomb", _zip({"word/document.xml": b"<d>" + b" " * (8 << 20) + b"</d>"}), "application/octet-stream", 422),
         ("entities", _zip({"word/document.xml": b'<!DOCTYPE d [<!ENTITY a "a">]><d>&a;</d>'}), "application/octet-stream", 422),
+        ("encrypted zip member", _encrypted_mimetype(), "application/octet-stream", 422),
         ("zip of neither", _zip({"a.txt": b"x"}), "application/zip", 415),
         ("declared pdf", b"just text", PDF_TYPE, 422),
         ("unknown type", b"\x00\x01", "image/png", 415),

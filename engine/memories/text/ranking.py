@@ -77,8 +77,9 @@ class Ranking:
         if retrieval == "hybrid" and self.options.fusion == "score":
             assert query_vector is not None
             return self._score_fused(query, query_vector, depth, allowed)
+        cut = depth
         if allowed is not None:
-            depth = index.ntotal  # rankings are cut to the allowed chunks after the search
+            depth = index.ntotal  # each ranking is kept to the allowed chunks, then cut as without them
         rankings: list[list[int]] = []
         if retrieval in ("hybrid", "dense"):
             assert query_vector is not None
@@ -89,7 +90,7 @@ class Ranking:
             order = np.argsort(-lexical, kind="stable")[:depth]
             rankings.append([r for r in order.tolist() if lexical[r] > 0])
         if allowed is not None:
-            rankings = [[r for r in ranking if allowed[r]] for ranking in rankings]
+            rankings = [[r for r in ranking if allowed[r]][:cut] for ranking in rankings]
         return self.fused(rankings)
 
     def _score_fused(
