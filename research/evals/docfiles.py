@@ -171,7 +171,8 @@ def book_pdf(paragraphs: list[str], *, title: str, columns: int = 1, seed: int =
     return Book(make_pdf(pages, outline), words, page_of_paragraph, headers, outline)
 
 
-def _zip(members: dict[str, bytes], stored: tuple[str, ...] = ()) -> bytes:
+def make_zip(members: dict[str, bytes], stored: tuple[str, ...] = ()) -> bytes:
+    """A zip of `members`, deflated but for those named in `stored`."""
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w") as archive:
         for name, data in members.items():
@@ -197,7 +198,7 @@ def make_docx(blocks: list[tuple[str, str]]) -> bytes:
         '<Override PartName="/word/document.xml" '
         'ContentType="application/vnd.openxmlformats-officedocument.wordprocessingml.document.main+xml"/></Types>'
     )
-    return _zip({"[Content_Types].xml": content_types.encode(), "word/document.xml": document.encode()})
+    return make_zip({"[Content_Types].xml": content_types.encode(), "word/document.xml": document.encode()})
 
 
 def make_epub(title: str, chapters: list[tuple[str, list[str]]], spine: list[int] | None = None) -> bytes:
@@ -221,7 +222,7 @@ def make_epub(title: str, chapters: list[tuple[str, list[str]]], spine: list[int
         f'<metadata xmlns:dc="http://purl.org/dc/elements/1.1/"><dc:title>{_xml_text(title)}</dc:title></metadata>'
         f"<manifest>{manifest}</manifest><spine>{spine_refs}</spine></package>"
     )
-    return _zip(
+    return make_zip(
         {"mimetype": b"application/epub+zip", "META-INF/container.xml": container.encode(), "OEBPS/content.opf": opf.encode()}
         | members,
         stored=("mimetype",),

@@ -7,14 +7,13 @@ from __future__ import annotations
 import io
 import json
 import time
-import zipfile
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from pypdf import PdfWriter
 
-from research.evals.docfiles import Line, Page, make_pdf
+from research.evals.docfiles import Line, Page, make_pdf, make_zip
 from scripts.drills.server import Server
 
 CHAT = "/v1/chat/completions"
@@ -163,14 +162,6 @@ def cases(max_document_bytes: int) -> list[Case]:
     ]
 
 
-def _zip(members: dict[str, bytes]) -> bytes:
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as archive:
-        for name, data in members.items():
-            archive.writestr(name, data)
-    return out.getvalue()
-
-
 def file_cases() -> list[Case]:
     """Hostile and broken files (issue 63): each a JSON 4xx, nothing hangs, nothing else changes."""
     documents, pdf = "/v1/sessions/{s}/documents", {"content-type": "application/pdf"}
@@ -193,19 +184,19 @@ def file_cases() -> list[Case]:
             "POST",
             documents,
             (422,),
-            _zip({"word/document.xml": b" " * (257 << 20)}),
+            make_zip({"word/document.xml": b" " * (257 << 20)}),
             raw,
         ),
-        Case("EPUB without a container", "POST", documents, (422,), _zip({"mimetype": b"application/epub+zip"}), raw),
+        Case("EPUB without a container", "POST", documents, (422,), make_zip({"mimetype": b"application/epub+zip"}), raw),
         Case(
             "XML entities in a DOCX",
             "POST",
             documents,
             (422,),
-            _zip({"word/document.xml": b'<!DOCTYPE d [<!ENTITY a "a">]><d>&a;</d>'}),
+            make_zip({"word/document.xml": b'<!DOCTYPE d [<!ENTITY a "a">]><d>&a;</d>'}),
             raw,
         ),
-        Case("a zip that is no document", "POST", documents, (415,), _zip({"a.txt": b"x"}), raw),
+        Case("a zip that is no document", "POST", documents, (415,), make_zip({"a.txt": b"x"}), raw),
         # parsed in full, then refused for holding no text (so the reference session stays as it was)
         Case(
             "HTML nested 150,000 deep",

@@ -15,7 +15,7 @@ from engine.documents import detect_format, parse_upload
 from engine.documents.detect import decode_text
 from engine.errors import DocumentError, UnsupportedFormatError
 from engine.interface import DocumentInfo, Layout, Section, Upload
-from research.evals.docfiles import Line, Page, book_pdf, make_docx, make_epub, make_pdf
+from research.evals.docfiles import Line, Page, book_pdf, make_docx, make_epub, make_pdf, make_zip
 from tests.helpers import FIXTURES
 
 LIMITS = ParseLimits()
@@ -94,14 +94,6 @@ def test_format_comes_from_the_bytes_first_then_the_type_then_the_name():
         detect_format(b"<a/>", "application/xml")
     with pytest.raises(UnsupportedFormatError, match="not valid utf-8"):
         decode_text(b"\xff\xfe\xfa")
-
-
-def make_zip(members: dict[str, bytes]) -> bytes:
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as archive:
-        for name, data in members.items():
-            archive.writestr(name, data)
-    return out.getvalue()
 
 
 def test_epub_chapters_in_spine_order_with_titles():

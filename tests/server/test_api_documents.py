@@ -3,12 +3,9 @@ passages cited by page and section, and hostile files refused with a JSON 4xx, t
 
 from __future__ import annotations
 
-import io
-import zipfile
-
 import pytest
 
-from research.evals.docfiles import Line, Page, book_pdf, make_docx, make_epub, make_pdf
+from research.evals.docfiles import Line, Page, book_pdf, make_docx, make_epub, make_pdf, make_zip
 from tests.helpers import FIXTURES, assert_error, events_of, new_session
 
 BOOK = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")
@@ -74,17 +71,9 @@ def test_each_format_by_its_type_and_by_its_bytes(client):
     assert html["chars"] == len("Guide\n\nRun it.") and html["outline"][0]["title"] == "Guide"
 
 
-def _zip(members: dict[str, bytes]) -> bytes:
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as archive:
-        for name, data in members.items():
-            archive.writestr(name, data)
-    return out.getvalue()
-
-
 def _encrypted_mimetype() -> bytes:
     """A zip whose `mimetype` member is flagged encrypted: zipfile raises RuntimeError reading it."""
-    data = bytearray(_zip({"mimetype": b"application/epub+zip"}))
+    data = bytearray(make_zip({"mimetype": b"application/epub+zip"}))
     for header in (b"PK\x03\x04", b"PK\x01\x02"):  # the general-purpose flags: bit 0, encrypted
         at = data.index(header)
         flags = at + (6 if header == b"PK\x03\x04" else 8)
@@ -112,13 +101,18 @@ def test_hostile_and_broken_files_get_a_json_4xx_and_change_nothing(make_client)
         ("corrupt", b"%PDF-1.7 \x00\x01 not a pdf at all", PDF_TYPE, 422),
         ("truncated", plain[: len(plain) // 2], PDF_TYPE, 422),
         ("over the page limit", make_pdf([Page([Line(72, 700, f"p{i}")]) for i in range(51)]), PDF_TYPE, 422),
-        ("zip bomb", _zip({"word/document.xml": b"<d>" + b" " * (8 << 20) + b"</d>"}), "application/octet-stream", 422),
-        ("entities", _zip({"word/document.xml": b'<!DOCTYPE d [<!ENTITY a "a">]><d>&a;</d>'}), "application/octet-stream", 422),
+        ("zip bomb", make_zip({"word/document.xml": b"<d>" + b" " * (8 << 20) + b"</d>"}), "application/octet-stream", 422),
+        (
+            "entities",
+            make_zip({"word/document.xml": b'<!DOCTYPE d [<!ENTITY a "a">]><d>&a;</d>'}),
+            "application/octet-stream",
+            422,
+        ),
         ("encrypted zip member", _encrypted_mimetype(), "application/octet-stream", 422),
-        ("zip of neither", _zip({"a.txt": b"x"}), "application/zip", 415),
+        ("zip of neither", make_zip({"a.txt": b"x"}), "application/zip", 415),
         ("declared pdf", b"just text", PDF_TYPE, 422),
         ("unknown type", b"\x00\x01", "image/png", 415),
-        ("bad epub", _zip({"mimetype": b"application/epub+zip"}), "application/epub+zip", 422),
+        ("bad epub", make_zip({"mimetype": b"application/epub+zip"}), "application/epub+zip", 422),
     ]
     for name, data, media, status in cases:
         response = client.post(url, content=data, headers={"content-type": media})
