@@ -9,7 +9,7 @@ import re
 from engine.interface import Section
 
 HEADING = re.compile(
-    r"(?:\A|\n[ \t]*\n)[ \t]*((?:chapter|book|part|canto|act)[ \t]+(?:[ivxlcdm]+|\d+)\b[^\n]{0,60}?)[ \t]*(?=\n|\Z)",
+    r"(?:\A|\n[ \t]*\r?\n)[ \t]*((?:chapter|book|part|canto|act)[ \t]+(?:[ivxlcdm]+|\d+)\b[^\r\n]{0,60}?)[ \t]*(?=\r?\n|\Z)",
     re.IGNORECASE,
 )
 FIRST_VERSE = re.compile(r"^(\d+):1[ \t]", re.MULTILINE)

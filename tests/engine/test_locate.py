@@ -25,6 +25,8 @@ def test_plain_text_chapters_and_verses():
         ("Chapter 2", verses.index("2:1")),
     ]
     assert plain_text("We read Chapter IV of it yesterday.\n").layout.sections == ()  # a mention, not a heading
+    crlf = ALICE.replace("\n", "\r\n")  # as a Windows file is sent
+    assert [s.title for s in plain_text(crlf).layout.sections] == [s.title for s in sections]
 
 
 def test_questions_point_at_named_sections_or_the_ending():
