@@ -55,7 +55,10 @@ def test_document_json_multipart_and_plain_text(client):
     listed = client.get(url).json()["data"]
     assert [d["id"] for d in listed] == [doc["id"], second.json()["id"], third.json()["id"]]
     detail = client.get(f"{url}/{doc['id']}").json()
-    assert detail == doc | {"outline": [], "pages": []} and doc["format"] == "text" and doc["page_count"] == 0
+    assert {k: v for k, v in detail.items() if k not in ("outline", "pages")} == doc and detail["pages"] == []
+    assert doc["format"] == "text" and doc["page_count"] == 0  # plain text: no pages, its chapter lines as sections
+    assert [s["title"] for s in detail["outline"]] == ["CHAPTER I", "CHAPTER II"]
+    assert doc["section_count"] == 2 and all(TEXT[s["char_start"] :].startswith(s["title"]) for s in detail["outline"])
     cache = client.get(f"/v1/sessions/{session_id}/cache").json()
     assert cache["documents"] == 3 and cache["entries"] > 0 and cache["bytes"] > len(TEXT)
 
