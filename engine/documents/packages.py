@@ -33,7 +33,7 @@ class Package:
         try:
             self.zip = zipfile.ZipFile(io.BytesIO(data))
             self.names = set(self.zip.namelist())
-        except (zipfile.BadZipFile, ValueError, EOFError) as exc:
+        except Exception as exc:  # noqa: BLE001 - zipfile raises many kinds on a broken archive
             raise DocumentError(f"the {kind} file is not a readable zip archive ({exc})") from None
         if len(self.names) > MAX_MEMBERS:
             raise DocumentError(f"the {kind} file has {len(self.names)} members; the limit is {MAX_MEMBERS}")
@@ -52,8 +52,10 @@ class Package:
                             "(LONGDOC_MAX_UNPACKED_BYTES); a zip bomb?"
                         )
                     chunks.append(chunk)
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, NotImplementedError) as exc:
-            raise DocumentError(f"the {self.kind} file's member {name!r} cannot be read ({exc})") from None
+        except DocumentError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - RuntimeError (encrypted), zlib.error (corrupt) and more
+            raise DocumentError(f"the {self.kind} file's member {name!r} cannot be read ({type(exc).__name__}: {exc})") from None
         return b"".join(chunks)
 
     def xml(self, name: str) -> ElementTree.Element:

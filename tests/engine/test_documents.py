@@ -168,6 +168,21 @@ def test_broken_zips_are_422_not_500():
         detect_format(bytes(data))
 
 
+def test_an_encrypted_or_corrupt_member_is_a_document_error():
+    from engine.documents.packages import parse_docx
+
+    data = bytearray(make_zip({"word/document.xml": b"<w:document>" + b"x" * 4096 + b"</w:document>"}))
+    encrypted = bytearray(data)
+    for header, flags in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):  # general-purpose flag bit 0: encrypted
+        encrypted[encrypted.index(header) + flags] |= 1
+    with pytest.raises(DocumentError, match="cannot be read"):
+        parse_docx(bytes(encrypted), 1 << 20)
+    start = data.index(b"word/document.xml") + len("word/document.xml")  # the deflated bytes follow the name
+    data[start : start + 16] = b"\xff" * 16
+    with pytest.raises(DocumentError, match="cannot be read"):
+        parse_docx(bytes(data), 1 << 20)
+
+
 def test_markdown_headings_take_linear_time():
     line = "# a" + " #" * 200_000 + "x"
     started = time.perf_counter()
