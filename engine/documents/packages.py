@@ -52,8 +52,8 @@ class Package:
                             "(LONGDOC_MAX_UNPACKED_BYTES); a zip bomb?"
                         )
                     chunks.append(chunk)
-        except DocumentError:
-            raise
+        except (DocumentError, MemoryError):
+            raise  # a member over the parse's memory is said as such by the sandbox
         except Exception as exc:  # noqa: BLE001 - RuntimeError (encrypted), zlib.error (corrupt) and more
             raise DocumentError(f"the {self.kind} file's member {name!r} cannot be read ({type(exc).__name__}: {exc})") from None
         return b"".join(chunks)
