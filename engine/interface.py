@@ -71,7 +71,7 @@ class Layout:
 
     def section_at(self, offset: int) -> str | None:
         """The title of the last section starting at or before `offset`; None before the first."""
-        i = bisect.bisect_right([s.start for s in self.sections], offset)
+        i = bisect.bisect_right(self.sections, offset, key=lambda section: section.start)
         return self.sections[i - 1].title if i else None
 
     @classmethod

@@ -151,17 +151,17 @@ def _edges(blocks: list[list[PdfLine]], leading: float) -> list[PdfLine]:
     return edges
 
 
-def _running_lines(pages: list[list[list[PdfLine]]], leading: float) -> set[str]:
-    """Keys of edge lines found on many pages (running headers and footers)."""
+def _running_lines(edges: list[list[PdfLine]]) -> set[str]:
+    """Keys of edge lines (each page's `_edges`) found on many pages: running headers and footers."""
     counts: Counter[str] = Counter()
-    for blocks in pages:
-        counts.update({_edge_key(line.text) for line in _edges(blocks, leading)})
+    for page_edges in edges:
+        counts.update({_edge_key(line.text) for line in page_edges})
     return {key for key, n in counts.items() if n >= RUNNING_PAGES}
 
 
-def _paragraphs(blocks: list[list[PdfLine]], running: set[str], leading: float) -> list[str]:
-    """A page's paragraphs: lines joined (hyphenated ends mended), a wide gap starts a new one."""
-    edges = _edges(blocks, leading)
+def _paragraphs(blocks: list[list[PdfLine]], edges: list[PdfLine], running: set[str], leading: float) -> list[str]:
+    """A page's paragraphs: lines joined (hyphenated ends mended), a wide gap starts a new one;
+    its `edges` that are page numbers or `running` lines left out."""
     paragraphs: list[str] = []
     current = ""
     for block in blocks:
@@ -235,12 +235,13 @@ def parse_pdf(data: bytes, max_pages: int) -> ParsedDocument:
             textpage.close()
             page.close()
         leading = _leading(pages)
-        running = _running_lines(pages, leading)
+        edges = [_edges(blocks, leading) for blocks in pages]
+        running = _running_lines(edges)
         builder = TextBuilder()
         last = ""
-        for blocks in pages:
+        for blocks, page_edges in zip(pages, edges, strict=True):
             builder.page()
-            for number, paragraph in enumerate(_paragraphs(blocks, running, leading)):
+            for number, paragraph in enumerate(_paragraphs(blocks, page_edges, running, leading)):
                 builder.paragraph(paragraph, continues=number == 0 and _runs_on(last, paragraph))
                 last = paragraph
         if not builder.size:
