@@ -13,7 +13,7 @@ APT := $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive
 DRILL_VENV  := .venv-drills
 DRILL_STAMP := $(DRILL_VENV)/.installed
 
-.PHONY: serve test install chromium bench bench-kvcache bench-batching bench-scaleout peers corpus documents bench-documents drills observe image image-smoke clean
+.PHONY: serve test install chromium bench bench-kvcache bench-batching bench-scaleout peers corpus documents bench-documents drills drill-capacity observe image image-smoke clean
 
 $(STAMP): pyproject.toml engine/models/wheels.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,10 @@ $(DRILL_STAMP):
 # reliability drills against a real server: bad input, load, RSS vs budget, kill -9, schemathesis
 drills: $(STAMP) $(DRILL_STAMP)
 	$(BIN)/python -m scripts.drills $(ARGS)
+
+# issue 62's figures: 32 questions at once and 8 streams on the default model, default settings
+drill-capacity: $(STAMP)
+	$(BIN)/python -m scripts.drills --only capacity $(ARGS)
 
 # a real Prometheus scraping a live server: every dashboard query must return data and every
 # alert rule evaluate (deploy/prometheus/alerts.test.yml unit-tests the rules first)

@@ -155,7 +155,7 @@ class GenerationLimits:
 
     max_new_tokens: int = 1024
     default_max_tokens: int = 256
-    max_queue: int = 16  # jobs waiting per worker before 429
+    max_queue: int = 64  # jobs waiting per worker before 429
     max_batch: int = 8  # answers of one model decoded together, one forward pass a step (1: no batching)
     batch_invariant: bool = (
         False  # torch step: a lone answer steps as 4 rows too, so none depends on the others (engine/models/llama_step.py)
@@ -163,6 +163,8 @@ class GenerationLimits:
     prefill_chunk: int = 512  # prompt tokens a batched answer feeds a step, between the others' steps (0: whole prompts)
     max_prompt_chars: int = 262_144  # a question, or all of a chat's messages; checked before tokenizing
     max_generation_seconds: float = 300.0  # a generation still running then ends with finish_reason "length"
+    kv_block_tokens: int = 32  # a batched answer's keys and values are held in blocks of this many positions
+    kv_wait_seconds: float = 60.0  # an answer waiting for memory that no running answer will free fails after this
 
     def __post_init__(self) -> None:
         _require(0 < self.default_max_tokens <= self.max_new_tokens, "need 0 < default_max_tokens <= max_new_tokens")
@@ -171,6 +173,8 @@ class GenerationLimits:
         _require(self.prefill_chunk >= 0, "prefill_chunk must be 0 (whole prompts) or positive")
         _require(self.max_prompt_chars > 0, "max_prompt_chars must be positive")
         _require(self.max_generation_seconds > 0, "max_generation_seconds must be positive")
+        _require(self.kv_block_tokens > 0, "kv_block_tokens must be positive")
+        _require(self.kv_wait_seconds > 0, "kv_wait_seconds must be positive")
 
 
 @dataclass(frozen=True)
@@ -253,6 +257,18 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
         "max_generation_seconds",
         "generation.max_generation_seconds",
         "an answer still generating then ends (finish_reason 'length')",
+    ),
+    Setting(
+        "kv_block_tokens",
+        "generation.kv_block_tokens",
+        "a batched answer's keys and values are held from the server's memory in blocks of this many positions, as "
+        "its prompt and answer fill them (not the model's whole context)",
+    ),
+    Setting(
+        "kv_wait_seconds",
+        "generation.kv_wait_seconds",
+        "an answer whose prompt finds the server's memory full waits for it; with no answer running to free any, "
+        "it gets 429 after this long",
     ),
     Setting(
         "default_memory",

@@ -48,7 +48,10 @@ class Engine:
     def __init__(self, config: EngineConfig, *, embedder_factory: Callable[[], Embedder] | None = None) -> None:
         self.config = config
         load_plugins()  # before anything reads the memory registry
-        self.models = ModelRegistry(config, self._require_ready)
+        # batched answers hold their keys and values from the server's budget as they fill them
+        self.models = ModelRegistry(
+            config, self._require_ready, lambda nbytes: self.sessions.reserve(None, nbytes, transient=True)
+        )
         self.session_service = SessionService(config, self.models)
         self.sessions = self.session_service.store
         self.ingestion = Ingestion(config.ingest, self.session_service)
@@ -204,13 +207,18 @@ class Engine:
         depth = {runtime.worker.name: runtime.worker.depth for runtime in runtimes}
         embed_worker = self.session_service.embed_worker
         depth[embed_worker.name] = embed_worker.depth
-        batch_rows = {runtime.loaded.name: runtime.batcher.rows for runtime in runtimes if runtime.batcher is not None}
+        batchers = {runtime.loaded.name: runtime.batcher for runtime in runtimes if runtime.batcher is not None}
+        blocks = {name: batcher.kv for name, batcher in batchers.items() if batcher.kv is not None}
         return EngineStats(
             ready=self._ready,
             active_sessions=len(self.sessions),
             session_memory_bytes=memory_bytes,
             queue_depth=depth,
-            batch_rows=batch_rows,
+            batch_rows={name: batcher.rows for name, batcher in batchers.items()},
+            batch_waiting={name: batcher.waiting for name, batcher in batchers.items()},
+            kv_blocks={name: kv.in_use for name, kv in blocks.items()},
+            kv_block_bytes={name: kv.block_tokens * kv.bytes_per_token for name, kv in blocks.items()},
+            kv_preemptions={name: kv.preemptions for name, kv in blocks.items()},
             queue_limit=self.config.generation.max_queue,
             memory_limit_bytes=self.config.sessions.server_memory_bytes,
             memory_reserved_bytes=self.sessions.reserved_bytes,

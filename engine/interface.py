@@ -215,6 +215,10 @@ class EngineStats:
     queue_depth: dict[str, int] = field(default_factory=dict)  # by worker name
     queue_limit: int = 0  # requests each worker admits before 429
     batch_rows: dict[str, int] = field(default_factory=dict)  # answers in each batched model's decode batch
+    batch_waiting: dict[str, int] = field(default_factory=dict)  # answers queued for its batch or for memory
+    kv_blocks: dict[str, int] = field(default_factory=dict)  # key/value blocks its answers hold
+    kv_block_bytes: dict[str, int] = field(default_factory=dict)  # bytes of one of its blocks
+    kv_preemptions: dict[str, int] = field(default_factory=dict)  # answers preempted for memory since start
     memory_limit_bytes: int = 0  # what all sessions' memories may hold together
     memory_reserved_bytes: int = 0  # promised to work in flight, not yet committed
     sessions_on_disk: int = 0  # saved, not resident

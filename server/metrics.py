@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.interface import EngineStats, IngestDone, IngestProgress
@@ -27,7 +27,7 @@ class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
         self._stats = stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         stats = self._stats()
         if stats is None:
             return
@@ -52,10 +52,27 @@ class _EngineCollector(Collector):
             queue.add_metric([worker], value)
         yield queue
         yield GaugeMetricFamily("longdoc_queue_limit", "requests each worker admits before 429", value=stats.queue_limit)
-        batch = GaugeMetricFamily("longdoc_batch_rows", "answers in the model's decode batch", labels=["model"])
-        for model, value in sorted(stats.batch_rows.items()):
-            batch.add_metric([model], value)
-        yield batch
+        yield _per_model(GaugeMetricFamily, "longdoc_batch_rows", "answers in the model's decode batch", stats.batch_rows)
+        yield _per_model(
+            GaugeMetricFamily,
+            "longdoc_batch_waiting",
+            "answers queued for a place in the model's decode batch or for memory",
+            stats.batch_waiting,
+        )
+        yield _per_model(GaugeMetricFamily, "longdoc_kv_blocks", "key/value blocks the model's answers hold", stats.kv_blocks)
+        yield _per_model(GaugeMetricFamily, "longdoc_kv_block_bytes", "bytes of one key/value block", stats.kv_block_bytes)
+        yield _per_model(
+            CounterMetricFamily, "longdoc_kv_preemptions", "answers preempted when memory ran short", stats.kv_preemptions
+        )
+
+
+def _per_model(
+    family: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, description: str, values: dict[str, int]
+) -> Metric:
+    metric = family(name, description, labels=["model"])
+    for model, value in sorted(values.items()):
+        metric.add_metric([model], value)
+    return metric
 
 
 class Metrics:

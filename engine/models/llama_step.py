@@ -33,6 +33,7 @@ from engine.models.quantize import DECODE_ROWS, WeightOnlyLinear
 
 if TYPE_CHECKING:
     from engine.runtime.generation import AnswerState
+    from engine.runtime.kv_blocks import Held
 
 BATCHED_FAMILIES = ("llama", "qwen2", "mistral")
 # float32 matmuls on x86 (MKL) sum in one order for 1 row, another for 2-3, a third from 4 rows on
@@ -58,6 +59,15 @@ class Row:
     cancelled: bool = False
     prompt_cache: DynamicCache | None = None  # the prompt's keys and values while it is fed in parts
     fed: int = 0  # prompt tokens fed so far
+    room: int = 0  # positions its keys and values get when its prompt is in (0: prompt + max_tokens)
+    resumed: list[int] = field(default_factory=list)  # answer tokens to feed again after the prompt (a preempted row)
+    kv: Held | None = None  # the server's memory its blocks hold (engine/runtime/kv_blocks.py)
+    blocks: int = 0
+    waiting_since: float | None = None  # when it first found the server's memory short
+
+    def ids(self) -> list[int]:
+        """What its prefill feeds: the prompt, and the answer so far when it resumes."""
+        return self.prompt_ids + self.resumed if self.resumed else self.prompt_ids
 
 
 def _rows_alone(projections: list[nn.Module]) -> bool:
@@ -203,7 +213,7 @@ class BatchDecoder:
         """Feed the row's next `tokens` prompt tokens (None: all that are left). Once the whole
         prompt is in, keep its keys and values in the row's own rows (prompt + max_tokens) and
         return the last position's logits [V]; None while some of the prompt is left."""
-        model, ids = self.model, row.prompt_ids
+        model, ids = self.model, row.ids()
         if row.prompt_cache is None:
             row.prompt_cache, row.fed = DynamicCache(), 0
         end = len(ids) if tokens is None else min(len(ids), row.fed + tokens)
@@ -216,10 +226,10 @@ class BatchDecoder:
         if end < len(ids):
             return None
         cache, row.prompt_cache = row.prompt_cache, None
-        capacity = len(ids) + row.params.max_tokens
-        shape = (len(self.layers), self.kv_heads, capacity, self.head_dim)
-        row.keys = torch.empty(shape, device=model.device, dtype=self.cache_dtype)
-        row.values = torch.empty(shape, device=model.device, dtype=self.cache_dtype)
+        capacity = row.room or len(row.prompt_ids) + row.params.max_tokens
+        if capacity <= len(ids):
+            raise ValueError(f"a row of {len(ids)} tokens was given room for {capacity}")
+        row.keys, row.values = self._buffer(capacity), self._buffer(capacity)
         for index, layer in enumerate(
             cast(list[DynamicLayer], cache.layers)
         ):  # each layer freed once copied: the peak stays near the reservation
@@ -229,6 +239,19 @@ class BatchDecoder:
             layer.keys = layer.values = None
         row.length = len(ids)
         return cast(torch.Tensor, out.logits[0, -1])
+
+    def _buffer(self, capacity: int) -> torch.Tensor:
+        """Keys or values of one row: [layers, kv_heads, capacity, head_dim]."""
+        shape = (len(self.layers), self.kv_heads, capacity, self.head_dim)
+        return torch.empty(shape, device=self.model.device, dtype=self.cache_dtype)
+
+    def grow(self, row: Row, capacity: int) -> None:
+        """Move the row's keys and values into buffers of `capacity` positions (the same bits)."""
+        assert row.keys is not None and row.values is not None and capacity > row.length
+        for name in ("keys", "values"):
+            old, new = getattr(row, name), self._buffer(capacity)
+            new[:, :, : row.length] = old[:, :, : row.length]
+            setattr(row, name, new)
 
     def step_rows(self, answers: int) -> int:
         """Rows a step computes for `answers` answers. The C step computes each row alone: never

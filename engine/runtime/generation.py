@@ -250,6 +250,11 @@ class AnswerState:
         self.next_token = token
         return events
 
+    def fed_answer(self) -> list[int]:
+        """The answer's tokens the model has been fed (all sampled but the one waiting to be fed)."""
+        answer = self._guard.answer
+        return answer[:-1] if self.next_token is not None else list(answer)
+
     def _finish(self, reason: str) -> list[TokenDelta | GenerationDone]:
         self.finished, self.next_token = True, None
         tail = self._assembler.flush()

@@ -19,6 +19,7 @@ from engine.models.loader import LoadedModel, load_model
 from engine.models.native_step import CACHE_DTYPE
 from engine.models.quantize import quantize_linears, stored_mode
 from engine.runtime.generation import StopTokens, generate_steps
+from engine.runtime.kv_blocks import Held, KVBlocks
 from engine.runtime.os_memory import return_free_memory
 from engine.runtime.scheduler import Batcher
 from engine.runtime.worker import SerialWorker
@@ -106,9 +107,14 @@ class ModelRuntime:
 class ModelRegistry:
     """Loads every configured model and finds one by name (the first by default)."""
 
-    def __init__(self, config: EngineConfig, require_ready: Callable[[], None]) -> None:
+    def __init__(
+        self, config: EngineConfig, require_ready: Callable[[], None], reserve: Callable[[int], Held] | None = None
+    ) -> None:
+        """`reserve(nbytes)` holds bytes of the server's memory for the batched answers' keys and
+        values (None: each answer's are held by its request)."""
         self.config = config
         self._require_ready = require_ready
+        self._reserve = reserve
         self._runtimes: dict[str, ModelRuntime] = {}
 
     def load_all(self) -> None:
@@ -147,7 +153,10 @@ class ModelRegistry:
             return None
         limits = self.config.generation
         decoder = BatchDecoder(loaded.model, limits.batch_invariant)
-        return Batcher(decoder, worker, loaded.tokenizer, stop, limits.max_batch, limits.prefill_chunk or None)
+        kv = None
+        if self._reserve is not None:
+            kv = KVBlocks(self._reserve, limits.kv_block_tokens, loaded.kv_bytes_per_token, limits.kv_wait_seconds)
+        return Batcher(decoder, worker, loaded.tokenizer, stop, limits.max_batch, limits.prefill_chunk or None, kv)
 
     def _resources(self, loaded: LoadedModel) -> dict[str, Any]:
         """Per memory kind, what the memory needs from this model (`Memory.model_resources`)."""

@@ -3,9 +3,12 @@
 Requests join between steps and leave when they finish, are cancelled or fail. Each prompt is fed
 on its own, `prefill_chunk` tokens a step between the others' steps, so a long prompt stalls the
 others for one chunk at a time. Each keeps its own sampling, stop strings and repetition guard
-(`AnswerState`), and its own key/value rows sized prompt + max_tokens, as reserved before it was
-admitted. What one step computes is engine/models/llama_step.py (`BatchDecoder`); a model it does
-not support is answered one request at a time.
+(`AnswerState`), and its own key/value rows. With `KVBlocks` those are held from the server's memory
+in blocks as they fill (engine/runtime/kv_blocks.py): a prompt waits at the head of the queue until
+its blocks can be held, and a row that needs a block when memory is short takes it from the youngest
+row, which is preempted and resumes later; without, a row gets prompt + max_tokens positions at
+once. What one step computes is engine/models/llama_step.py (`BatchDecoder`); a model it does not
+support is answered one request at a time.
 """
 
 from __future__ import annotations
@@ -13,18 +16,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from engine.errors import BudgetExceededError, LongdocError
 from engine.interface import GenerationDone, GenerationEvent, GenerationParams
 from engine.models.llama_step import BatchDecoder, Row
 from engine.runtime.generation import AnswerState, StopTokens
+from engine.runtime.kv_blocks import KVBlocks
 from engine.runtime.worker import SerialWorker
 
 log = logging.getLogger(__name__)
 _Events = list[tuple[Row, list[GenerationEvent | BaseException]]]  # what a tick hands each row
+STALLED_PAUSE_SECONDS = 0.02  # a tick that could neither feed nor step (memory short): the next one after this
 
 
 class Batcher:
@@ -38,6 +45,7 @@ class Batcher:
         stop_tokens: StopTokens,
         max_rows: int,
         prefill_chunk: int | None = None,
+        kv: KVBlocks | None = None,
     ) -> None:
         self._decoder = decoder
         self._worker = worker
@@ -49,7 +57,19 @@ class Batcher:
         self._rows: list[Row] = []  # touched on the worker thread only
         self._prefilling: Row | None = None  # the admitted row whose prompt is being fed, a chunk a step
         self._step_first = False  # the last tick ended a prompt: this one steps the rows before feeding any
+        self._stalled = False  # the last tick could neither feed nor step: rows wait for memory
         self._loop_task: asyncio.Task[None] | None = None
+        self.kv = kv  # None: each row gets prompt + max_tokens positions, held by its request
+        # what a prompt's own cache (the model's dtype) takes a token while it is fed
+        self._prompt_bytes = 0
+        if kv is not None:
+            model_dtype = next(decoder.model.parameters()).dtype
+            self._prompt_bytes = kv.bytes_per_token * model_dtype.itemsize // decoder.cache_dtype.itemsize
+
+    @property
+    def waiting(self) -> int:
+        """Answers queued for a place in the batch or for memory (preempted ones included)."""
+        return len(self._waiting) + (self._prefilling is not None)
 
     @property
     def rows(self) -> int:
@@ -92,6 +112,8 @@ class Batcher:
                 busy = bool(self._rows or self._waiting or self._prefilling is not None)
                 try:
                     if busy:
+                        if self._stalled:  # waiting for memory that only others can free: no spinning
+                            await asyncio.sleep(STALLED_PAUSE_SECONDS)
                         ticking = self._worker.start(self._tick)
                 finally:  # a stopped worker fails the rows left below; those this tick ended get their events
                     for row, events in done:
@@ -104,7 +126,7 @@ class Batcher:
             prefilling = [] if self._prefilling is None else [self._prefilling]
             for row in [*list(self._rows), *prefilling, *list(self._waiting)]:
                 row.cancelled = True
-                row.keys = row.values = row.prompt_cache = None
+                self._free(row)
                 row.events.put_nowait(failure.with_traceback(None))
             self._rows, self._waiting, self._prefilling, self._step_first = [], collections.deque(), None, False
             if not isinstance(exc, Exception):
@@ -121,9 +143,13 @@ class Batcher:
         self._keep_live()
         step_first, self._step_first = self._step_first and bool(self._rows), False
         while not step_first and self._prefilling is None and self._waiting and len(self._rows) < self.max_rows:
-            row = self._waiting.popleft()
+            row = self._waiting[0]
+            if not row.cancelled and not self._hold_prompt(row, out) and not row.cancelled:
+                break  # the server's memory is short: it waits at the head of the queue
+            self._waiting.popleft()
             if not row.cancelled:
-                row.state = AnswerState(self._tokenizer, row.prompt_ids, row.params, self._stop_tokens)
+                if row.state is None:  # a preempted row keeps its state
+                    row.state = AnswerState(self._tokenizer, row.prompt_ids, row.params, self._stop_tokens)
                 self._prefilling = row
         if self._prefilling is not None and not step_first:
             self._feed(self._prefilling, out)
@@ -132,34 +158,128 @@ class Batcher:
                 self._keep_live()
                 return out
         self._keep_live()
+        self._grow()
         if self._rows:
             self._advance(self._rows, self._decoder.step, out)
         self._keep_live()
+        self._stalled = not out and not self._rows and self._prefilling is None and bool(self._waiting)
         return out
+
+    def _hold_prompt(self, row: Row, out: _Events) -> bool:
+        """Hold the blocks the row's prompt fills, and its cache while it is fed, when the running
+        rows' next growth would still fit beside them: True when held;
+        False when memory is short (it waits; after `wait_seconds` with no answer running to free
+        any, it fails) or it could never fit (it fails)."""
+        kv = self.kv
+        if kv is None:
+            return True
+        tokens = len(row.ids())
+        blocks = kv.blocks(tokens + 1)
+        # room left for each running row's next growth too, so a new row does not get in only to be preempted
+        spare = sum(max(1, running.blocks // 8) for running in self._rows)
+        extra = tokens * self._prompt_bytes
+        try:
+            held = kv.hold(row, blocks, extra)
+        except LongdocError as exc:  # larger than the server's whole budget
+            row.cancelled = True
+            out.append((row, [exc]))
+            return False
+        if held and spare:
+            try:
+                roomy = kv.hold(row, blocks + spare, extra)
+            except LongdocError:
+                roomy = False
+            if roomy:
+                kv.hold(row, blocks, extra)
+            else:
+                kv.release(row)
+                held = False
+        if held:
+            row.room, row.waiting_since = blocks * kv.block_tokens, None
+            return True
+        now = time.monotonic()
+        row.waiting_since = row.waiting_since or now
+        if not self._rows and self._prefilling is None and now - row.waiting_since > kv.wait_seconds:
+            row.cancelled = True
+            out.append(
+                (
+                    row,
+                    [
+                        BudgetExceededError(
+                            f"the server's memory had no room for this answer's {tokens}-token prompt "
+                            f"for {kv.wait_seconds:g} s (retry after other sessions are deleted or expire)",
+                            60.0,
+                        )
+                    ],
+                )
+            )
+        return False
+
+    def _grow(self) -> None:
+        """Give each row whose keys are full room for more, an eighth of its blocks (at least one)
+        at a time up to prompt + max_tokens; while the server's memory is short, preempt the
+        youngest row (the row itself, last)."""
+        kv = self.kv
+        if kv is None:
+            return
+        for row in list(self._rows):
+            if row not in self._rows or row.keys is None or row.length < row.keys.shape[2]:
+                continue
+            limit = kv.blocks(len(row.prompt_ids) + row.params.max_tokens)
+            blocks = max(kv.blocks(row.length + 1), min(row.blocks + max(1, row.blocks // 8), limit))
+            while row in self._rows:
+                if kv.hold(row, row.blocks + blocks):  # the old buffers and the new while copying
+                    self._decoder.grow(row, blocks * kv.block_tokens)
+                    kv.hold(row, blocks)
+                    break
+                self._preempt(self._rows[-1])
+
+    def _preempt(self, row: Row) -> None:
+        """Give back the row's blocks and queue it first, to feed its prompt and answer again."""
+        assert self.kv is not None and row.state is not None
+        self._free(row)
+        row.resumed, row.room = row.state.fed_answer(), 0
+        self._rows.remove(row)
+        self._waiting.appendleft(row)
+        self.kv.preemptions += 1
+        log.info("preempted an answer at %d tokens: the server's memory is short", row.length)
+
+    def _free(self, row: Row) -> None:
+        """Drop the row's keys and values and give back the memory they held."""
+        row.keys = row.values = row.prompt_cache = None
+        if self.kv is not None:
+            self.kv.release(row)
 
     def _feed(self, row: Row, out: _Events) -> None:
         """One chunk of the admitted row's prompt; with its last chunk it joins the batch with its
         first token. A cancelled or failed prefill ends that row alone."""
         if row.cancelled:
-            self._prefilling, row.prompt_cache = None, None
+            self._prefilling = None
+            self._free(row)
             return
         try:
             logits = self._decoder.prefill_part(row, self.prefill_chunk)
         except Exception as exc:
-            self._prefilling, row.prompt_cache, row.cancelled = None, None, True
+            self._prefilling, row.cancelled = None, True
+            self._free(row)
             out.append((row, [exc.with_traceback(None)]))
             return
         if logits is None:
             return  # more of its prompt on the next tick
         self._prefilling = None
-        self._advance([row], lambda rows: logits.unsqueeze(0), out)
+        if self.kv is not None:
+            self.kv.hold(row, row.blocks)  # the prompt's own cache is gone
+        assert row.state is not None
+        if row.state.produced == 0:
+            self._advance([row], lambda rows: logits.unsqueeze(0), out)
+        # a resumed row had sampled its next token from these logits before it was preempted
         self._rows.append(row)
 
     def _keep_live(self) -> None:
         """Drop rows that finished, failed or were cancelled, and their keys and values."""
         for row in self._rows:
             if row.cancelled or row.state is None or row.state.finished:
-                row.keys = row.values = None
+                self._free(row)
         self._rows = [row for row in self._rows if row.keys is not None]
 
     def _advance(self, rows: list[Row], forward: Callable[[list[Row]], torch.Tensor], out: _Events) -> None:

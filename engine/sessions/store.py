@@ -132,6 +132,10 @@ class Reservation:
                 self._store._check(self.session, nbytes - self.nbytes, self.transient)
                 self._add(nbytes - self.nbytes)
 
+    def shrink_to(self, nbytes: int) -> None:
+        """Give back what is over `nbytes` (nothing when it holds no more)."""
+        self._add(min(0, nbytes - self.nbytes))
+
     def release(self) -> None:
         """Give the bytes back; releasing twice is harmless."""
         self._add(-self.nbytes)
@@ -315,14 +319,21 @@ class SessionStore:
             reservation._add(nbytes)
         return reservation
 
+    def check_fits(self, nbytes: int) -> None:
+        """TooLargeError (413) when `nbytes` of transient work could never fit the server's budget."""
+        if nbytes > self.limits.server_memory_bytes:
+            raise TooLargeError(
+                f"this needs {nbytes} bytes; all sessions together may hold {self.limits.server_memory_bytes} "
+                "(LONGDOC_MAX_MEMORY_BYTES)"
+            )
+
     def _check(self, session: Session | None, nbytes: int, transient: bool = False) -> None:
         per_session, server = self.limits.memory_budget_bytes, self.limits.server_memory_bytes
         if nbytes > per_session and not transient:
             raise TooLargeError(
                 f"this needs {nbytes} bytes of session memory; a session may hold {per_session} (LONGDOC_SESSION_MEMORY_BYTES)"
             )
-        if nbytes > server:
-            raise TooLargeError(f"this needs {nbytes} bytes; all sessions together may hold {server} (LONGDOC_MAX_MEMORY_BYTES)")
+        self.check_fits(nbytes)
         if session is not None and not transient:
             held = session.memory_bytes + session.reserved
             if held + nbytes > per_session:

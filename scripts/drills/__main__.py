@@ -1,6 +1,9 @@
 """`make drills`: reliability drills against a real `longdoc serve` on the small model (SmolLM2-135M; scripts/drills/server.py).
 
-    python -m scripts.drills [--only sweep,refusals,load,rss,crash,fuzz,first] [--sessions 16] [--starts 10] [--out results.json]
+    python -m scripts.drills [--only sweep,refusals,load,rss,crash,fuzz,first,capacity] [--sessions 16] [--starts 10] [--out results.json]
+
+`capacity` runs the default model (not the small one) on default settings, and is not in the
+default run: `make drill-capacity`.
 
 Prints each drill's figures as JSON and exits non-zero if any drill failed.
 """
@@ -14,7 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from engine.config import DEFAULT_MODEL
 from research.training.corpus import fetch
+from scripts.drills.capacity import capacity_passed, run_capacity
 from scripts.drills.crash import crash_passed, run_crash
 from scripts.drills.first import first_passed, run_first
 from scripts.drills.fuzz import fuzz_passed, run_fuzz
@@ -25,6 +30,7 @@ from scripts.drills.server import Server
 from scripts.drills.sweep import run_sweep, sweep_passed
 
 DRILLS = ("sweep", "refusals", "load", "rss", "crash", "fuzz", "first")
+EXTRA_DRILLS = ("capacity",)  # asked for by name only
 LEAK_TOLERANCE = 0.05
 MAX_DOCUMENT_BYTES = 2_000_000
 # Bounded so a drill measures the server's handling, not minutes of decoding on 2 cores.
@@ -51,10 +57,13 @@ def main() -> int:
     parser.add_argument("--fuzz-examples", type=int, default=20)
     parser.add_argument("--fuzz-seconds", type=int, default=900)
     parser.add_argument("--starts", type=int, default=10, help="server starts in the first-answer drill")
+    parser.add_argument("--people", type=int, default=32, help="questions asked at once in the capacity drill")
+    parser.add_argument("--streams", type=int, default=8, help="streams whose aggregate decode the capacity drill measures")
+    parser.add_argument("--capacity-tokens", type=int, default=128, help="new tokens of each capacity drill answer")
     parser.add_argument("--out", type=Path, help="also write the results here as JSON")
     args = parser.parse_args()
     chosen = [d for d in args.only.split(",") if d]
-    unknown = set(chosen) - set(DRILLS)
+    unknown = set(chosen) - set(DRILLS) - set(EXTRA_DRILLS)
     if unknown:
         parser.error(f"unknown drills {sorted(unknown)}")
 
@@ -109,6 +118,14 @@ def main() -> int:
         results["crash"] = run_crash(SERVER_ARGS, book, memory=None)
         passed["crash"] = crash_passed(results["crash"])
         report("crash", results["crash"])
+    if "capacity" in chosen:  # the default model, default settings
+        server = Server([], env={"LONGDOC_MODEL": DEFAULT_MODEL}).start(timeout=1800)
+        try:
+            results["capacity"] = asyncio.run(run_capacity(server, book, args.people, args.streams, args.capacity_tokens))
+        finally:
+            server.stop()
+        passed["capacity"] = capacity_passed(results["capacity"])
+        report("capacity", results["capacity"])
     if "first" in chosen:
         results["first"] = run_first(SERVER_ARGS, (fetch() / "plrabn12.txt").read_text(encoding="utf-8"), args.starts)
         passed["first"] = first_passed(results["first"])

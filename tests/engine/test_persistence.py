@@ -4,6 +4,7 @@ leave RAM when idle, and a bad snapshot is skipped without harm."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from typing import Any
@@ -251,21 +252,29 @@ def test_idle_sessions_leave_ram_for_disk(make_client, tmp_path):
 
 
 def test_a_session_in_use_is_never_evicted_for_its_own_answer(make_client, tmp_path):
-    kv_bytes = 4096 * 256  # the tiny model's full-context key/value cache
-    client = make_client(data_dir=tmp_path / "a", max_memory_bytes=kv_bytes + 15_000)
+    probe = make_client(data_dir=tmp_path / "probe")
+    session_id = new_session(probe, memory="text")
+    probe.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT})
+    prompt = probe.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).json()["usage"]["prompt_tokens"]
+    engine = probe.app.state.engine
+    held = engine.sessions.peek(session_id).memory_bytes
+    per_token, block = engine.models.runtimes()[0].loaded.kv_bytes_per_token, engine.config.generation.kv_block_tokens
+    answer = (math.ceil((prompt + 1) / block) * block + prompt) * per_token  # its blocks and its prompt's cache, at most
+    client = make_client(data_dir=tmp_path / "a", max_memory_bytes=held + answer + held // 2)  # one session and its answer
     a, b = new_session(client, memory="text"), new_session(client, memory="text")
     for session_id in (a, b):
         client.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT})
     assert client.post(f"/v1/sessions/{a}/ask", json=QUESTION).status_code == 200  # b made room
     resident = {s["id"]: s["resident"] for s in client.get("/v1/sessions").json()["data"]}
     assert resident == {a: True, b: False}
-    # alone and still too big with its answer's cache: 429, not a 500 from evicting itself
-    tight = make_client(data_dir=tmp_path / "b", max_memory_bytes=kv_bytes + 5_000)
+    # alone and still too big with its answer's blocks: 429 once it has waited, not a 500 from evicting itself
+    tight = make_client(data_dir=tmp_path / "b", max_memory_bytes=answer + held // 2, kv_wait_seconds=0.5)
     session_id = new_session(tight, memory="text")
     tight.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT})
     response = tight.post(f"/v1/sessions/{session_id}/ask", json=QUESTION)
     assert response.status_code == 429 and response.json()["error"]["type"] == "memory_budget_exceeded"
     assert tight.get(f"/v1/sessions/{session_id}").json()["resident"] is True
+    assert tight.app.state.engine.sessions.reserved_bytes == 0
 
 
 def test_a_session_deleted_while_it_is_saved_stays_deleted(make_client, tmp_path):

@@ -153,7 +153,7 @@ def test_a_bfloat16_models_answers_reserve_the_float32_keys_its_c_step_keeps(mak
     assert answer.status_code == 200 and answer.json()["answer"]
 
 
-def test_an_answers_key_value_cache_is_reserved_while_it_runs(make_client):
+def test_an_answers_key_value_cache_is_held_in_blocks_while_it_runs(make_client):
     client = make_client()
     engine = client.app.state.engine
     loaded = engine.models.runtimes()[0].loaded
@@ -164,20 +164,38 @@ def test_an_answers_key_value_cache_is_reserved_while_it_runs(make_client):
     try:
         thread, result = in_thread(lambda: client.post(f"/v1/sessions/{session_id}/ask", json={"question": "q", "max_tokens": 8}))
         assert hold.reached.wait(TIMEOUT)
-        assert engine.sessions.reserved_bytes == loaded.context_len * loaded.kv_bytes_per_token > 0
-        assert f'longdoc_batch_rows{{model="{loaded.name}"}} 1.0' in client.get("/metrics").text  # the answer is in the batch
+        kv = engine.models.runtimes()[0].batcher.kv
+        held = engine.sessions.reserved_bytes  # the blocks its prompt and first tokens fill, not the whole context
+        assert held == kv.in_use * kv.block_tokens * loaded.kv_bytes_per_token > 0
+        assert held < loaded.context_len * loaded.kv_bytes_per_token
+        metrics = client.get("/metrics").text
+        assert f'longdoc_batch_rows{{model="{loaded.name}"}} 1.0' in metrics  # the answer is in the batch
+        assert f'longdoc_kv_blocks{{model="{loaded.name}"}} {kv.in_use}.0' in metrics
         hold.released.set()
         thread.join(TIMEOUT)
     finally:
         handle.remove()
     assert result[0].status_code == 200 and engine.sessions.reserved_bytes == 0
-    assert f'longdoc_batch_rows{{model="{loaded.name}"}} 0.0' in client.get("/metrics").text
+    metrics = client.get("/metrics").text
+    assert f'longdoc_batch_rows{{model="{loaded.name}"}} 0.0' in metrics
+    assert f'longdoc_kv_blocks{{model="{loaded.name}"}} 0.0' in metrics
 
 
 def test_answers_that_cannot_fit_the_server_budget_are_refused(make_client):
-    client = make_client(max_memory_bytes=500_000)  # under one full-context cache of the tiny model
+    """An answer holds what its prompt and tokens fill, not its whole context: on a budget under one
+    full-context cache a session's short answer is served, and one whose max_tokens alone could
+    never fit gets 413."""
+    per_token = make_client().app.state.engine.models.runtimes()[0].loaded.kv_bytes_per_token
+    client = make_client(max_memory_bytes=300 * per_token)
+    loaded = client.app.state.engine.models.runtimes()[0].loaded
+    assert loaded.context_len > 1024  # a full-context cache would not fit
     session_id = new_session(client, memory="text")
-    error = assert_error(client.post(f"/v1/sessions/{session_id}/ask", json={"question": "q"}), 413, "too_large")
+    assert client.post(f"/v1/sessions/{session_id}/ask", json={"question": "q", "max_tokens": 8}).status_code == 200
+    too_many = 400
+    ask = {"question": "q", "max_tokens": too_many}
+    error = assert_error(client.post(f"/v1/sessions/{session_id}/ask", json=ask), 413, "too_large")
     assert "LONGDOC_MAX_MEMORY_BYTES" in error["message"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": too_many}
+    assert_error(client.post("/v1/chat/completions", json=chat), 413, "too_large")
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     assert client.post("/v1/chat/completions", json=chat).status_code == 200  # a short chat's cache fits

@@ -1,0 +1,136 @@
+"""Capacity (issue 62): many people asking at once on the default model and default settings.
+
+Each of N sessions holds a short passage of its own; all N ask at once (streamed, `max_tokens`
+new tokens each, the answer's length forced with `ignore_eos`), and no refusal is retried. Then one
+stream alone and `streams` streams together give the aggregate decode rate. Reports refusals,
+completions, TTFT (median and p95), decode rates and what /metrics says of key/value blocks,
+waiting answers and preemptions; passes when nothing is refused and every answer completes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+
+import httpx
+
+from scripts.drills.server import Server
+
+PASSAGE_CHARS = 2_400  # with the question and template, a prompt of about 700 tokens on the default model
+QUESTION = "Summarise what this passage says, in order, with every name it gives."
+
+
+async def _make_sessions(client: httpx.AsyncClient, book: str, count: int) -> list[str]:
+    sessions = []
+    for i in range(count):
+        session = (await client.post("/v1/sessions", json={"memory": "text"})).json()["id"]
+        start = (i * PASSAGE_CHARS * 3) % max(1, len(book) - PASSAGE_CHARS)
+        passage = book[start : start + PASSAGE_CHARS]
+        response = await client.post(f"/v1/sessions/{session}/documents", json={"text": passage, "name": f"part-{i}.txt"})
+        response.raise_for_status()
+        sessions.append(session)
+    return sessions
+
+
+async def _ask(client: httpx.AsyncClient, session: str, max_tokens: int) -> dict:
+    """One streamed question: its status, TTFT, tokens, decode seconds and prompt tokens."""
+    started = time.perf_counter()
+    body = {"question": QUESTION, "stream": True, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+    first = None
+    async with client.stream("POST", f"/v1/sessions/{session}/ask", json=body) as response:
+        if response.status_code != 200:
+            return {"status": response.status_code, "error": (await response.aread()).decode()[:300]}
+        done: dict = {}
+        name = ""
+        async for line in response.aiter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                if name == "delta" and first is None:
+                    first = time.perf_counter()
+                elif name in ("done", "error"):
+                    done = {"event": name, **json.loads(line[6:])}
+    ended = time.perf_counter()
+    if done.get("event") != "done" or first is None:
+        return {"status": 200, "error": json.dumps(done)[:300]}
+    return {
+        "status": 200,
+        "ttft": first - started,
+        "tokens": done["usage"]["completion_tokens"],
+        "decode_seconds": ended - first,
+        "prompt_tokens": done["usage"]["prompt_tokens"],
+        "ended": ended,
+        "first": first,
+    }
+
+
+async def _wave(client: httpx.AsyncClient, sessions: list[str], max_tokens: int) -> list[dict]:
+    return list(await asyncio.gather(*(_ask(client, s, max_tokens) for s in sessions)))
+
+
+def _p95(values: list[float]) -> float:
+    return sorted(values)[max(0, round(0.95 * len(values)) - 1)] if values else float("nan")
+
+
+def _summary(results: list[dict]) -> dict:
+    done = [r for r in results if "ttft" in r]
+    return {
+        "asked": len(results),
+        "refused": sum(r["status"] == 429 for r in results),
+        "failed": len(results) - len(done),
+        "completed": len(done),
+        "statuses": sorted({r["status"] for r in results}),
+        "errors": [r["error"] for r in results if "error" in r][:3],
+        "ttft_median_s": round(statistics.median(r["ttft"] for r in done), 2) if done else None,
+        "ttft_p95_s": round(_p95([r["ttft"] for r in done]), 2) if done else None,
+        "prompt_tokens_median": statistics.median(r["prompt_tokens"] for r in done) if done else None,
+    }
+
+
+def _aggregate_rate(results: list[dict]) -> float:
+    """Tokens per second while every stream decodes: from the last first token to the first end."""
+    done = [r for r in results if "ttft" in r]
+    start, end = max(r["first"] for r in done), min(r["ended"] for r in done)
+    if end <= start:
+        return float("nan")
+    rates = [(r["tokens"] - 1) / r["decode_seconds"] for r in done]
+    return round(sum(rates), 2)
+
+
+async def run_capacity(server: Server, book: str, people: int, streams: int, max_tokens: int) -> dict:
+    async with httpx.AsyncClient(base_url=server.url, timeout=3600) as client:
+        sessions = await _make_sessions(client, book, max(people, streams))
+        await _wave(client, sessions[:1], 8)  # warm
+        rss_before = server.rss_bytes()
+        started = time.perf_counter()
+        crowd = await _wave(client, sessions[:people], max_tokens)
+        crowd_seconds = time.perf_counter() - started
+        preemptions = server.metric("longdoc_kv_preemptions_total")
+        one = await _wave(client, sessions[:1], max_tokens)
+        many = await _wave(client, sessions[:streams], max_tokens)
+        for session in sessions:
+            await client.delete(f"/v1/sessions/{session}")
+    single = round((one[0]["tokens"] - 1) / one[0]["decode_seconds"], 2) if "ttft" in one[0] else float("nan")
+    aggregate = _aggregate_rate(many)
+    return {
+        "people": _summary(crowd) | {"seconds": round(crowd_seconds, 1), "kv_preemptions": preemptions},
+        "rss_growth_mib": round((server.rss_bytes() - rss_before) / 2**20, 1),
+        "single_stream_tok_s": single,
+        "streams": _summary(many) | {"count": streams, "aggregate_tok_s": aggregate},
+        "streams_over_single": round(aggregate / single, 2),
+        "kv_blocks_after": server.metric("longdoc_kv_blocks"),
+        "waiting_after": server.metric("longdoc_batch_waiting"),
+        "alive": server.alive(),
+    }
+
+
+def capacity_passed(result: dict) -> bool:
+    people, streams = result["people"], result["streams"]
+    return (
+        people["refused"] == people["failed"] == 0
+        and streams["refused"] == streams["failed"] == 0
+        and result["kv_blocks_after"] == 0
+        and result["alive"]
+    )
