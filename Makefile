@@ -98,7 +98,7 @@ $(PEERS_STAMP):
 	touch $(PEERS_STAMP)
 
 peers: $(STAMP) $(PEERS_STAMP)
-	$(BIN)/python -m bench.peers --peers-python $(PEERS_VENV)/bin/python --quantize none bf16 int8 $(ARGS)
+	$(BIN)/python -m bench.peers --peers-python $(PEERS_VENV)/bin/python --quantize auto none int8 $(ARGS)
 
 # kvcache speed against the plain model (ingestion, decode, TTFT), docs/studies/kvcache.md#speed-against-the-plain-model
 bench-kvcache: $(STAMP)

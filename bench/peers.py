@@ -234,7 +234,7 @@ def measure(kind: str, key: int) -> Callable[[Measures], float | None]:
 
 
 def longdoc_name(quantize: str) -> str:
-    return "longdoc" if quantize == "none" else f"longdoc --quantize {quantize}"
+    return {"auto": "longdoc (default)", "none": "longdoc --quantize none"}.get(quantize, f"longdoc --quantize {quantize}")
 
 
 def table(results: dict[str, Measures]) -> str:
@@ -268,7 +268,9 @@ def table(results: dict[str, Measures]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers-python", default=".venv-peers/bin/python", help="a Python with llama-cpp-python[server]")
-    parser.add_argument("--quantize", nargs="+", default=["none"], help="longdoc serve --quantize modes to measure")
+    parser.add_argument(
+        "--quantize", nargs="+", default=["auto", "none"], help="longdoc serve --quantize modes to measure (auto: the default)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs of each measure; the median is reported")
     parser.add_argument("--model", default=SMALL_MODEL, choices=list(WHEEL_MODELS), help="a model from PyPI wheels")
     args = parser.parse_args()

@@ -44,7 +44,7 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-QUANTIZE_MODES = ("none", "bf16", "int8", "int4")  # weight-only, engine/models/quantize.py
+QUANTIZE_MODES = ("auto", "none", "bf16", "int8", "int4")  # weight-only, engine/models/quantize.py
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,9 @@ class ModelSpec:
     sources: tuple[str, ...] = (DEFAULT_MODEL,)
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
-    quantize: str = "none"  # "none" | "bf16" | "int8" | "int4": weight-only, on CPU (engine/models/quantize.py)
+    # "auto" (on CPU, the mode the model's manifest names, measured; else none) | "none" | "bf16" | "int8" | "int4":
+    # weight-only, on CPU (engine/models/quantize.py)
+    quantize: str = "auto"
     cache_dir: Path = DEFAULT_CACHE_DIR
     adapter_dirs: tuple[Path, ...] = (SHIPPED_ADAPTERS,)  # searched for <model name>/adapter.json
 
@@ -71,7 +73,7 @@ class ModelSpec:
                 self.dtype in ("auto", "float32", "bfloat16"),
                 f"quantize {self.quantize} converts a float32 or bfloat16 model: use --dtype float32, bfloat16 (or auto)",
             )
-        if self.quantize != "none":
+        if self.quantize not in ("none", "auto"):
             _require(self.device in ("auto", "cpu"), "quantize is for CPU: use --device cpu (or auto on a machine without a GPU)")
 
     @property
@@ -210,9 +212,11 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     Setting(
         "quantize",
         "models.quantize",
-        "none, bf16, int8 or int4: weights stored in fewer bytes for faster decoding on CPU (bf16: of a float32 model; "
-        "int8 and int4 (its output head in int8): of a float32 or bfloat16 one, whose prompts still run in bfloat16); "
-        "its cost in answers is in docs/studies/quantize.md",
+        "auto, none, bf16, int8 or int4: weights stored in fewer bytes for faster decoding on CPU (bf16: of a float32 "
+        "model; int8 and int4 (its output head in int8): of a float32 or bfloat16 one, whose prompts still run in "
+        "bfloat16); auto: on CPU the mode the model's manifest names, chosen on the QA benchmark (int4 for the default "
+        "model), none on a GPU or for a model without one; none keeps the model's weights; the cost in answers is in "
+        "docs/studies/quantize.md",
     ),
     Setting("cache_dir", "models.cache_dir", "where converted models are kept; sessions under it by default"),
     Setting("max_sessions", "sessions.max_sessions", "sessions held, in RAM or on disk; more get 429"),

@@ -180,7 +180,9 @@ eval_app = typer.Typer(help="Evaluate memories on held-out text; tables are prin
 AdapterOption = Annotated[Path | None, typer.Option(help="adapter folder (default: the shipped one)")]
 
 
-QuantizeOption = Annotated[str, typer.Option(help="none, bf16, int8 or int4: weight-only, as longdoc serve --quantize")]
+QuantizeOption = Annotated[
+    str, typer.Option(help="auto (the server's default), none, bf16, int8 or int4: weight-only, as longdoc serve --quantize")
+]
 
 
 EmbedderAdapterOption = Annotated[
@@ -188,7 +190,7 @@ EmbedderAdapterOption = Annotated[
 ]
 
 
-def _setup(model: str, adapter: Path | None, device: str, quantize: str = "none", embedder_adapter: str = "shipped"):
+def _setup(model: str, adapter: Path | None, device: str, quantize: str = "auto", embedder_adapter: str = "shipped"):
     from engine.config import embedder_adapter_path
     from research.training.evaluate import EvalSetup
 
@@ -274,7 +276,7 @@ def eval_qa(
         bool, typer.Option(help="the development questions (research/evals/qa_dev.jsonl), to choose settings on")
     ] = False,
     device: str = "auto",
-    quantize: QuantizeOption = "none",
+    quantize: QuantizeOption = "auto",
     embedder_adapter: EmbedderAdapterOption = "shipped",
     write: Annotated[
         Path | None, typer.Option(help="also write the table into this Markdown file (docs/studies/retrieval.md)")
@@ -307,7 +309,7 @@ def eval_wholedoc(
     dev: Annotated[bool, typer.Option(help="the development seeds and filler, to choose settings on")] = False,
     seeds: Annotated[int | None, typer.Option(help="only the first N seeds")] = None,
     device: str = "auto",
-    quantize: QuantizeOption = "none",
+    quantize: QuantizeOption = "auto",
     embedder_adapter: EmbedderAdapterOption = "shipped",
 ) -> None:
     """Whole-document questions (counts, lists, first/last, comparisons, two hops, order, look-alikes)
@@ -329,7 +331,7 @@ def eval_wholebook(
         typer.Option(help='a memory, "oracle" (the evidence passages alone, in order), or a memory and its JSON options'),
     ] = ["oracle", "text", "truncate"],
     device: str = "auto",
-    quantize: QuantizeOption = "none",
+    quantize: QuantizeOption = "auto",
     embedder_adapter: EmbedderAdapterOption = "shipped",
 ) -> None:
     """Hand-written whole-book questions about three held-out texts (research/evals/wholebook.jsonl), per memory, beside the oracle."""
@@ -347,7 +349,7 @@ def eval_needles(
     length: Annotated[list[int], typer.Option(help="document lengths in tokens")] = [8192, 32768, 131072],
     seeds: Annotated[int, typer.Option(help="documents per length, each with six needles")] = 3,
     device: str = "auto",
-    quantize: QuantizeOption = "none",
+    quantize: QuantizeOption = "auto",
     embedder_adapter: EmbedderAdapterOption = "shipped",
 ) -> None:
     """Invented facts of six kinds placed in held-out filler, asked about per memory and length."""

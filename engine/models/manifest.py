@@ -40,6 +40,19 @@ def manifest_of(name: str, source: str) -> dict:
     return {}
 
 
+CPU_QUANTIZE_MODES = ("none", "int8", "int4")  # what a manifest may name: modes over the model's own dtype
+
+
+def cpu_quantize(manifest: dict) -> str:
+    """The weight-only mode a manifest names for CPUs (`cpu_quantize`, chosen on the QA benchmark),
+    else none (an unknown one is logged)."""
+    mode = manifest.get("cpu_quantize", "none")
+    if mode not in CPU_QUANTIZE_MODES:
+        log.warning("ignoring the model manifest's cpu_quantize %r", mode)
+        return "none"
+    return str(mode)
+
+
 def default_memory(manifest: dict) -> str:
     """The memory a manifest names for sessions made without one."""
     return str(manifest.get("default_memory", FALLBACK_MEMORY))

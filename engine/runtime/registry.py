@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, NotFoundError
 from engine.interface import GenerationParams, ModelInfo
@@ -126,7 +128,7 @@ class ModelRegistry:
             worker = SerialWorker(f"model:{loaded.name}", self.config.generation.max_queue)
             resources = {} if loaded.own_memory is not None else self._resources(loaded)
             if loaded.own_memory is None:  # after the resources: the layers an adapter wraps stay in the model's dtype
-                quantize_linears(loaded.model, spec.quantize)
+                quantize_linears(loaded.model, quantize_mode(spec.quantize, loaded))
                 loaded.quantize = stored_mode(loaded.model)
                 if native_step(loaded.model) is not None:  # its answers keep float32 keys and values
                     loaded.cache_dtype = CACHE_DTYPE
@@ -199,6 +201,16 @@ class ModelRegistry:
     def shutdown(self) -> None:
         for runtime in self._runtimes.values():
             runtime.worker.shutdown()
+
+
+def quantize_mode(asked: str, loaded: LoadedModel) -> str:
+    """The weight-only mode a model is served in: the one asked for; for `auto`, on a CPU and over
+    float32 or bfloat16 weights, the mode its manifest names (measured), else none."""
+    if asked != "auto":
+        return asked
+    if loaded.device.type != "cpu" or loaded.dtype not in (torch.float32, torch.bfloat16):
+        return "none"
+    return manifests.cpu_quantize(manifests.manifest_of(loaded.name, loaded.source))
 
 
 def warm_up(runtime: ModelRuntime) -> None:

@@ -39,7 +39,7 @@ class EvalSetup:
     corpus_dir: Path = DEFAULT_DIR
     cache_dir: Path = DEFAULT_CACHE_DIR
     device: str = "auto"
-    quantize: str = "none"  # weight-only: "bf16" or "int8" (engine/models/quantize.py)
+    quantize: str = "auto"  # weight-only, as longdoc serve --quantize (engine/models/quantize.py)
     embedder_adapter: Path | None = SHIPPED_EMBEDDER_ADAPTER  # the text memory's MiniLM adapter; None: none
 
 

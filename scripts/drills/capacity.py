@@ -2,7 +2,8 @@
 
 Each of N sessions holds a short passage of its own; all N ask at once (streamed, `max_tokens`
 new tokens each, the answer's length forced with `ignore_eos`), and no refusal is retried. Then one
-stream alone and `streams` streams together give the aggregate decode rate. Reports refusals,
+stream alone and `streams` streams together give the aggregate decode rate (while all of them
+decode, as bench/peers.py counts it, and over the wave's wall time). Reports refusals,
 completions, TTFT (median and p95), decode rates and what /metrics says of key/value blocks,
 waiting answers and preemptions; passes when nothing is refused and every answer completes.
 """
@@ -18,7 +19,7 @@ import httpx
 
 from scripts.drills.server import Server
 
-PASSAGE_CHARS = 2_400  # with the question and template, a prompt of about 700 tokens on the default model
+PASSAGE_CHARS = 3_000  # with the question and template, a prompt of about 700 tokens on the default model
 QUESTION = "Summarise what this passage says, in order, with every name it gives."
 
 
@@ -38,7 +39,7 @@ async def _ask(client: httpx.AsyncClient, session: str, max_tokens: int) -> dict
     """One streamed question: its status, TTFT, tokens, decode seconds and prompt tokens."""
     started = time.perf_counter()
     body = {"question": QUESTION, "stream": True, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
-    first = None
+    times: list[float] = []  # when each text delta came
     async with client.stream("POST", f"/v1/sessions/{session}/ask", json=body) as response:
         if response.status_code != 200:
             return {"status": response.status_code, "error": (await response.aread()).decode()[:300]}
@@ -48,21 +49,20 @@ async def _ask(client: httpx.AsyncClient, session: str, max_tokens: int) -> dict
             if line.startswith("event: "):
                 name = line[7:]
             elif line.startswith("data: "):
-                if name == "delta" and first is None:
-                    first = time.perf_counter()
+                if name == "delta":
+                    times.append(time.perf_counter())
                 elif name in ("done", "error"):
                     done = {"event": name, **json.loads(line[6:])}
     ended = time.perf_counter()
-    if done.get("event") != "done" or first is None:
+    if done.get("event") != "done" or not times:
         return {"status": 200, "error": json.dumps(done)[:300]}
     return {
         "status": 200,
-        "ttft": first - started,
+        "ttft": times[0] - started,
         "tokens": done["usage"]["completion_tokens"],
-        "decode_seconds": ended - first,
+        "decode_seconds": ended - times[0],
         "prompt_tokens": done["usage"]["prompt_tokens"],
-        "ended": ended,
-        "first": first,
+        "times": times,
     }
 
 
@@ -89,14 +89,16 @@ def _summary(results: list[dict]) -> dict:
     }
 
 
-def _aggregate_rate(results: list[dict]) -> float:
-    """Tokens per second while every stream decodes: from the last first token to the first end."""
+def _decode_while_all(results: list[dict]) -> float | None:
+    """Tokens per second, all streams together, while every one of them decodes: from the last
+    first token to the first last token, each stream's tokens counted by its share of deltas there
+    (None when that window is empty)."""
     done = [r for r in results if "ttft" in r]
-    start, end = max(r["first"] for r in done), min(r["ended"] for r in done)
-    if end <= start:
-        return float("nan")
-    rates = [(r["tokens"] - 1) / r["decode_seconds"] for r in done]
-    return round(sum(rates), 2)
+    begin, end = max(r["times"][0] for r in done), min(r["times"][-1] for r in done)
+    if end <= begin:
+        return None
+    tokens = sum(r["tokens"] * sum(begin < t <= end for t in r["times"]) / len(r["times"]) for r in done)
+    return round(tokens / (end - begin), 2)
 
 
 async def run_capacity(server: Server, book: str, people: int, streams: int, max_tokens: int) -> dict:
@@ -109,17 +111,25 @@ async def run_capacity(server: Server, book: str, people: int, streams: int, max
         crowd_seconds = time.perf_counter() - started
         preemptions = server.metric("longdoc_kv_preemptions_total")
         one = await _wave(client, sessions[:1], max_tokens)
+        started = time.perf_counter()
         many = await _wave(client, sessions[:streams], max_tokens)
+        many_seconds = time.perf_counter() - started
         for session in sessions:
             await client.delete(f"/v1/sessions/{session}")
     single = round((one[0]["tokens"] - 1) / one[0]["decode_seconds"], 2) if "ttft" in one[0] else float("nan")
-    aggregate = _aggregate_rate(many)
+    aggregate = _decode_while_all(many)
+    done = [r for r in many if "ttft" in r]
     return {
         "people": _summary(crowd) | {"seconds": round(crowd_seconds, 1), "kv_preemptions": preemptions},
         "rss_growth_mib": round((server.rss_bytes() - rss_before) / 2**20, 1),
         "single_stream_tok_s": single,
-        "streams": _summary(many) | {"count": streams, "aggregate_tok_s": aggregate},
-        "streams_over_single": round(aggregate / single, 2),
+        "streams": _summary(many)
+        | {
+            "count": streams,
+            "decode_while_all_tok_s": aggregate,
+            "tokens_per_wall_second": round(sum(r["tokens"] for r in done) / many_seconds, 2),  # prefills included
+        },
+        "streams_over_single": round(aggregate / single, 2) if aggregate else None,
         "kv_blocks_after": server.metric("longdoc_kv_blocks"),
         "waiting_after": server.metric("longdoc_batch_waiting"),
         "alive": server.alive(),

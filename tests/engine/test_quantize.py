@@ -4,6 +4,10 @@ flag with its refusals."""
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+from typing import cast
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,10 +15,13 @@ from pydantic import ValidationError
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from engine.config import ModelSpec
+from engine.config import DEFAULT_MODEL, ModelSpec
 from engine.models import cpu_kernels, quantize
+from engine.models import manifest as manifests
+from engine.models.loader import LoadedModel
 from engine.models.quantize import DECODE_ROWS, WeightOnlyLinear, quantize_linears
 from engine.runtime import registry
+from engine.runtime.registry import quantize_mode
 from tests.engine.test_cpu_kernels import BUILDABLE
 from tests.helpers import TEST_DEVICE, tiny_settings
 
@@ -342,3 +349,27 @@ def test_the_stored_mode_is_what_the_layers_got():
     wide.add_module("lm_head", nn.Linear(64, 8))
     quantize_linears(wide, "int4")
     assert quantize.stored_mode(wide) == "int4" and quantize.stored_mode(nn.Linear(4, 4)) == "none"
+
+
+def _loaded(name: str, source: str, device: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
+    return cast(LoadedModel, SimpleNamespace(name=name, source=source, device=torch.device(device), dtype=dtype))
+
+
+def test_the_default_weights_are_the_manifests_measured_mode_on_cpu_only(tmp_path):
+    """`--quantize auto` (the default): int4 for the default model on a CPU (its manifest, chosen on
+    the QA benchmark), none on a GPU, for float16 weights, for a model nobody measured, and for a
+    manifest naming a mode it may not; an explicit mode is kept."""
+    assert ModelSpec().quantize == "auto"
+    assert manifests.cpu_quantize(manifests.manifest_of(DEFAULT_MODEL, DEFAULT_MODEL)) == "int4"
+    assert quantize_mode("auto", _loaded(DEFAULT_MODEL, DEFAULT_MODEL)) == "int4"
+    assert quantize_mode("auto", _loaded(DEFAULT_MODEL, DEFAULT_MODEL, "cuda")) == "none"
+    assert quantize_mode("auto", _loaded(DEFAULT_MODEL, DEFAULT_MODEL, dtype=torch.float16)) == "none"
+    assert quantize_mode("none", _loaded(DEFAULT_MODEL, DEFAULT_MODEL)) == "none"
+    assert quantize_mode("int8", _loaded(DEFAULT_MODEL, DEFAULT_MODEL)) == "int8"
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    assert quantize_mode("auto", _loaded("my-model", str(folder))) == "none"
+    (folder / "longdoc.json").write_text(json.dumps({"cpu_quantize": "bf16"}))  # not over the model's own dtype
+    assert quantize_mode("auto", _loaded("my-model", str(folder))) == "none"
+    (folder / "longdoc.json").write_text(json.dumps({"cpu_quantize": "int8"}))
+    assert quantize_mode("auto", _loaded("my-model", str(folder))) == "int8"
