@@ -89,13 +89,13 @@ class Answering:
         context_len, kv_bytes = runtime.loaded.context_len, runtime.loaded.kv_bytes_per_token
         store = self.session_service.store
         # a batched answer's keys and values are held in blocks by the batcher as they fill (kv_blocks.py)
-        blocks = runtime.batcher is not None and runtime.batcher.kv is not None
+        blocks = runtime.batcher.kv if runtime.batcher is not None else None
         if session is None:
             prompt_ids = await asyncio.to_thread(render, tokenizer, messages)
             _check_context(context_len, len(prompt_ids), params)
             transient = (len(prompt_ids) + params.max_tokens) * kv_bytes
-            if blocks:
-                store.check_fits(transient)
+            if blocks is not None:  # 413 now for an answer that could never fit
+                store.check_fits(blocks.peak_bytes(len(prompt_ids) + params.max_tokens))
                 transient = 0
             events = self._generate(runtime, prompt_ids, params)
         else:
@@ -106,8 +106,8 @@ class Answering:
             if room is not None:
                 _check_context(room, overhead, params)
             budget = (context_len if room is None else room) - params.max_tokens - overhead
-            if blocks and memory.plain_answer:
-                store.check_fits((overhead + params.max_tokens) * kv_bytes)
+            if blocks is not None and memory.plain_answer:  # at least the prompt without excerpts
+                store.check_fits(blocks.peak_bytes(overhead + params.max_tokens))
                 kv_bytes = 0  # what the answer's prompt and tokens take is held by the batcher
             kept, transient = memory.answer_bytes(overhead, params.max_tokens, context_len, kv_bytes)
             reservation = store.reserve(session, kept)

@@ -271,8 +271,8 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     Setting(
         "kv_wait_seconds",
         "generation.kv_wait_seconds",
-        "an answer whose prompt finds the server's memory full waits for it; with no answer running to free any, "
-        "it gets 429 after this long",
+        "an answer whose prompt finds the server's memory full waits for it; once the first in the queue has waited "
+        "this long with no answer of its model running to free any, it and those behind it get 429",
     ),
     Setting(
         "default_memory",

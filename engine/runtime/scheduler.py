@@ -140,6 +140,7 @@ class Batcher:
         returns there, so that row's first token goes out before a decode step; the next tick
         steps every row, that one too, and feeds no prompt."""
         out: _Events = []
+        self._stalled = False
         self._keep_live()
         step_first, self._step_first = self._step_first and bool(self._rows), False
         while not step_first and self._prefilling is None and self._waiting and len(self._rows) < self.max_rows:
@@ -147,7 +148,9 @@ class Batcher:
             if not row.cancelled and not self._hold_prompt(row, out) and not row.cancelled:
                 break  # the server's memory is short: it waits at the head of the queue
             self._waiting.popleft()
-            if not row.cancelled:
+            if row.cancelled:  # also when its client left after its blocks were held
+                self._free(row)
+            else:
                 if row.state is None:  # a preempted row keeps its state
                     row.state = AnswerState(self._tokenizer, row.prompt_ids, row.params, self._stop_tokens)
                 self._prefilling = row
@@ -158,7 +161,7 @@ class Batcher:
                 self._keep_live()
                 return out
         self._keep_live()
-        self._grow()
+        self._grow(out)
         if self._rows:
             self._advance(self._rows, self._decoder.step, out)
         self._keep_live()
@@ -167,58 +170,59 @@ class Batcher:
 
     def _hold_prompt(self, row: Row, out: _Events) -> bool:
         """Hold the blocks the row's prompt fills, and its cache while it is fed, when the running
-        rows' next growth would still fit beside them: True when held;
-        False when memory is short (it waits; after `wait_seconds` with no answer running to free
-        any, it fails) or it could never fit (it fails)."""
+        rows could still grow once beside them: True when held. False when it could never fit (it
+        fails) or memory is short: it waits, and once the head of the queue has waited
+        `wait_seconds` with no answer of this model running to free any, every waiting row fails."""
         kv = self.kv
         if kv is None:
             return True
         tokens = len(row.ids())
-        blocks = kv.blocks(tokens + 1)
-        # room left for each running row's next growth too, so a new row does not get in only to be preempted
-        spare = sum(max(1, running.blocks // 8) for running in self._rows)
-        extra = tokens * self._prompt_bytes
+        blocks, extra = kv.blocks(tokens + 1), tokens * self._prompt_bytes
         try:
             held = kv.hold(row, blocks, extra)
         except LongdocError as exc:  # larger than the server's whole budget
             row.cancelled = True
             out.append((row, [exc]))
             return False
-        if held and spare:
-            try:
-                roomy = kv.hold(row, blocks + spare, extra)
-            except LongdocError:
-                roomy = False
-            if roomy:
-                kv.hold(row, blocks, extra)
-            else:
-                kv.release(row)
-                held = False
+        if held and self._rows and not self._roomy(row, blocks, extra):
+            kv.release(row)
+            held = False
         if held:
             row.room, row.waiting_since = blocks * kv.block_tokens, None
             return True
+        if self._rows:  # they will give memory back: no clock runs
+            row.waiting_since = None
+            return False
         now = time.monotonic()
         row.waiting_since = row.waiting_since or now
-        if not self._rows and self._prefilling is None and now - row.waiting_since > kv.wait_seconds:
-            row.cancelled = True
-            out.append(
-                (
-                    row,
-                    [
-                        BudgetExceededError(
-                            f"the server's memory had no room for this answer's {tokens}-token prompt "
-                            f"for {kv.wait_seconds:g} s (retry after other sessions are deleted or expire)",
-                            60.0,
-                        )
-                    ],
-                )
+        if now - row.waiting_since > kv.wait_seconds:
+            error = BudgetExceededError(
+                f"the server's memory had no room for a {tokens}-token prompt for {kv.wait_seconds:g} s "
+                "(retry after other sessions are deleted or expire)",
+                60.0,
             )
+            for waiting in self._waiting:  # those behind it would wait for the same memory
+                waiting.cancelled = True
+                out.append((waiting, [error]))
         return False
 
-    def _grow(self) -> None:
+    def _roomy(self, row: Row, blocks: int, extra: int) -> bool:
+        """Whether, beside the row's `blocks`, each running row could grow once: every growth's
+        blocks, and the largest row's old buffers held while it copies (growths come one at a time)."""
+        assert self.kv is not None
+        growths = [max(1, running.blocks // 8) for running in self._rows]
+        copy = max(running.blocks + growth for running, growth in zip(self._rows, growths, strict=True))
+        try:
+            roomy = self.kv.hold(row, blocks + sum(growths) + copy, extra)
+        except LongdocError:
+            return False
+        return roomy and self.kv.hold(row, blocks, extra)
+
+    def _grow(self, out: _Events) -> None:
         """Give each row whose keys are full room for more, an eighth of its blocks (at least one)
-        at a time up to prompt + max_tokens; while the server's memory is short, preempt the
-        youngest row (the row itself, last)."""
+        at a time up to prompt + max_tokens, or one block when that is all memory allows; while the
+        server's memory is short, preempt the youngest row (the row itself when it is the
+        youngest). An error growing a row ends that row alone."""
         kv = self.kv
         if kv is None:
             return
@@ -226,13 +230,20 @@ class Batcher:
             if row not in self._rows or row.keys is None or row.length < row.keys.shape[2]:
                 continue
             limit = kv.blocks(len(row.prompt_ids) + row.params.max_tokens)
-            blocks = max(kv.blocks(row.length + 1), min(row.blocks + max(1, row.blocks // 8), limit))
-            while row in self._rows:
-                if kv.hold(row, row.blocks + blocks):  # the old buffers and the new while copying
-                    self._decoder.grow(row, blocks * kv.block_tokens)
-                    kv.hold(row, blocks)
-                    break
-                self._preempt(self._rows[-1])
+            least = kv.blocks(row.length + 1)
+            wanted = max(least, min(row.blocks + max(1, row.blocks // 8), limit))
+            try:
+                while row in self._rows:
+                    grown = next((b for b in dict.fromkeys((wanted, least)) if kv.hold(row, row.blocks + b)), None)
+                    if grown is not None:  # it held the old buffers and the new while copying
+                        self._decoder.grow(row, grown * kv.block_tokens)
+                        kv.hold(row, grown)
+                        break
+                    self._preempt(self._rows[-1])
+            except Exception as exc:  # larger than the server's budget, or the allocation failed
+                row.cancelled = True
+                self._free(row)
+                out.append((row, [exc.with_traceback(None)]))
 
     def _preempt(self, row: Row) -> None:
         """Give back the row's blocks and queue it first, to feed its prompt and answer again."""

@@ -62,16 +62,31 @@ def test_rows_grow_block_by_block_and_answer_as_alone():
 
 
 def test_short_memory_preempts_the_youngest_and_resumes_it_with_the_same_tokens():
-    """Room for about two rows: rows wait for memory and the youngest is preempted, then resumed
-    by feeding its prompt and answer again; every answer is the one it gives alone."""
+    """Three long answers (one sampled) in room for about two and a half: rows are admitted while
+    each could still grow once, then the youngest is preempted when one needs more, and resumed by
+    feeding its prompt and answer again; every answer is the one it gives alone."""
     model, tokenizer = tiny("llama", 101), ByteTokenizer()
-    asked = requests(101)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 101, (n,), generator=generator).tolist() for n in (3, 5, 7)]
+    params = [GenerationParams(max_tokens=40, temperature=0.0)] * 2 + [
+        GenerationParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=7)
+    ]
+    asked = list(zip(prompts, params, strict=True))
     per_token = bytes_per_token(BatchDecoder(model))
-    batcher, store = blocks_batcher(model, 100 * per_token)
+    batcher, store = blocks_batcher(model, 110 * per_token)
     got = asyncio.run(answers(batcher, asked))
     assert all(same_answer(g, alone(model, tokenizer, p, q)) for g, (p, q) in zip(got, asked, strict=True))
     assert batcher.kv is not None and batcher.kv.preemptions > 0
     assert batcher.kv.in_use == 0 and store.reserved_bytes == 0
+
+
+def test_rows_wait_for_memory_and_answer_as_alone():
+    model, tokenizer = tiny("llama", 101), ByteTokenizer()
+    asked = requests(101)
+    batcher, store = blocks_batcher(model, 100 * bytes_per_token(BatchDecoder(model)))
+    got = asyncio.run(answers(batcher, asked))
+    assert all(same_answer(g, alone(model, tokenizer, p, q)) for g, (p, q) in zip(got, asked, strict=True))
+    assert batcher.kv is not None and batcher.kv.in_use == 0 and store.reserved_bytes == 0
 
 
 def test_an_answer_that_could_never_fit_fails_and_one_that_waits_too_long_fails():
@@ -84,6 +99,11 @@ def test_an_answer_that_could_never_fit_fails_and_one_that_waits_too_long_fails(
     held = store.reserve(None, 20 * per_token, transient=True)  # another's work holds most of it
     with pytest.raises(BudgetExceededError):
         asyncio.run(collect(batcher, list(range(5)), params))
+
+    async def two_at_once() -> list:
+        return await asyncio.gather(*(collect(batcher, list(range(5)), params) for _ in range(2)), return_exceptions=True)
+
+    assert all(isinstance(result, BudgetExceededError) for result in asyncio.run(two_at_once()))
     held.release()
     assert batcher.kv is not None and batcher.kv.in_use == 0 and store.reserved_bytes == 0
     text, done = asyncio.run(collect(batcher, list(range(5)), params))  # once it is given back, the same answer fits

@@ -267,14 +267,18 @@ def test_a_session_in_use_is_never_evicted_for_its_own_answer(make_client, tmp_p
     assert client.post(f"/v1/sessions/{a}/ask", json=QUESTION).status_code == 200  # b made room
     resident = {s["id"]: s["resident"] for s in client.get("/v1/sessions").json()["data"]}
     assert resident == {a: True, b: False}
-    # alone and still too big with its answer's blocks: 429 once it has waited, not a 500 from evicting itself
-    tight = make_client(data_dir=tmp_path / "b", max_memory_bytes=answer + held // 2, kv_wait_seconds=0.5)
+    # its answer's blocks do not fit beside what others hold: it waits, then 429, never evicting itself
+    tight = make_client(data_dir=tmp_path / "b", max_memory_bytes=held + answer + held // 2, kv_wait_seconds=0.5)
     session_id = new_session(tight, memory="text")
     tight.post(f"/v1/sessions/{session_id}/documents", json={"text": DOCUMENT})
+    store = tight.app.state.engine.sessions
+    blocker = store.reserve(None, held + answer // 2, transient=True)  # other work in flight
     response = tight.post(f"/v1/sessions/{session_id}/ask", json=QUESTION)
     assert response.status_code == 429 and response.json()["error"]["type"] == "memory_budget_exceeded"
     assert tight.get(f"/v1/sessions/{session_id}").json()["resident"] is True
-    assert tight.app.state.engine.sessions.reserved_bytes == 0
+    blocker.release()
+    assert store.reserved_bytes == 0
+    assert tight.post(f"/v1/sessions/{session_id}/ask", json=QUESTION).status_code == 200  # once it is given back
 
 
 def test_a_session_deleted_while_it_is_saved_stays_deleted(make_client, tmp_path):
