@@ -41,6 +41,7 @@ from transformers import PreTrainedTokenizerBase
 from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
 from engine.models.loader import load_model
 from engine.models.wheels import WHEEL_MODELS, join_parts, part_paths
+from scripts.drills import streams
 from scripts.drills.server import Server, free_port, wait_until_up
 
 BOOK = Path("tests/fixtures/alice29.txt")  # 41K tokens: every request below reads its own stretch
@@ -119,17 +120,9 @@ class Measures:
 
 
 def decode_while_all(answers: list[Answer], count_tokens: Callable[[str], int]) -> float | None:
-    """Tokens streamed per second, all answers together, while every one of them was decoding:
-    from the last answer's first token to the first answer's end (None if that window is empty).
-    An answer's tokens in the window: its token count times its share of deltas there."""
-    begin, end = max(a.times[0] for a in answers), min(a.times[-1] for a in answers)
-    if end <= begin:
-        return None
-    tokens = 0.0
-    for answer in answers:
-        inside = sum(begin < t <= end for t in answer.times)
-        tokens += count_tokens(answer.text) * inside / len(answer.times)
-    return tokens / (end - begin)
+    """Tokens streamed per second, all answers together, while every one of them was decoding
+    (scripts/drills/streams.py)."""
+    return streams.decode_while_all([(a.times, count_tokens(a.text)) for a in answers])
 
 
 def http_measures(url: str, model: str, prompts: Prompts, count_tokens: Callable[[str], int], repeats: int) -> Measures:

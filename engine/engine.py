@@ -217,7 +217,7 @@ class Engine:
             batch_rows={name: batcher.rows for name, batcher in batchers.items()},
             batch_waiting={name: batcher.waiting for name, batcher in batchers.items()},
             kv_blocks={name: kv.in_use for name, kv in blocks.items()},
-            kv_block_bytes={name: kv.block_tokens * kv.bytes_per_token for name, kv in blocks.items()},
+            kv_block_bytes={name: kv.block_bytes for name, kv in blocks.items()},
             kv_preemptions={name: kv.preemptions for name, kv in blocks.items()},
             queue_limit=self.config.generation.max_queue,
             memory_limit_bytes=self.config.sessions.server_memory_bytes,

@@ -48,19 +48,23 @@ class KVBlocks:
         self.in_use = 0  # blocks held by rows, the copies of growing rows included
         self.preemptions = 0
 
+    @property
+    def block_bytes(self) -> int:
+        return self.block_tokens * self.bytes_per_token
+
     def blocks(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_tokens)
 
     def peak_bytes(self, tokens: int) -> int:
         """The most an answer of `tokens` positions holds at once: its blocks, and as many again
         while it copies them into larger buffers (or while its prompt's own cache is fed)."""
-        return 2 * (self.blocks(tokens) + 1) * self.block_tokens * self.bytes_per_token
+        return 2 * (self.blocks(tokens) + 1) * self.block_bytes
 
     def hold(self, holder: Holder, blocks: int, extra_bytes: int = 0) -> bool:
         """Make `holder` hold `blocks` blocks, and `extra_bytes` besides (a prompt's cache while it
         is fed): more or fewer than it holds. False, holding what it held, when the server's memory
         is short now; TooLargeError when it could never fit."""
-        nbytes = blocks * self.block_tokens * self.bytes_per_token + extra_bytes
+        nbytes = blocks * self.block_bytes + extra_bytes
         if holder.kv is None:
             try:
                 holder.kv = self._reserve(nbytes)

@@ -18,6 +18,7 @@ import time
 import httpx
 
 from scripts.drills.server import Server
+from scripts.drills.streams import decode_while_all
 
 PASSAGE_CHARS = 3_000  # with the question and template, a prompt of about 700 tokens on the default model
 QUESTION = "Summarise what this passage says, in order, with every name it gives."
@@ -90,15 +91,9 @@ def _summary(results: list[dict]) -> dict:
 
 
 def _decode_while_all(results: list[dict]) -> float | None:
-    """Tokens per second, all streams together, while every one of them decodes: from the last
-    first token to the first last token, each stream's tokens counted by its share of deltas there
-    (None when that window is empty)."""
-    done = [r for r in results if "ttft" in r]
-    begin, end = max(r["times"][0] for r in done), min(r["times"][-1] for r in done)
-    if end <= begin:
-        return None
-    tokens = sum(r["tokens"] * sum(begin < t <= end for t in r["times"]) / len(r["times"]) for r in done)
-    return round(tokens / (end - begin), 2)
+    """Tokens per second, all streams together, while every one of them decodes (streams.py)."""
+    rate = decode_while_all([(r["times"], r["tokens"]) for r in results if "ttft" in r])
+    return None if rate is None else round(rate, 2)
 
 
 async def run_capacity(server: Server, book: str, people: int, streams: int, max_tokens: int) -> dict:

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from scripts.drills.server import Server
+from scripts.drills.streams import decode_while_all
 from tests.helpers import CACHE_DIR
 
 
@@ -111,3 +112,10 @@ def test_a_client_waiting_for_100_continue_is_refused_at_once(server):
     started = time.monotonic()
     response = exchange(server, head, [])
     assert response.startswith("HTTP/1.1 413") and time.monotonic() - started < 1.0  # no wait for a body never sent
+
+
+def test_decode_while_all_counts_only_the_window_where_every_stream_decodes():
+    """The drills' and bench/peers.py's aggregate: tokens inside the window from the last first
+    delta to the first last delta, each stream by its share of deltas there."""
+    assert decode_while_all([([0.0, 1.0, 2.0, 3.0], 4), ([1.0, 2.0, 3.0, 4.0], 4)]) == 2.0
+    assert decode_while_all([([0.0, 1.0], 2), ([2.0, 3.0], 2)]) is None  # never all at once
