@@ -97,7 +97,7 @@ class Answering:
             if blocks is not None:  # 413 now for an answer that could never fit
                 store.check_fits(blocks.peak_bytes(len(prompt_ids) + params.max_tokens))
                 transient = 0
-            events = self._generate(runtime, prompt_ids, params)
+            events = generate_events(runtime, prompt_ids, params)
         else:
             memory = session.memory
             assert memory is not None
@@ -150,7 +150,7 @@ class Answering:
             if memory.plain_answer and runtime.batcher is not None:
                 yield placed(memory.retrieval(request), session.documents)
                 prompt_ids = await asyncio.to_thread(memory.answer_prompt, request)
-                async with contextlib.aclosing(self._generate(runtime, prompt_ids, params)) as answer:
+                async with contextlib.aclosing(generate_events(runtime, prompt_ids, params)) as answer:
                     async for event in answer:
                         yield event
                 return
@@ -176,18 +176,21 @@ class Answering:
         async with contextlib.nullcontext() if holding_lock else session.write_lock:
             await self.session_service.memory_worker(session).run(apply)
 
-    async def _generate(
-        self, runtime: ModelRuntime, prompt_ids: list[int], params: GenerationParams
-    ) -> AsyncGenerator[GenerationEvent, None]:
-        if runtime.batcher is not None:
-            async with contextlib.aclosing(runtime.batcher.generate(prompt_ids, params)) as answer:
-                async for event in answer:
-                    yield event
-            return
-        loaded = runtime.loaded
-        steps = generate_steps(loaded.model, loaded.tokenizer, prompt_ids, params, runtime.stop_tokens)
-        async for event in runtime.worker.iterate(steps):
-            yield event
+
+async def generate_events(
+    runtime: ModelRuntime, prompt_ids: list[int], params: GenerationParams, *, background: bool = False
+) -> AsyncGenerator[GenerationEvent, None]:
+    """The model's answer to `prompt_ids`: decode-batched where the model allows (`background`
+    work queued behind the answers), else alone on its worker."""
+    if runtime.batcher is not None:
+        async with contextlib.aclosing(runtime.batcher.generate(prompt_ids, params, background=background)) as answer:
+            async for event in answer:
+                yield event
+        return
+    loaded = runtime.loaded
+    steps = generate_steps(loaded.model, loaded.tokenizer, prompt_ids, params, runtime.stop_tokens)
+    async for event in runtime.worker.iterate(steps):
+        yield event
 
 
 def _chosen_documents(session: Session | None, documents: Sequence[str] | None) -> frozenset[str] | None:

@@ -38,6 +38,7 @@ from engine.runtime.os_memory import return_free_memory
 from engine.runtime.registry import ModelRegistry
 from engine.runtime.worker import on_compute_thread, single_threaded_torch
 from engine.sessions.service import SessionService
+from engine.summarize import Summarizer
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class Engine:
         self.sessions = self.session_service.store
         self.ingestion = Ingestion(config.ingest, self.session_service)
         self.answering = Answering(config.generation, self.session_service)
+        self.summarizer = Summarizer(self.session_service)  # background summaries, where a memory writes them
+        self.session_service.on_loaded = self.ingestion.on_ingested = self.summarizer.ensure
         self._embedder_factory = embedder_factory or self._default_embedder
         self._reaper: asyncio.Task[None] | None = None
         self._ready = False
@@ -96,6 +99,7 @@ class Engine:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        await self.summarizer.stop()
         self.models.shutdown()
         self.session_service.embed_worker.shutdown()
 
@@ -138,7 +142,9 @@ class Engine:
         return self.session_service.use(session_id).info()
 
     def delete_session(self, session_id: str) -> None:
+        """Delete the session; its summaries' build, if one runs, stops."""
         self.session_service.delete(session_id)
+        self.summarizer.cancel(session_id)
 
     def cache_info(self, session_id: str) -> CacheInfo:
         return self.session_service.use(session_id).cache()

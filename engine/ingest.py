@@ -164,6 +164,7 @@ class Ingestion:
     def __init__(self, config: IngestConfig, session_service: SessionService) -> None:
         self.config = config
         self.session_service = session_service
+        self.on_ingested: Callable[[Session], None] = lambda session: None  # a document was committed
 
     async def start(self, session_id: str, parsed: ParsedDocument, name: str) -> EventStream[IngestEvent]:
         """Tokenize and check the document now; the returned event stream ingests it segment by segment."""
@@ -210,6 +211,8 @@ class Ingestion:
                 async for event in self.session_service.memory_worker(session).iterate(steps):
                     if session.deleted:
                         raise NotFoundError(f"session {session.id} was deleted during ingestion")
+                    if isinstance(event, IngestDone):
+                        self.on_ingested(session)
                     yield event
             finally:
                 session.last_used_at = time.time()

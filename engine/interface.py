@@ -126,6 +126,11 @@ class CacheInfo:
     turns: int = 0  # answered turns written to the memory (neurocache with "remember")
     dropped_tokens: int = 0  # tokens of its documents the memory took but no longer holds (over capacity)
     bytes_per_token: int = 0  # what one more document token costs the memory (0: not reported)
+    # text memory with `summarize`: summaries written, of those its documents' trees have when
+    # whole, and "building", "ready" or "stopped: <why>" (None: the memory writes none)
+    summaries: int = 0
+    summaries_planned: int = 0
+    summary_state: str | None = None
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,9 @@ class CachePublic(BaseModel):
     turns: int = 0
     dropped_tokens: int = Field(0, description="tokens of the session's documents the memory no longer holds")
     bytes_per_token: int = Field(0, description="bytes one more document token costs this memory (0: not reported)")
+    summaries: int = Field(0, description="text memory with 'summarize': summaries written in the background so far")
+    summaries_planned: int = Field(0, description="how many the documents' summary trees have when whole")
+    summary_state: str | None = Field(None, description="'building', 'ready' or 'stopped: <why>'; null: no summaries")
 
 
 class SessionPublic(BaseModel):

@@ -103,6 +103,18 @@ class MemoryWrite:
     apply: Callable[[], bool]
 
 
+@dataclass(frozen=True)
+class SummaryTask:
+    """One summary a memory wants the served model to write in the background (engine/summarize.py):
+    the chat to answer and at most how many tokens; `key`, `start` and `end` are the memory's own."""
+
+    key: Any
+    messages: Messages
+    max_tokens: int
+    start: int = 0
+    end: int = 0
+
+
 def parse_options(options_type: type, options: dict[str, Any]) -> Any:
     """Build a memory's options dataclass from a user's dict, strictly typed as JSON (no 1.5 for an
     int, no true for a number, no "3" for 3); unknown or bad values are user errors."""
@@ -236,6 +248,28 @@ class Memory(ABC):
     def document_text(self, document_id: str) -> str | None:
         """A committed document's text, for a memory that keeps it (None: this one does not)."""
         return None
+
+    # ---- background summaries (engine/summarize.py; the default: none) --------------------------
+
+    def summary_tasks(self, limit: int, busy: frozenset[Any]) -> list[SummaryTask]:
+        """Up to `limit` summaries the served model can write now, none of whose keys is in `busy`."""
+        return []
+
+    def add_summary(self, task: SummaryTask, text: str) -> bool:
+        """Keep what the model wrote for `task`; False when the task no longer applies (its
+        document was cleared meanwhile) and nothing was kept."""
+        return False
+
+    def summary_bytes(self, task: SummaryTask) -> int:
+        """At most what keeping `task`'s summary adds to the memory."""
+        return 0
+
+    summary_error: str | None = None  # why the summaries stopped, set by the engine
+
+    @property
+    def writes_summaries(self) -> bool:
+        """Whether `summary_tasks` may hand out work."""
+        return False
 
     @abstractmethod
     def stats(self) -> CacheInfo:

@@ -64,6 +64,7 @@ class Row:
     kv: Held | None = None  # the server's memory its blocks hold (engine/runtime/kv_blocks.py)
     blocks: int = 0
     waiting_since: float | None = None  # when it first found the server's memory short
+    background: bool = False  # work no client waits on (a summary): queued behind the answers
 
     def ids(self) -> list[int]:
         """What its prefill feeds: the prompt, and the answer so far when it resumes."""

@@ -85,10 +85,16 @@ class Batcher:
         row.state.take(self._decoder.prefill(row))
         row.state.take(self._decoder.step([row])[0])
 
-    async def generate(self, prompt_ids: list[int], params: GenerationParams) -> AsyncGenerator[GenerationEvent, None]:
-        """Text deltas, then done; leaving early cancels the row before its next step."""
-        row = Row(list(prompt_ids), params)
-        self._waiting.append(row)
+    async def generate(
+        self, prompt_ids: list[int], params: GenerationParams, *, background: bool = False
+    ) -> AsyncGenerator[GenerationEvent, None]:
+        """Text deltas, then done; leaving early cancels the row before its next step. An answer
+        is queued ahead of `background` rows, but never ahead of the head of the queue, which the
+        worker thread may be admitting now."""
+        row = Row(list(prompt_ids), params, background=background)
+        waiting = list(self._waiting)  # a copy made at once: the worker thread pops the head
+        at = len(waiting) if background else next((i for i, w in enumerate(waiting) if w.background), len(waiting))
+        self._waiting.insert(max(at, 1) if waiting else 0, row)
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
@@ -46,6 +47,7 @@ class SessionService:
         self._unreadable: dict[str, tuple[int, int, int] | None] = {}  # id: the stamp found unreadable
         self.embedder: Embedder | None = None  # set once the models are loaded
         self.embed_worker = SerialWorker(EMBEDDER_WORKER, config.generation.max_queue)
+        self.on_loaded: Callable[[Session], None] = lambda session: None  # a session's memory is in RAM (read or written)
 
     def memory_context(self, runtime: ModelRuntime) -> MemoryContext:
         return runtime.memory_context(self.embedder)
@@ -280,6 +282,7 @@ class SessionService:
                         raise NotFoundError(f"no session {session.id!r}") from exc
                     self._snapshot_failed(session.id, exc)
                     raise SnapshotUnreadableError(f"session {session.id} is saved on disk but cannot be read back") from exc
+            self.on_loaded(session)
 
     def _save_remade(self, session: Session) -> None:
         """Save a session whose memory made part of its state again while loading; a failure

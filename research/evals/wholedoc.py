@@ -24,10 +24,12 @@ for the figures, and the filler of each from different books.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import re
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -407,7 +409,17 @@ class KindRow:
 
 
 def _holds(items: list[RetrievedItem], facts: tuple[tuple[int, int], ...]) -> bool:
-    return all(any(item.char_start <= a and b <= item.char_end for item in items) for a, b in facts)
+    """Every fact inside a passage of the document's own text (a summary covers a span it does not quote)."""
+    quoted = [item for item in items if item.gathered != "summary"]
+    return all(any(item.char_start <= a and b <= item.char_end for item in quoted) for a, b in facts)
+
+
+async def summarized(engine: Engine, session_id: str) -> float:
+    """Wait while the session's summaries are being written (text memory with `summarize`); the seconds waited."""
+    started = time.perf_counter()
+    while engine.cache_info(session_id).summary_state == "building":
+        await asyncio.sleep(1.0)
+    return time.perf_counter() - started
 
 
 async def _ask(engine: Engine, row: KindRow, document: Document, question: Question, session_id: str | None) -> None:
@@ -463,6 +475,13 @@ def bench(setup: EvalSetup, runs: list[tuple[str, dict[str, Any]]], docs: list[D
                 try:
                     async for _ in await engine.ingest(session.id, document.text, document.name):
                         pass
+                    waited = await summarized(engine, session.id)
+                    cache = engine.cache_info(session.id)
+                    if cache.summary_state is not None:
+                        print(
+                            f"  {document.name}: {cache.summaries} summaries, {cache.summary_state}, {waited:.0f} s after ingestion",
+                            flush=True,
+                        )
                     for question in document.questions:
                         await _ask(engine, row, document, question, session.id)
                 finally:

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.interface import CacheInfo
-from engine.memories.base import ContextPiece, Memory, MemoryContext, Scope, Segment
+from engine.interface import CacheInfo, RetrievedItem
+from engine.memories.base import ContextPiece, Memory, MemoryContext, Scope, Segment, SummaryTask
 from engine.memories.text.excerpts import Excerpts
 from engine.memories.text.gather import Sentence, gather, merged
 from engine.memories.text.locate import Place, places
@@ -22,6 +22,7 @@ from engine.memories.text.options import TextOptions
 from engine.memories.text.ranking import Ranking
 from engine.memories.text.rerank import QUESTION_TOKENS, frame_tokens, pass_bytes
 from engine.memories.text.store import TextStore, sentence_start
+from engine.memories.text.summary import SummaryTree, is_summary_question, level_sizes, part_spans
 
 
 class TextMemory(Memory):
@@ -40,6 +41,8 @@ class TextMemory(Memory):
         self.store = TextStore(context.embedder, read)
         self.ranking = Ranking(self.store, self._model, self._tokenizer)
         self.excerpts = Excerpts(self.store, self.ranking, self._tokenizer)
+        self.summaries = SummaryTree(context.embedder.dim, read.summary_part_tokens, read.summary_fanout)
+        self._parts: dict[str, list[tuple[int, int]]] = {}  # each document's summary parts, planned once
 
     @property
     def options(self) -> TextOptions:
@@ -49,6 +52,7 @@ class TextMemory(Memory):
     def options(self, options: TextOptions) -> None:
         """A saved session's options, set before `load_state_dict` (kvcache's text index)."""
         self.store.options = options
+        self.summaries = SummaryTree(self.summaries.dim, options.summary_part_tokens, options.summary_fanout)
 
     def begin_document(self, document_id: str, text: str, tokens: int) -> None:
         self.store.begin(document_id, text)
@@ -75,6 +79,13 @@ class TextMemory(Memory):
         allowed = self._allowed_chunks(documents)
         if allowed is not None and not allowed.any():
             return []
+        summaries = self._summary_pieces(query, min(max_tokens, self.options.summary_tokens), scope)
+        used = sum(self.excerpts.token_count(piece.text) + 2 for piece in summaries)
+        return summaries + self._excerpts(query, max_tokens - used, scope, allowed)
+
+    def _excerpts(self, query: str, max_tokens: int, scope: Scope | None, allowed: np.ndarray | None) -> list[ContextPiece]:
+        """The document's own text for `query`: located, gathered and ranked excerpts, by the options."""
+        documents = scope.documents if scope is not None else None
         if self.options.locate and scope is not None:
             found = places(query, self.store.documents, scope.layouts, documents)
             if found:
@@ -92,6 +103,68 @@ class TextMemory(Memory):
             return self._ranked_pieces(query, max_tokens, allowed)
         ranked = self._ranked_pieces(query, max_tokens - used, allowed)
         return merged(gathered, ranked, self.store.documents)
+
+    def _summary_pieces(self, query: str, max_tokens: int, scope: Scope | None) -> list[ContextPiece]:
+        """Summaries for a whole-document question (summary.py), when the session writes them."""
+        if not (self.options.summarize and len(self.summaries) and is_summary_question(query)):
+            return []
+        documents = scope.documents if scope is not None else None
+        store = self.store
+        allowed = frozenset(id_ for id_, _ in store.documents if documents is None or id_ in documents)
+        found = places(query, store.documents, scope.layouts if scope is not None else {}, documents)
+        # an ending: the summary of the place's last part
+        spots = [(store.documents[p.document][0], p.end - 1 if p.ending else p.start, p.end) for p in found]
+        parts = self.summary_parts()
+        tops = frozenset(
+            (id_, len(sizes), 0) for id_, spans in parts.items() if (sizes := level_sizes(len(spans), self.summaries.fanout))
+        )
+        vector = store.embedder.encode([query])[0]
+        chosen = self.summaries.pieces(vector, allowed, spots, max_tokens, self.excerpts.token_count, tops)
+        first_chunk = {id_: int(np.argmax(store.chunks.documents == n)) for n, (id_, _) in enumerate(store.documents)}
+        return [
+            ContextPiece(
+                text, RetrievedItem(first_chunk[node.document_id], node.document_id, node.start, node.end, gathered="summary")
+            )
+            for node, text in chosen
+        ]
+
+    def summary_parts(self) -> dict[str, list[tuple[int, int]]]:
+        """Each committed document's summary parts (summary.py), planned from its chunks."""
+        store, parts = self.store, self._parts
+        missing = [(number, id_) for number, (id_, _) in enumerate(store.documents) if id_ not in parts]
+        if missing:  # a new dict, never one changed in place: stats read it from the event loop's thread
+            parts = dict(parts)
+            for number, id_ in missing:
+                mine = store.chunks.documents == number
+                parts[id_] = part_spans(store.chunks.spans[mine], store.chunks.tokens[mine], self.summaries.part_tokens)
+            self._parts = parts
+        return parts
+
+    @property
+    def writes_summaries(self) -> bool:
+        return self.options.summarize
+
+    def summary_tasks(self, limit: int, busy: frozenset[Any]) -> list[SummaryTask]:
+        if not self.options.summarize:
+            return []
+        return self.summaries.tasks(self.summary_parts(), dict(self.store.documents), limit, busy)
+
+    def add_summary(self, task: SummaryTask, text: str) -> bool:
+        document_id = task.key[0]
+        if self.summaries.has(task.key) or document_id not in self.summary_parts():
+            return False  # cleared since the task was handed out
+        self.summaries.add(task, text, self.store.embedder.encode([text.strip()])[0])
+        return True
+
+    def summary_bytes(self, task: SummaryTask) -> int:
+        return self.summaries.node_bytes(task.max_tokens)
+
+    def _summary_state(self, planned: int) -> str | None:
+        if not self.options.summarize:
+            return None
+        if self.summary_error is not None:
+            return f"stopped: {self.summary_error}"
+        return "ready" if len(self.summaries) >= planned else "building"
 
     def _located(self, query: str, max_tokens: int, found: list[Place], allowed: np.ndarray | None) -> list[ContextPiece]:
         """Ranked chunks of the places only; for an ending, the places' last `tail_tokens` too."""
@@ -160,23 +233,33 @@ class TextMemory(Memory):
         return next((text for id_, text in self.store.documents if id_ == document_id), None)
 
     def stats(self) -> CacheInfo:
+        planned = self.summaries.planned(self.summary_parts()) if self.options.summarize else 0
         return CacheInfo(
             memory=self.kind,
             entries=int(self.store.index.ntotal),
-            bytes=self.store.nbytes,
+            bytes=self.store.nbytes + self.summaries.nbytes,
             capacity=self.options.max_chunks,
             documents=len(self.store.documents),
+            summaries=len(self.summaries),
+            summaries_planned=planned,
+            summary_state=self._summary_state(planned),
         )
 
     def reset(self) -> None:
         self.store.reset()
+        self.summaries.reset()
+        self._parts = {}
 
     def state_dict(self) -> dict[str, Any]:
-        return self.store.state_dict()
+        return {**self.store.state_dict(), **self.summaries.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._parts = {}
         if self.store.load_state_dict(state):
             self.remade_on_load = True
+        self.summaries.load_state_dict(state)
+        if self.remade_on_load and len(self.summaries):  # another embedder: the summaries' vectors too
+            self.summaries.vectors = self.store.embedder.encode([node.text for node in self.summaries.nodes]).astype(np.float32)
 
 
 CHARS_PER_TOKEN = 4  # English prose, about; the tail's pieces are counted in tokens after

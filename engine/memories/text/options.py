@@ -30,6 +30,13 @@ class TextOptions:
     # an ending gets the place's last tail_tokens too (locate.py)
     locate: bool = False
     tail_tokens: int = 768
+    # the served model writes a summary tree of each document in the background (summary.py): parts
+    # of summary_part_tokens, summary_fanout summaries to one above; a whole-document question gets
+    # at most summary_tokens of them before the ranked excerpts
+    summarize: bool = False
+    summary_part_tokens: int = 2048
+    summary_fanout: int = 8
+    summary_tokens: int = 768
 
     def __post_init__(self) -> None:
         if not 16 <= self.chunk_tokens <= 512:
@@ -66,6 +73,14 @@ class TextOptions:
             raise ValueError("locate must be true or false")
         if not 16 <= self.tail_tokens <= 32_768:
             raise ValueError("tail_tokens must be between 16 and 32768")
+        if not isinstance(self.summarize, bool):
+            raise ValueError("summarize must be true or false")
+        if not self.chunk_tokens <= self.summary_part_tokens <= 8_192:
+            raise ValueError("summary_part_tokens must be between chunk_tokens and 8192")
+        if not 2 <= self.summary_fanout <= 32:
+            raise ValueError("summary_fanout must be between 2 and 32")
+        if not 16 <= self.summary_tokens <= 32_768:
+            raise ValueError("summary_tokens must be between 16 and 32768")
 
     def score_fusion(self) -> bool:
         return (self.retrieval, self.fusion) == ("hybrid", "score")
