@@ -13,7 +13,7 @@ APT := $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive
 DRILL_VENV  := .venv-drills
 DRILL_STAMP := $(DRILL_VENV)/.installed
 
-.PHONY: serve test install chromium bench bench-kvcache bench-batching bench-scaleout peers corpus documents bench-documents drills drill-capacity observe image image-smoke clean
+.PHONY: serve test install chromium bench bench-kvcache bench-batching bench-scaleout peers corpus documents bench-documents drills drill-capacity drill-summary observe image image-smoke clean
 
 $(STAMP): pyproject.toml engine/models/wheels.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,10 @@ drills: $(STAMP) $(DRILL_STAMP)
 # issue 62's figures: 32 questions at once and 8 streams on the default model, default settings
 drill-capacity: $(STAMP)
 	$(BIN)/python -m scripts.drills --only capacity $(ARGS)
+
+# background summaries on the default model: the build's time and first tokens meanwhile
+drill-summary: $(STAMP)
+	$(BIN)/python -m scripts.drills --only summary $(ARGS)
 
 # a real Prometheus scraping a live server: every dashboard query must return data and every
 # alert rule evaluate (deploy/prometheus/alerts.test.yml unit-tests the rules first)

@@ -1,9 +1,9 @@
 """`make drills`: reliability drills against a real `longdoc serve` on the small model (SmolLM2-135M; scripts/drills/server.py).
 
-    python -m scripts.drills [--only sweep,refusals,load,rss,crash,fuzz,first,capacity] [--sessions 16] [--starts 10] [--out results.json]
+    python -m scripts.drills [--only sweep,refusals,load,rss,crash,fuzz,first,capacity,summary] [--sessions 16] [--starts 10] [--out results.json]
 
-`capacity` runs the default model (not the small one) on default settings, and is not in the
-default run: `make drill-capacity`.
+`capacity` and `summary` run the default model (not the small one) on default settings, and are
+not in the default run: `make drill-capacity`, `make drill-summary`.
 
 Prints each drill's figures as JSON and exits non-zero if any drill failed.
 """
@@ -27,10 +27,11 @@ from scripts.drills.load import BOOK, load_passed, run_load
 from scripts.drills.refusals import refusals_passed, run_refusals
 from scripts.drills.rss import rss_passed, run_rss
 from scripts.drills.server import Server
+from scripts.drills.summary import run_summary, summary_passed
 from scripts.drills.sweep import run_sweep, sweep_passed
 
 DRILLS = ("sweep", "refusals", "load", "rss", "crash", "fuzz", "first")
-EXTRA_DRILLS = ("capacity",)  # asked for by name only
+EXTRA_DRILLS = ("capacity", "summary")  # asked for by name only
 LEAK_TOLERANCE = 0.05
 MAX_DOCUMENT_BYTES = 2_000_000
 # Bounded so a drill measures the server's handling, not minutes of decoding on 2 cores.
@@ -60,6 +61,7 @@ def main() -> int:
     parser.add_argument("--people", type=int, default=32, help="questions asked at once in the capacity drill")
     parser.add_argument("--streams", type=int, default=8, help="streams whose aggregate decode the capacity drill measures")
     parser.add_argument("--capacity-tokens", type=int, default=128, help="new tokens of each capacity drill answer")
+    parser.add_argument("--summary-book", type=Path, default=BOOK, help="the book the summary drill summarizes")
     parser.add_argument("--out", type=Path, help="also write the results here as JSON")
     args = parser.parse_args()
     chosen = [d for d in args.only.split(",") if d]
@@ -126,6 +128,14 @@ def main() -> int:
             server.stop()
         passed["capacity"] = capacity_passed(results["capacity"])
         report("capacity", results["capacity"])
+    if "summary" in chosen:  # the default model, default settings
+        server = Server([], env={"LONGDOC_MODEL": DEFAULT_MODEL}).start(timeout=1800)
+        try:
+            results["summary"] = asyncio.run(run_summary(server, args.summary_book.read_text(encoding="utf-8")))
+        finally:
+            server.stop()
+        passed["summary"] = summary_passed(results["summary"])
+        report("summary", results["summary"])
     if "first" in chosen:
         results["first"] = run_first(SERVER_ARGS, (fetch() / "plrabn12.txt").read_text(encoding="utf-8"), args.starts)
         passed["first"] = first_passed(results["first"])

@@ -556,3 +556,34 @@ def test_a_tick_after_a_prompt_with_nothing_left_to_step_feeds_the_next_one(tiny
     batcher._waiting.append(nxt)
     out = batcher._tick()
     assert [row for row, _ in out] == [nxt] and isinstance(out[0][1][0], TokenDelta)
+
+
+def test_an_answer_is_queued_ahead_of_background_rows_but_behind_the_head(tiny_tokenizer):
+    """One row at a time: while an answer decodes, two background rows queue, then an answer
+    arrives; it runs after the first background row (the head, which the worker may be admitting)
+    and before the second. Every row gets what it gets alone."""
+    model = tiny("llama", len(tiny_tokenizer))
+    generator = torch.Generator(torch.get_default_device()).manual_seed(8)
+    prompts = [torch.randint(0, len(tiny_tokenizer), (n,), generator=generator).tolist() for n in (5, 7, 9, 6)]
+    params = GenerationParams(max_tokens=6, temperature=0.0)
+    batcher = batcher_for(model, tiny_tokenizer, max_rows=1)
+    finished: list[str] = []
+
+    async def run():
+        async def follow(name, prompt, background=False):
+            events = [event async for event in batcher.generate(prompt, params, background=background)]
+            finished.append(name)
+            return answer_of(events)
+
+        first = asyncio.create_task(follow("first", prompts[0]))
+        while batcher.rows == 0:
+            await asyncio.sleep(0.001)
+        jobs = [asyncio.create_task(follow(f"background {i}", prompts[i], background=True)) for i in (1, 2)]
+        await asyncio.sleep(0)
+        jobs.append(asyncio.create_task(follow("answer", prompts[3])))
+        return await asyncio.gather(first, *jobs)
+
+    answers = asyncio.run(run())
+    assert finished == ["first", "background 1", "answer", "background 2"]
+    for prompt, got in zip([prompts[0], prompts[1], prompts[2], prompts[3]], answers, strict=True):
+        assert same_answer(got, alone(model, tiny_tokenizer, prompt, params))

@@ -119,7 +119,8 @@ class TextMemory(Memory):
             (id_, len(sizes), 0) for id_, spans in parts.items() if (sizes := level_sizes(len(spans), self.summaries.fanout))
         )
         vector = store.embedder.encode([query])[0]
-        chosen = self.summaries.pieces(vector, allowed, spots, max_tokens, self.excerpts.token_count, tops)
+        # each piece's tokens and the blank line after it, as `retrieve` counts them
+        chosen = self.summaries.pieces(vector, allowed, spots, max_tokens, lambda text: self.excerpts.token_count(text) + 2, tops)
         first_chunk = {id_: int(np.argmax(store.chunks.documents == n)) for n, (id_, _) in enumerate(store.documents)}
         return [
             ContextPiece(
