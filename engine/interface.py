@@ -160,9 +160,11 @@ class RetrievedItem:
     # text memory with `gather`: "whole" (every sentence naming the question's names, for a
     # whole-document question), "exact" (the sentences holding every name the question gives, one
     # hop) or "lookup" (those naming most of it, one hop, before ranked chunks); with `locate`, "tail"
-    # (the last tokens of the chapter or document an ending question names); None: a ranked chunk
-    # (one that took in a gathered sentence carries its mark)
+    # (the last tokens of the chapter or document an ending question names); with `summarize`,
+    # "summary" (a summary of characters char_start..char_end, its words in `text`); None: a ranked
+    # chunk (one that took in a gathered sentence carries its mark)
     gathered: str | None = None
+    text: str | None = None  # the passage's words where they are not the document's own (a summary)
     # where the passage sits, filled in from the document's layout: 1-based pages (PDF) and the
     # section (heading) it falls under
     document_name: str | None = None

@@ -182,8 +182,10 @@ class RetrievedItemPublic(BaseModel):
         description="text memory with gather: 'whole' (every sentence naming the question's names), 'exact' "
         "(the sentences naming all of them, one hop) or 'lookup' (those naming most, one hop, before ranked chunks); "
         "text memory with locate: 'tail' (the end of the chapter or document an ending question names); "
+        "text memory with summarize: 'summary' (a summary of the characters char_start..char_end, its words in text); "
         "absent for a ranked chunk (one that took in a gathered sentence carries its mark)",
     )
+    text: str | None = Field(None, description="a summary's words; absent where the passage is the document's own text")
     document_name: str | None = None
     page_start: int | None = Field(None, description="the 1-based page the passage starts on (PDF)")
     page_end: int | None = Field(None, description="the page it ends on")

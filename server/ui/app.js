@@ -279,10 +279,12 @@ async function showPassages(sessionId, items) {
     const score = p.score == null ? "" : `, score ${p.score.toFixed(3)}`;
     const name = p.document_name || documentOf(sessionId, p.document_id)?.name || p.document_id;
     const place = placeOf(p);
-    const label = `${name}${place ? ` (${place})` : ""}, characters ${p.char_start}–${p.char_end}${score}`;
+    const what = p.gathered === "summary" ? "summary of characters" : "characters";
+    const label = `${name}${place ? ` (${place})` : ""}, ${what} ${p.char_start}–${p.char_end}${score}`;
     const button = element("button", { type: "button", textContent: label, onclick: guarded(() => openPassage(i + 1, true)) });
     const doc = texts[p.document_id];
-    const excerpt = doc ? doc.text.slice(doc.at(p.char_start), doc.at(Math.min(p.char_end, p.char_start + 240))) : "";
+    // a summary's own words; a passage's first characters from its document
+    const excerpt = p.text ?? (doc ? doc.text.slice(doc.at(p.char_start), doc.at(Math.min(p.char_end, p.char_start + 240))) : "");
     return element("li", {}, button, element("blockquote", { textContent: excerpt }));
   }));
   if (items.length) await openPassage(1, false);

@@ -102,8 +102,11 @@ def test_a_session_writes_its_summaries_in_the_background_and_answers_with_them(
     top = max(nodes, key=lambda node: node.level)
     assert nodes[-1] == top and (top.start, top.index) == (0, 0) and top.end >= len(STORY) - 1  # the whole story's, last
     whole = client.post(f"/v1/sessions/{session_id}/ask", json={"question": "Summarize the story.", "max_tokens": 4}).json()
-    marks = [item["gathered"] for item in whole["retrieval"]["items"]]
-    assert "summary" in marks and marks[0] == "summary"
+    items = whole["retrieval"]["items"]
+    assert items[0]["gathered"] == "summary"  # the summaries come before the excerpts
+    written = {node.text for node in nodes}
+    assert all(item["text"] in written for item in items if item["gathered"] == "summary")  # their words, for the page
+    assert all(item["text"] is None for item in items if item["gathered"] != "summary")
     local = client.post(f"/v1/sessions/{session_id}/ask", json={"question": "Which lamp is lit on day 7?", "max_tokens": 4})
     assert "summary" not in [item["gathered"] for item in local.json()["retrieval"]["items"]]
     plain = new_session(client, memory="text")

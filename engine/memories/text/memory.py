@@ -124,7 +124,10 @@ class TextMemory(Memory):
         first_chunk = {id_: int(np.argmax(store.chunks.documents == n)) for n, (id_, _) in enumerate(store.documents)}
         return [
             ContextPiece(
-                text, RetrievedItem(first_chunk[node.document_id], node.document_id, node.start, node.end, gathered="summary")
+                text,
+                RetrievedItem(
+                    first_chunk[node.document_id], node.document_id, node.start, node.end, gathered="summary", text=node.text
+                ),
             )
             for node, text in chosen
         ]
