@@ -34,6 +34,9 @@ def test_session_lifecycle(client):
         "turns": 0,
         "dropped_tokens": 0,
         "bytes_per_token": 12,
+        "summaries": 0,
+        "summaries_planned": 0,
+        "summary_state": None,
     }
     assert [s["id"] for s in client.get("/v1/sessions").json()["data"]] == [session_id]
     assert client.delete(f"/v1/sessions/{session_id}").status_code == 204
