@@ -54,6 +54,9 @@ class Batcher:
         self.max_rows = max_rows
         self.prefill_chunk = prefill_chunk  # prompt tokens fed a step (None: a whole prompt)
         self._waiting: collections.deque[Row] = collections.deque()
+        # work no client waits on (summaries): admitted only when no answer waits, and a background
+        # prompt being fed steps aside (keeping what it has fed) when an answer arrives
+        self._background: collections.deque[Row] = collections.deque()
         self._rows: list[Row] = []  # touched on the worker thread only
         self._prefilling: Row | None = None  # the admitted row whose prompt is being fed, a chunk a step
         self._step_first = False  # the last tick ended a prompt: this one steps the rows before feeding any
@@ -69,7 +72,7 @@ class Batcher:
     @property
     def waiting(self) -> int:
         """Answers queued for a place in the batch or for memory (preempted ones included)."""
-        return len(self._waiting) + (self._prefilling is not None)
+        return len(self._waiting) + len(self._background) + (self._prefilling is not None)
 
     @property
     def rows(self) -> int:
@@ -88,13 +91,10 @@ class Batcher:
     async def generate(
         self, prompt_ids: list[int], params: GenerationParams, *, background: bool = False
     ) -> AsyncGenerator[GenerationEvent, None]:
-        """Text deltas, then done; leaving early cancels the row before its next step. An answer
-        is queued ahead of `background` rows, but never ahead of the head of the queue, which the
-        worker thread may be admitting now."""
+        """Text deltas, then done; leaving early cancels the row before its next step. A
+        `background` row waits while any answer does."""
         row = Row(list(prompt_ids), params, background=background)
-        waiting = list(self._waiting)  # a copy made at once: the worker thread pops the head
-        at = len(waiting) if background else next((i for i, w in enumerate(waiting) if w.background), len(waiting))
-        self._waiting.insert(max(at, 1) if waiting else 0, row)
+        (self._background if background else self._waiting).append(row)
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
         try:
@@ -115,7 +115,7 @@ class Batcher:
             ticking = self._worker.start(self._tick)
             while True:
                 done = await ticking
-                busy = bool(self._rows or self._waiting or self._prefilling is not None)
+                busy = bool(self._rows or self._waiting or self._background or self._prefilling is not None)
                 try:
                     if busy:
                         if self._stalled:  # waiting for memory that only others can free: no spinning
@@ -130,11 +130,12 @@ class Batcher:
         except BaseException as exc:  # shutdown, or a fault of the scheduler itself: no row waits forever
             failure = exc if isinstance(exc, Exception) else RuntimeError("the model worker stopped")
             prefilling = [] if self._prefilling is None else [self._prefilling]
-            for row in [*list(self._rows), *prefilling, *list(self._waiting)]:
+            for row in [*list(self._rows), *prefilling, *list(self._waiting), *list(self._background)]:
                 row.cancelled = True
                 self._free(row)
                 row.events.put_nowait(failure.with_traceback(None))
             self._rows, self._waiting, self._prefilling, self._step_first = [], collections.deque(), None, False
+            self._background = collections.deque()
             if not isinstance(exc, Exception):
                 raise
             log.exception("the batch scheduler failed; its answers ended with the error")
@@ -149,11 +150,20 @@ class Batcher:
         self._stalled = False
         self._keep_live()
         step_first, self._step_first = self._step_first and bool(self._rows), False
-        while not step_first and self._prefilling is None and self._waiting and len(self._rows) < self.max_rows:
-            row = self._waiting[0]
-            if not row.cancelled and not self._hold_prompt(row, out) and not row.cancelled:
+        if self._prefilling is not None and self._prefilling.background and self._waiting:
+            self._background.appendleft(self._prefilling)  # an answer first; it keeps what it has fed
+            self._prefilling = None
+        while not step_first and self._prefilling is None and len(self._rows) < self.max_rows:
+            queue = self._waiting or self._background
+            if not queue:
+                break
+            row = queue[0]
+            fed_before = row.prompt_cache is not None  # a background row that stepped aside holds its blocks
+            if not row.cancelled and not fed_before and not self._hold_prompt(row, out) and not row.cancelled:
+                if not row.background and self._drop_background_prompts():
+                    continue  # what background prompts held is back: the answer tries again
                 break  # the server's memory is short: it waits at the head of the queue
-            self._waiting.popleft()
+            queue.popleft()
             if row.cancelled:  # also when its client left after its blocks were held
                 self._free(row)
             else:
@@ -207,10 +217,18 @@ class Batcher:
                 "(retry after other sessions are deleted or expire)",
                 60.0,
             )
-            for waiting in self._waiting:  # those behind it would wait for the same memory
+            for waiting in self._waiting if not row.background else self._background:  # they would wait for the same memory
                 waiting.cancelled = True
                 out.append((waiting, [error]))
         return False
+
+    def _drop_background_prompts(self) -> bool:
+        """Free what background rows that stepped aside hold of their half-fed prompts (they feed
+        them again from the start later); True when any was freed."""
+        aside = [row for row in self._background if row.prompt_cache is not None]
+        for row in aside:
+            self._free(row)
+        return bool(aside)
 
     def _roomy(self, row: Row, blocks: int, extra: int) -> bool:
         """Whether, beside the row's `blocks`, each running row could grow once: every growth's
@@ -257,7 +275,7 @@ class Batcher:
         self._free(row)
         row.resumed, row.room = row.state.fed_answer(), 0
         self._rows.remove(row)
-        self._waiting.appendleft(row)
+        (self._background if row.background else self._waiting).appendleft(row)
         self.kv.preemptions += 1
         log.info("preempted an answer at %d tokens: the server's memory is short", row.length)
 

@@ -29,19 +29,17 @@ POLL_SECONDS = 2.0
 
 
 async def _ttft(client: httpx.AsyncClient, session: str, question: str) -> float | None:
-    """Seconds to the first streamed token; None when the answer did not come."""
+    """Seconds to the first streamed token, the answer read to its end; None when none came."""
     started = time.perf_counter()
     body = {"question": question, "stream": True, "max_tokens": ANSWER_TOKENS, "temperature": 0}
     async with client.stream("POST", f"/v1/sessions/{session}/ask", json=body) as response:
         if response.status_code != 200:
             return None
-        async for line in response.aiter_lines():
-            if line == "event: delta":
+        first = None
+        async for line in response.aiter_lines():  # the whole answer is read
+            if line == "event: delta" and first is None:
                 first = time.perf_counter() - started
-                async for _ in response.aiter_lines():  # read the answer out
-                    pass
-                return first
-    return None
+    return first
 
 
 async def _session(client: httpx.AsyncClient, book: str, options: dict) -> str:

@@ -558,23 +558,24 @@ def test_a_tick_after_a_prompt_with_nothing_left_to_step_feeds_the_next_one(tiny
     assert [row for row, _ in out] == [nxt] and isinstance(out[0][1][0], TokenDelta)
 
 
-def test_an_answer_is_queued_ahead_of_background_rows_but_behind_the_head(tiny_tokenizer):
-    """One row at a time: while an answer decodes, two background rows queue, then an answer
-    arrives; it runs after the first background row (the head, which the worker may be admitting)
-    and before the second. Every row gets what it gets alone."""
+def test_answers_go_before_background_rows_and_a_background_prompt_steps_aside_for_one(tiny_tokenizer):
+    """One row at a time, prompts fed 4 tokens a step: while an answer decodes, two background rows
+    queue, then a second answer; it runs before both. Then a background prompt of 60 tokens is
+    being fed when an answer arrives: the answer is fed and answered first, and the background row
+    goes on from what it had fed. Every row gets what it gets alone."""
     model = tiny("llama", len(tiny_tokenizer))
     generator = torch.Generator(torch.get_default_device()).manual_seed(8)
-    prompts = [torch.randint(0, len(tiny_tokenizer), (n,), generator=generator).tolist() for n in (5, 7, 9, 6)]
+    prompts = [torch.randint(0, len(tiny_tokenizer), (n,), generator=generator).tolist() for n in (5, 7, 9, 6, 60, 8)]
     params = GenerationParams(max_tokens=6, temperature=0.0)
-    batcher = batcher_for(model, tiny_tokenizer, max_rows=1)
+    batcher = Batcher(BatchDecoder(model), SerialWorker("test", 16), tiny_tokenizer, NO_STOP, 1, prefill_chunk=4)
     finished: list[str] = []
 
-    async def run():
-        async def follow(name, prompt, background=False):
-            events = [event async for event in batcher.generate(prompt, params, background=background)]
-            finished.append(name)
-            return answer_of(events)
+    async def follow(name, prompt, background=False):
+        events = [event async for event in batcher.generate(prompt, params, background=background)]
+        finished.append(name)
+        return answer_of(events)
 
+    async def queued():
         first = asyncio.create_task(follow("first", prompts[0]))
         while batcher.rows == 0:
             await asyncio.sleep(0.001)
@@ -583,7 +584,17 @@ def test_an_answer_is_queued_ahead_of_background_rows_but_behind_the_head(tiny_t
         jobs.append(asyncio.create_task(follow("answer", prompts[3])))
         return await asyncio.gather(first, *jobs)
 
-    answers = asyncio.run(run())
-    assert finished == ["first", "background 1", "answer", "background 2"]
-    for prompt, got in zip([prompts[0], prompts[1], prompts[2], prompts[3]], answers, strict=True):
+    async def stepping_aside():
+        long = asyncio.create_task(follow("long background", prompts[4], background=True))
+        while batcher._prefilling is None or batcher._prefilling.fed < 8:
+            await asyncio.sleep(0.001)
+        answer = await follow("late answer", prompts[5])
+        assert not long.done()  # the answer did not wait for the rest of the long prompt
+        return [answer, await long]
+
+    answers = asyncio.run(queued())
+    assert finished == ["first", "answer", "background 1", "background 2"]
+    answers += asyncio.run(stepping_aside())
+    assert finished[4:] == ["late answer", "long background"]
+    for prompt, got in zip([prompts[0], prompts[1], prompts[2], prompts[3], prompts[5], prompts[4]], answers, strict=True):
         assert same_answer(got, alone(model, tiny_tokenizer, prompt, params))
