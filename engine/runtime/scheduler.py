@@ -8,7 +8,9 @@ in blocks as they fill (engine/runtime/kv_blocks.py): a prompt waits at the head
 its blocks can be held, and a row that needs a block when memory is short takes it from the youngest
 row, which is preempted and resumes later; without, a row gets prompt + max_tokens positions at
 once. What one step computes is engine/models/llama_step.py (`BatchDecoder`); a model it does not
-support is answered one request at a time.
+support is answered one request at a time. Background rows (summaries) wait in a queue of their
+own, admitted only when no answer waits; one whose prompt is being fed steps aside for an arriving
+answer and goes on from where it was.
 """
 
 from __future__ import annotations
