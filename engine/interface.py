@@ -160,7 +160,8 @@ class RetrievedItem:
     # text memory with `gather`: "whole" (every sentence naming the question's names, for a
     # whole-document question), "exact" (the sentences holding every name the question gives, one
     # hop) or "lookup" (those naming most of it, one hop, before ranked chunks); with `locate`, "tail"
-    # (the last tokens of the chapter or document an ending question names); with `summarize`,
+    # (the last tokens of the chapter or document an ending question names) or "located" (a chunk
+    # ranked within the chapter the question names); with `summarize`,
     # "summary" (a summary of characters char_start..char_end, its words in `text`); None: a ranked
     # chunk (one that took in a gathered sentence carries its mark)
     gathered: str | None = None
@@ -192,6 +193,9 @@ class Retrieval:
     memory: str
     items: tuple[RetrievedItem, ...]
     seconds: float
+    # how the memory chose them; text: "ranked", or its items' marks (`gathered`) joined by "+"
+    # ("whole", "located+tail", "summary+whole"); None: the memory names no strategy
+    strategy: str | None = None
 
 
 @dataclass(frozen=True)

@@ -181,7 +181,8 @@ class RetrievedItemPublic(BaseModel):
         None,
         description="text memory with gather: 'whole' (every sentence naming the question's names), 'exact' "
         "(the sentences naming all of them, one hop) or 'lookup' (those naming most, one hop, before ranked chunks); "
-        "text memory with locate: 'tail' (the end of the chapter or document an ending question names); "
+        "text memory with locate: 'tail' (the end of the chapter or document an ending question names) or 'located' "
+        "(a chunk ranked within the chapter the question names); "
         "text memory with summarize: 'summary' (a summary of the characters char_start..char_end, its words in text); "
         "absent for a ranked chunk (one that took in a gathered sentence carries its mark)",
     )
@@ -196,6 +197,11 @@ class RetrievalPublic(BaseModel):
     memory: str
     items: list[RetrievedItemPublic]
     seconds: float
+    strategy: str | None = Field(
+        None,
+        description="how the memory chose the items; text: 'ranked', or the items' gathered marks joined by '+' "
+        "('whole', 'located+tail', 'summary+whole'); absent where the memory names none",
+    )
 
 
 class Usage(BaseModel):

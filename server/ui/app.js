@@ -214,6 +214,7 @@ function clearAnswer() {
   $("answer").textContent = "";
   $("answer-status").textContent = "";
   $("passages").replaceChildren();
+  $("strategy").textContent = "";
   clearViewer();
 }
 
@@ -307,7 +308,10 @@ async function ask() {
   const body = { question: $("question").value, max_tokens: Number($("max-tokens").value) || undefined, stream: true };
   try {
     for await (const { event, data } of stream(`/v1/sessions/${sessionId}/ask`, body, controller.signal)) {
-      if (event === "retrieval") await showPassages(sessionId, data.items);
+      if (event === "retrieval") {
+        $("strategy").textContent = data.strategy ? `(chosen by: ${data.strategy})` : "";
+        await showPassages(sessionId, data.items);
+      }
       else if (event === "delta") {
         $("answer").append(data.text);
         $("answer-status").textContent = "Answering…";

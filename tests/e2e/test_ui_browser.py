@@ -160,6 +160,7 @@ def test_streamed_answer_with_its_passage_highlighted(page):
     answer = page.inner_text("#answer")
     assert sum(name in answer for name in ("Elsie", "Lacie", "Tillie")) >= 2, answer
     assert page.locator("#passages li").count() >= 1
+    expect(page.locator("#strategy")).to_have_text(re.compile(r"^\(chosen by: [a-z+]+\)$"))
     marks = page.locator("#viewer mark")
     marked = [normalized(text) for text in marks.all_text_contents()]
     assert any(SOURCE in text for text in marked), "no highlighted passage holds the answer's source"

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from engine.memories.text.gather import gather, is_whole_document, mentions, merged, question_names
+from engine.memories.text.gather import common_words, gather, is_whole_document, mentions, merged, question_names
 from tests.helpers import FIXTURES
 
 
@@ -149,3 +149,45 @@ def test_a_pronoun_opening_a_sentence_is_no_hop_and_a_scan_is_bounded():
 def test_a_best_sentence_longer_than_the_budget_gathers_nothing():
     documents = ["Aldous K. Ashdown of Mill Row " + "and so on " * 300 + "left a bell."]
     assert gather(documents, "What did Aldous K. Ashdown of Mill Row leave?", 2048, 64) == ("none", [])
+
+
+def test_ordinary_words_a_question_opens_with_are_no_names():
+    common = common_words(["according to the letters, under the old rules, the associate director wrote."])
+    assert question_names("According to Lesk, which magazine tried to buy the rights?", common) == ["Lesk"]
+    assert question_names("Under the entry Dullard, where is their centre?", common) == ["Dullard"]
+    assert question_names("Touchstone recalls breaking his sword.", common) == ["Touchstone"]
+    assert question_names("According to Lesk, which magazine?") == ["According", "Lesk"]  # without the documents' words
+
+
+def test_a_hop_follows_names_not_phrases_of_ordinary_words():
+    filler = "Nothing happened; the associate of the director kept the books. " * 20
+    staff = "The Associate Director signed the ledger. " * 3
+    documents = [
+        filler
+        + "Ilsa Varn, Associate Director, was the daughter of Corra Dene. "
+        + staff
+        + filler
+        + "By trade Corra Dene was a tanner."
+    ]
+    strategy, sentences = gather(documents, "What was the trade of Ilsa Varn's mother?", 2048, 256)
+    texts = [documents[0][s.start : s.end] for s in sentences]
+    assert strategy == "lookup" and texts == [
+        "Ilsa Varn, Associate Director, was the daughter of Corra Dene.",
+        "By trade Corra Dene was a tanner.",
+    ]
+
+
+def test_a_question_whose_words_point_at_one_passage_is_answered_as_a_local_one(tiny_tokenizer, embedder):
+    from engine.memories import MemoryContext
+    from tests.engine.test_memories import ingest, text_memory
+
+    filler = "The weather was mild and nothing of note happened in the town that week. " * 40
+    dockings = [f"In spring year {i} the Veridian docked at Carrow with salt." for i in range(5)]
+    storm = "When the great storm broke, the crew of the Veridian counted seven shattered masts in the harbour."
+    text = filler + " ".join(f"{docking} {filler}" for docking in dockings) + storm + " " + filler
+    memory = text_memory(MemoryContext(tokenizer=tiny_tokenizer, embedder=embedder), {"gather": True, "margin": 2.0})
+    ingest(memory, tiny_tokenizer, "record", text)
+    local = memory.retrieve("How many shattered masts did the crew of the Veridian count when the great storm broke?", 4096)
+    assert not any(p.item.gathered for p in local) and any(storm in p.text for p in local)  # the ranked chunk alone
+    whole = memory.retrieve("How many times did the Veridian dock at Carrow?", 4096)
+    assert sum(p.item.gathered == "whole" for p in whole) >= 1  # many passages score alike: every mention gathered

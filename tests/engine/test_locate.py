@@ -51,6 +51,7 @@ def test_a_located_question_reads_its_place_and_an_ending_its_tail(tiny_tokenize
     start, end = ALICE.index("CHAPTER VIII"), ALICE.index("CHAPTER IX")
     pieces = memory.retrieve("How does Chapter VIII end? What are the King and the Queen doing?", 1500, scope)
     assert pieces and all(start <= p.item.char_end and p.item.char_start < end for p in pieces)
+    assert {p.item.gathered for p in pieces} == {"tail", "located"}  # the ranked chunks marked as found in the place
     tail = [p for p in pieces if p.item.gathered == "tail"]
     assert len(tail) == 1 and tail[0].item.char_start < end <= tail[0].item.char_end  # a ranked chunk may run on
     ending = memory.retrieve("How does the book end?", 1500, scope)

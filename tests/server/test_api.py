@@ -91,6 +91,7 @@ def test_ask_streams_retrieval_deltas_done_and_matches_non_streamed(client):
     plain = client.post(f"/v1/sessions/{session_id}/ask", json=body).json()
     assert plain["answer"] == streamed  # greedy decoding is deterministic
     assert plain["retrieval"]["items"] == items
+    assert plain["retrieval"]["strategy"] == events[0].data["strategy"] == "ranked"  # no gathering asked for
     assert plain["usage"] == done["usage"]
 
 

@@ -46,17 +46,40 @@ MAX_HOP_CHARS = 2_000  # of a best sentence, the characters read for the names a
 MIN_SENTENCE_CHARS = 16  # a whole-document scan stops past budget / this many sentences
 
 
-def question_names(question: str) -> list[str]:
+def question_names(question: str, common: Callable[[str], bool] = lambda word: False) -> list[str]:
     """The names a question gives: capitalised phrases, question words and a leading article left
-    out, possessive "'s" dropped; the longest first."""
+    out, possessive "'s" dropped; the longest first. `common(word)`: the word is an ordinary one
+    (the documents use it in lower case): such words are left out where only the sentence's start
+    capitalised them ("According to Lesk" gives "Lesk"), and a name of one such word is no name."""
     names: set[str] = set()
     for match in _NAME.finditer(question):
         words = match.group(0).removesuffix("'s").split()
         while words and words[0] in _QUESTION_WORDS:
             words = words[1:]
-        if words and not (len(words) == 1 and len(words[0]) < 3):
+        if words and _opens(question, match.start()) and common(words[0]):
+            words = words[1:]
+        if words and not (len(words) == 1 and (len(words[0]) < 3 or common(words[0]))):
             names.add(" ".join(words))
     return sorted(names, key=lambda name: (-len(name), name))
+
+
+def _opens(text: str, at: int) -> bool:
+    """Whether `at` opens a sentence of `text`: nothing but space and quotes since the last . ! ? or the start."""
+    before = text[:at].rstrip(" \t\n\"'([")
+    return not before or before[-1] in ".!?:;"
+
+
+def common_words(documents: list[str]) -> Callable[[str], bool]:
+    """`common(word)`: some document uses `word` in lower case (asked once a word, remembered)."""
+    seen: dict[str, bool] = {}
+
+    def common(word: str) -> bool:
+        if word not in seen:
+            pattern = re.compile(rf"(?<![\w-]){re.escape(word.lower())}(?![\w-])")
+            seen[word] = any(pattern.search(text) for text in documents)
+        return seen[word]
+
+    return common
 
 
 def is_whole_document(question: str) -> bool:
@@ -124,13 +147,16 @@ def _within(sentences: list[Sentence], budget_chars: int, priority: Callable[[Se
     return sorted(kept, key=lambda s: (s.document, s.start))
 
 
-def _hop_names(documents: list[str], best: list[Sentence], given: list[str]) -> list[str]:
+def _hop_names(documents: list[str], best: list[Sentence], given: list[str], common: Callable[[str], bool]) -> list[str]:
     """The names the best sentences add to the question's, but not a capitalised word that opens
-    its sentence ("She", "Later"), nor one the documents use often."""
+    its sentence ("She", "Later"), nor one of ordinary words only ("Associate Director"), nor one the
+    documents use often."""
     found: set[str] = set()
     for s in best:
         held = documents[s.document][s.start : min(s.end, s.start + MAX_HOP_CHARS)]
-        for name in question_names(held):
+        for name in question_names(held, common):
+            if all(common(word) for word in name.split()):
+                continue
             if " " not in name and held.lstrip().startswith(name):
                 continue
             found.add(name)
@@ -149,7 +175,8 @@ def gather(documents: list[str], question: str, whole_tokens: int, lookup_tokens
     sentences naming most of the question, and one hop, within `lookup_tokens`, before the ranked
     chunks); or "none" (nothing to gather: the ranked chunks answer alone). What a question scans
     is bounded: at most MAX_NAMES names, and a scan stops once it has more sentences than it can use."""
-    names = question_names(question)[:MAX_NAMES]
+    common = common_words(documents)
+    names = question_names(question, common)[:MAX_NAMES]
     if is_whole_document(question):
         budget = whole_tokens * _CHARS_PER_TOKEN
         first = mentions(documents, names, budget // MIN_SENTENCE_CHARS)
@@ -165,7 +192,7 @@ def gather(documents: list[str], question: str, whole_tokens: int, lookup_tokens
     if len(best) > LOOKUP_SENTENCES:
         return "none", []
     taken = {(s.document, s.start) for s in best}
-    hop = [s for s in mentions(documents, _hop_names(documents, best, names)) if (s.document, s.start) not in taken]
+    hop = [s for s in mentions(documents, _hop_names(documents, best, names, common)) if (s.document, s.start) not in taken]
     kept = _within(
         best + hop[:HOP_SENTENCES],
         lookup_tokens * _CHARS_PER_TOKEN,

@@ -9,12 +9,13 @@ document order, widened to whole sentences, or cut to their best sentences with 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from engine.interface import CacheInfo, RetrievedItem
-from engine.memories.base import ContextPiece, Memory, MemoryContext, Scope, Segment, SummaryTask
+from engine.interface import CacheInfo, Retrieval, RetrievedItem
+from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, Scope, Segment, SummaryTask
 from engine.memories.text.excerpts import Excerpts
 from engine.memories.text.gather import Sentence, gather, merged
 from engine.memories.text.locate import Place, places
@@ -95,14 +96,31 @@ class TextMemory(Memory):
         texts = [text if documents is None or id_ in documents else "" for id_, text in self.store.documents]
         whole = min(max_tokens, self.options.gather_tokens)
         strategy, sentences = gather(texts, query, whole, min(whole, self.options.lookup_tokens))
+        vector = self.ranking.query_vector(query)
+        if strategy == "whole" and self._stands_out(query, vector, allowed):
+            strategy, sentences = "none", []  # a local question after all: one passage answers it
         gathered = self.excerpts.sentences(sentences, strategy)
         if strategy == "exact" and sum(self.excerpts.token_count(piece.text) + 2 for piece in gathered) <= whole:
             return gathered  # the ranked chunks would bring back the look-alikes the question rules out
         used = sum(self.excerpts.token_count(piece.text) + 2 for piece in gathered)  # and the blank line between
         if used > whole:  # the characters' estimate fell short: never more than the budget
-            return self._ranked_pieces(query, max_tokens, allowed)
-        ranked = self._ranked_pieces(query, max_tokens - used, allowed)
+            return self._ranked_pieces(query, max_tokens, allowed, vector)
+        ranked = self._ranked_pieces(query, max_tokens - used, allowed, vector)
         return merged(gathered, ranked, self.store.documents)
+
+    def _stands_out(self, query: str, vector: np.ndarray | None, allowed: np.ndarray | None) -> bool:
+        """Whether the best chunk's fused score stands above the next by more than `margin` (the
+        ranking takes it alone): the question's words point at one passage. A question that reads as
+        a whole-document one ("how many ribs did Charles break when he threw...") is then a local one."""
+        margin = self.options.score_margin()
+        best = self.ranking.ordered(query, vector, allowed)[:2] if margin else []
+        return len(best) == 2 and best[0][1] - best[1][1] > margin
+
+    def retrieval(self, request: AnswerRequest) -> Retrieval:
+        """The event, with the strategy that chose its items: "ranked", or their marks joined by "+"."""
+        event = super().retrieval(request)
+        marks = sorted({item.gathered for item in event.items if item.gathered is not None})
+        return replace(event, strategy="+".join(marks) or "ranked")
 
     def _summary_pieces(self, query: str, max_tokens: int, scope: Scope | None) -> list[ContextPiece]:
         """Summaries for a whole-document question (summary.py), when the session writes them."""
@@ -190,8 +208,14 @@ class TextMemory(Memory):
         used = sum(self.excerpts.token_count(piece.text) + 2 for piece in tails)
         if used > max_tokens:  # the characters' estimate fell short: never more than the budget
             tails, used = [], 0
-        ranked = self._ranked_pieces(query, max_tokens - used, inside if inside.any() else allowed)
-        return merged(tails, ranked, self.store.documents)
+        if not inside.any():
+            return merged(tails, self._ranked_pieces(query, max_tokens - used, allowed), self.store.documents)
+        pieces = merged(tails, self._ranked_pieces(query, max_tokens - used, inside), self.store.documents)
+        # chunks ranked within the place: marked, so the strategy shows
+        return [
+            piece if piece.item.gathered else ContextPiece(piece.text, replace(piece.item, gathered="located"))
+            for piece in pieces
+        ]
 
     def _allowed_chunks(self, documents: frozenset[str] | None) -> np.ndarray | None:
         """Which chunks belong to `documents` (a mask over the chunks); None: every chunk."""
@@ -200,9 +224,12 @@ class TextMemory(Memory):
         numbers = [number for number, (id_, _) in enumerate(self.store.documents) if id_ in documents]
         return np.isin(self.store.chunks.documents, numbers)
 
-    def _ranked_pieces(self, query: str, max_tokens: int, allowed: np.ndarray | None = None) -> list[ContextPiece]:
-        """The chunks the fused ranking takes (of the `allowed` ones), as excerpts."""
-        query_vector = self.ranking.query_vector(query)
+    def _ranked_pieces(
+        self, query: str, max_tokens: int, allowed: np.ndarray | None = None, vector: np.ndarray | None = None
+    ) -> list[ContextPiece]:
+        """The chunks the fused ranking takes (of the `allowed` ones), as excerpts (`vector`: the
+        question's, when already computed)."""
+        query_vector = vector if vector is not None else self.ranking.query_vector(query)
         chosen = self.ranking.chosen(query, query_vector, max_tokens, allowed)
         if self.options.focus_tokens:
             assert query_vector is not None
