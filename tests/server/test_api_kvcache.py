@@ -95,7 +95,7 @@ def test_the_session_budget_refuses_a_document_before_it_is_streamed(make_client
 def test_an_empty_session_answers_from_the_question_alone(client):
     session = new_session(client, memory="kvcache", options=SMALL)
     answer = client.post(f"/v1/sessions/{session}/ask", json=QUESTION).json()
-    assert answer["retrieval"] == {"memory": "kvcache", "items": [], "seconds": 0.0}
+    assert answer["retrieval"] == {"memory": "kvcache", "items": [], "seconds": 0.0, "strategy": None}
     assert answer["usage"]["completion_tokens"] >= 1
     assert client.get(f"/v1/sessions/{session}/cache").json()["entries"] == 0
 
