@@ -97,24 +97,24 @@ class TextMemory(Memory):
         whole = min(max_tokens, self.options.gather_tokens)
         strategy, sentences = gather(texts, query, whole, min(whole, self.options.lookup_tokens))
         vector = self.ranking.query_vector(query)
-        if strategy == "whole" and self._stands_out(query, vector, allowed):
+        order = None if strategy == "exact" else self.ranking.ordered(query, vector, allowed)  # ranked once
+        if strategy == "whole" and order is not None and self._stands_out(order):
             strategy, sentences = "none", []  # a local question after all: one passage answers it
         gathered = self.excerpts.sentences(sentences, strategy)
         if strategy == "exact" and sum(self.excerpts.token_count(piece.text) + 2 for piece in gathered) <= whole:
             return gathered  # the ranked chunks would bring back the look-alikes the question rules out
         used = sum(self.excerpts.token_count(piece.text) + 2 for piece in gathered)  # and the blank line between
         if used > whole:  # the characters' estimate fell short: never more than the budget
-            return self._ranked_pieces(query, max_tokens, allowed, vector)
-        ranked = self._ranked_pieces(query, max_tokens - used, allowed, vector)
+            return self._ranked_pieces(query, max_tokens, allowed, vector, order)
+        ranked = self._ranked_pieces(query, max_tokens - used, allowed, vector, order)
         return merged(gathered, ranked, self.store.documents)
 
-    def _stands_out(self, query: str, vector: np.ndarray | None, allowed: np.ndarray | None) -> bool:
+    def _stands_out(self, order: list[tuple[int, float]]) -> bool:
         """Whether the best chunk's fused score stands above the next by more than `margin` (the
         ranking takes it alone): the question's words point at one passage. A question that reads as
         a whole-document one ("how many ribs did Charles break when he threw...") is then a local one."""
         margin = self.options.score_margin()
-        best = self.ranking.ordered(query, vector, allowed)[:2] if margin else []
-        return len(best) == 2 and best[0][1] - best[1][1] > margin
+        return bool(margin) and len(order) >= 2 and order[0][1] - order[1][1] > margin
 
     def retrieval(self, request: AnswerRequest) -> Retrieval:
         """The event, with the strategy that chose its items: "ranked", or their marks joined by "+"."""
@@ -225,12 +225,17 @@ class TextMemory(Memory):
         return np.isin(self.store.chunks.documents, numbers)
 
     def _ranked_pieces(
-        self, query: str, max_tokens: int, allowed: np.ndarray | None = None, vector: np.ndarray | None = None
+        self,
+        query: str,
+        max_tokens: int,
+        allowed: np.ndarray | None = None,
+        vector: np.ndarray | None = None,
+        order: list[tuple[int, float]] | None = None,
     ) -> list[ContextPiece]:
-        """The chunks the fused ranking takes (of the `allowed` ones), as excerpts (`vector`: the
-        question's, when already computed)."""
+        """The chunks the fused ranking takes (of the `allowed` ones), as excerpts (`vector`, `order`:
+        the question's vector and the ranking's order, when already computed)."""
         query_vector = vector if vector is not None else self.ranking.query_vector(query)
-        chosen = self.ranking.chosen(query, query_vector, max_tokens, allowed)
+        chosen = self.ranking.chosen(query, query_vector, max_tokens, allowed, order)
         if self.options.focus_tokens:
             assert query_vector is not None
             return self.excerpts.focus(query, query_vector, chosen, min(max_tokens, self.options.focus_tokens))
