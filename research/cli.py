@@ -333,11 +333,15 @@ def eval_wholebook(
     device: str = "auto",
     quantize: QuantizeOption = "auto",
     embedder_adapter: EmbedderAdapterOption = "shipped",
+    dev: Annotated[bool, typer.Option(help="the 24 development questions (research/evals/wholebook_dev.jsonl) instead")] = False,
 ) -> None:
     """Hand-written whole-book questions about three held-out texts (research/evals/wholebook.jsonl), per memory, beside the oracle."""
     from research.evals import wholebook, wholedoc
 
-    rows = wholedoc.bench(_setup(model, None, device, quantize, embedder_adapter), _memory_runs(memory), wholebook.load())
+    questions = wholebook.DEV_QUESTIONS if dev else wholebook.QUESTIONS
+    rows = wholedoc.bench(
+        _setup(model, None, device, quantize, embedder_adapter), _memory_runs(memory), wholebook.load(questions)
+    )
     _echo_rows(rows)
 
 

@@ -6,6 +6,7 @@ the oracle row is handed in document order; graded by keywords (`rule`: "any" on
 every one, and for an id holding "order" every one in the listed order).
 
     longdoc eval wholebook --memory oracle --memory text --memory truncate
+    longdoc eval wholebook --dev ...    # the development questions (wholebook_dev.jsonl)
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from research.evals import texts
 from research.evals.wholedoc import Document, Question
 
 QUESTIONS = Path(__file__).with_name("wholebook.jsonl")
+# development questions, on the QA benchmark's development texts (As You Like It, Genesis): settings
+# are chosen on these, never on the held-out ones above
+DEV_QUESTIONS = Path(__file__).with_name("wholebook_dev.jsonl")
 
 
 def load(path: Path = QUESTIONS, qa_dir: Path = texts.QA_DIR) -> list[Document]:

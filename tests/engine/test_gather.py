@@ -116,6 +116,32 @@ def test_the_text_memory_answers_a_whole_document_question_from_every_mention(ti
     assert gathering.retrieve("what is the weather like?", 4096) == plain.retrieve("what is the weather like?", 4096)
 
 
+def test_gather_chunks_bounds_the_ranked_chunks_beside_every_mention(tiny_tokenizer, embedder):
+    from engine.memories import MemoryContext
+    from tests.engine.test_memories import ingest, text_memory
+
+    context = MemoryContext(tokenizer=tiny_tokenizer, embedder=embedder)
+    filler = "The weather was mild and nothing of note happened in the town that week. " * 40
+    dockings = [f"In spring year {i} the Veridian docked at Carrow with salt." for i in range(5)]
+    text = filler + " ".join(f"{docking} {filler}" for docking in dockings)
+    question = "How many times did the Veridian dock at Carrow?"
+    beside = {}
+    for chunks in (0, 1, 4):
+        memory = text_memory(context, {"gather": True, "gather_chunks": chunks})
+        ingest(memory, tiny_tokenizer, "record", text)
+        pieces = memory.retrieve(question, max_tokens=4096)
+        for docking in dockings:  # every mention, whatever the chunks: gathered, or inside a ranked chunk
+            at = text.index(docking)
+            assert any(p.item.char_start <= at and at + len(docking) <= p.item.char_end for p in pieces), docking
+        assert [p.item.char_start for p in pieces] == sorted(p.item.char_start for p in pieces)
+        beside[chunks] = sum(p.text not in dockings for p in pieces)
+    assert beside[0] == 0 and beside[1] == 1 and beside[4] > 1
+    # a local question is ranked as always: gather_chunks bounds only what sits beside a gathering
+    memory = text_memory(context, {"gather": True, "gather_chunks": 0})
+    ingest(memory, tiny_tokenizer, "record", text)
+    assert memory.retrieve("what is the weather like?", 4096)
+
+
 def test_gather_options_are_checked():
     from engine.errors import InvalidRequestError
     from engine.memories import check_options
@@ -126,6 +152,8 @@ def test_gather_options_are_checked():
         check_options("text", {"gather": True, "lookup_tokens": 0})
     with pytest.raises(InvalidRequestError):
         check_options("text", {"gather": "yes"})
+    with pytest.raises(InvalidRequestError, match="gather_chunks"):
+        check_options("text", {"gather_chunks": -1})
 
 
 def test_names_used_often_or_mentions_past_the_budget_gather_nothing():

@@ -67,6 +67,22 @@ def test_hand_written_whole_book_questions_are_well_formed():
             assert all(at >= 0 for at in places) and places == sorted(places), row["id"]
 
 
+def test_development_whole_book_questions_are_well_formed_and_on_development_texts():
+    import json
+    import re
+
+    from research.evals.texts import DEV_TEXTS
+    from research.evals.wholebook import DEV_QUESTIONS
+
+    rows = [json.loads(line) for line in DEV_QUESTIONS.read_text().splitlines() if line.strip()]
+    assert len(rows) >= 20 and len({row["id"] for row in rows}) == len(rows)
+    assert {row["text"] for row in rows} <= {spec.name for spec in DEV_TEXTS}
+    for row in rows:
+        assert row["rule"] in ("any", "all") and row["answers"] and 1 <= len(row["evidence"]) <= 8, row["id"]
+        # no answer given away by its own question
+        assert not any(re.search(rf"\b{re.escape(word)}\b", row["question"], re.IGNORECASE) for word in row["answers"]), row["id"]
+
+
 def test_book_questions_grade_by_their_rule():
     assert grade(question("book_any", ("dream", "dreaming")), "It was all a dream.")
     assert not grade(question("book_all", ("Hatter", "Dormouse")), "The Hatter was there.")

@@ -106,7 +106,8 @@ class TextMemory(Memory):
         used = sum(self.excerpts.token_count(piece.text) + 2 for piece in gathered)  # and the blank line between
         if used > whole:  # the characters' estimate fell short: never more than the budget
             return self._ranked_pieces(query, max_tokens, allowed, vector, order)
-        ranked = self._ranked_pieces(query, max_tokens - used, allowed, vector, order)
+        top_k = self.options.gather_chunks if strategy == "whole" and gathered else None
+        ranked = self._ranked_pieces(query, max_tokens - used, allowed, vector, order, top_k) if top_k != 0 else []
         return merged(gathered, ranked, self.store.documents)
 
     def _stands_out(self, order: list[tuple[int, float]]) -> bool:
@@ -231,15 +232,18 @@ class TextMemory(Memory):
         allowed: np.ndarray | None = None,
         vector: np.ndarray | None = None,
         order: list[tuple[int, float]] | None = None,
+        top_k: int | None = None,
     ) -> list[ContextPiece]:
         """The chunks the fused ranking takes (of the `allowed` ones), as excerpts (`vector`, `order`:
-        the question's vector and the ranking's order, when already computed)."""
+        the question's vector and the ranking's order, when already computed; `top_k`: at most this
+        many chunks, the option's unless given)."""
         query_vector = vector if vector is not None else self.ranking.query_vector(query)
-        chosen = self.ranking.chosen(query, query_vector, max_tokens, allowed, order)
+        budget = min(max_tokens, self.options.context_tokens)
+        chosen = self.ranking.chosen(query, query_vector, budget, allowed, order, top_k)
         if self.options.focus_tokens:
             assert query_vector is not None
             return self.excerpts.focus(query, query_vector, chosen, min(max_tokens, self.options.focus_tokens))
-        room = min(max_tokens, self.options.context_tokens) - int(self.store.chunks.tokens[list(chosen)].sum())
+        room = budget - int(self.store.chunks.tokens[list(chosen)].sum())
         return self.excerpts.whole_chunks(chosen, room)
 
     def ranked_spans(self, query: str) -> list[tuple[str, int, int, float]]:

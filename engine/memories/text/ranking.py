@@ -51,16 +51,17 @@ class Ranking:
         max_tokens: int,
         allowed: np.ndarray | None = None,
         ordered: list[tuple[int, float]] | None = None,
+        top_k: int | None = None,
     ) -> dict[int, float]:
-        """Chunk -> fused score, best first, within `top_k`, the token budget and `margin` of the
-        first chunk taken; of the `allowed` chunks only (a mask; None: all). `ordered`: what
-        `ordered` gives for the same question and chunks, when already computed."""
+        """Chunk -> fused score, best first, within `top_k` (the option's unless given), `max_tokens`
+        and `margin` of the first chunk taken; of the `allowed` chunks only (a mask; None:
+        all). `ordered`: what `ordered` gives for the same question and chunks, when already computed."""
         chosen: dict[int, float] = {}
         tokens = self.store.chunks.tokens
-        budget = min(max_tokens, self.options.context_tokens)
+        budget = max_tokens
         margin, floor = self.options.score_margin(), -math.inf  # with a margin, the floor is set by the first chunk taken
         for row, score in ordered if ordered is not None else self.ordered(query, query_vector, allowed):
-            if len(chosen) == self.options.top_k or budget < 1 or score < floor:
+            if len(chosen) == (self.options.top_k if top_k is None else top_k) or budget < 1 or score < floor:
                 break
             if tokens[row] <= budget:
                 if margin and not chosen:
