@@ -126,20 +126,22 @@ def test_gather_chunks_bounds_the_ranked_chunks_beside_every_mention(tiny_tokeni
     text = filler + " ".join(f"{docking} {filler}" for docking in dockings)
     question = "How many times did the Veridian dock at Carrow?"
     beside = {}
-    for chunks in (0, 1, 4):
-        memory = text_memory(context, {"gather": True, "gather_chunks": chunks})
+    for name, options in {"0": {"gather_chunks": 0}, "1": {"gather_chunks": 1}, "top_k": {}, "top_k 2": {"top_k": 2}}.items():
+        memory = text_memory(context, {"gather": True, **options})
         ingest(memory, tiny_tokenizer, "record", text)
         pieces = memory.retrieve(question, max_tokens=4096)
         for docking in dockings:  # every mention, whatever the chunks: gathered, or inside a ranked chunk
             at = text.index(docking)
             assert any(p.item.char_start <= at and at + len(docking) <= p.item.char_end for p in pieces), docking
         assert [p.item.char_start for p in pieces] == sorted(p.item.char_start for p in pieces)
-        beside[chunks] = sum(p.text not in dockings for p in pieces)
-    assert beside[0] == 0 and beside[1] == 1 and beside[4] > 1
+        beside[name] = sum(p.text not in dockings for p in pieces)
+    # unset, the ranked chunks beside a gathering are top_k's (4 by default), as before the option
+    assert beside["0"] == 0 and beside["1"] == 1 and 2 < beside["top_k"] <= 4 and 1 <= beside["top_k 2"] <= 2
     # a local question is ranked as always: gather_chunks bounds only what sits beside a gathering
-    memory = text_memory(context, {"gather": True, "gather_chunks": 0})
-    ingest(memory, tiny_tokenizer, "record", text)
-    assert memory.retrieve("what is the weather like?", 4096)
+    none, unset = (text_memory(context, {"gather": True, "gather_chunks": n}) for n in (0, None))
+    for memory in (none, unset):
+        ingest(memory, tiny_tokenizer, "record", text)
+    assert none.retrieve("what is the weather like?", 4096) == unset.retrieve("what is the weather like?", 4096)
 
 
 def test_gather_options_are_checked():
@@ -152,8 +154,11 @@ def test_gather_options_are_checked():
         check_options("text", {"gather": True, "lookup_tokens": 0})
     with pytest.raises(InvalidRequestError):
         check_options("text", {"gather": "yes"})
+    check_options("text", {"gather_chunks": None})
     with pytest.raises(InvalidRequestError, match="gather_chunks"):
         check_options("text", {"gather_chunks": -1})
+    with pytest.raises(InvalidRequestError, match="gather_chunks"):
+        check_options("text", {"gather_chunks": True})
 
 
 def test_names_used_often_or_mentions_past_the_budget_gather_nothing():

@@ -106,7 +106,7 @@ class TextMemory(Memory):
         used = sum(self.excerpts.token_count(piece.text) + 2 for piece in gathered)  # and the blank line between
         if used > whole:  # the characters' estimate fell short: never more than the budget
             return self._ranked_pieces(query, max_tokens, allowed, vector, order)
-        top_k = self.options.gather_chunks if strategy == "whole" and gathered else None
+        top_k = self.options.gather_chunks if strategy == "whole" and gathered else None  # None: top_k
         ranked = self._ranked_pieces(query, max_tokens - used, allowed, vector, order, top_k) if top_k != 0 else []
         return merged(gathered, ranked, self.store.documents)
 

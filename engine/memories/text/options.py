@@ -26,7 +26,7 @@ class TextOptions:
     gather: bool = False  # whole-document questions get every sentence naming the question's names (gather.py)
     gather_tokens: int = 2048  # at most this many tokens of them; a local question's exact matches at most lookup_tokens
     lookup_tokens: int = 256
-    gather_chunks: int = 4  # beside a whole-document question's gathered sentences, at most this many ranked chunks
+    gather_chunks: int | None = None  # beside a whole-document gathering, at most this many ranked chunks (None: top_k)
     # a question about a named chapter (book, part...) or the ending ranks only the chunks there, and
     # an ending gets the place's last tail_tokens too (locate.py)
     locate: bool = False
@@ -70,8 +70,9 @@ class TextOptions:
             raise ValueError("gather must be true or false")
         if not (1 <= self.gather_tokens <= 32_768 and 1 <= self.lookup_tokens <= 32_768):
             raise ValueError("gather_tokens and lookup_tokens must be between 1 and 32768")
-        if not 0 <= self.gather_chunks <= 64:
-            raise ValueError("gather_chunks must be between 0 and 64")
+        chunks = self.gather_chunks
+        if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or not 0 <= chunks <= 64):
+            raise ValueError("gather_chunks must be between 0 and 64, or null (top_k)")
         if not isinstance(self.locate, bool):
             raise ValueError("locate must be true or false")
         if not 16 <= self.tail_tokens <= 32_768:

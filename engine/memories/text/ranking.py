@@ -55,7 +55,8 @@ class Ranking:
     ) -> dict[int, float]:
         """Chunk -> fused score, best first, within `top_k` (the option's unless given), `max_tokens`
         and `margin` of the first chunk taken; of the `allowed` chunks only (a mask; None:
-        all). `ordered`: what `ordered` gives for the same question and chunks, when already computed."""
+        all). `ordered`: what `ordered` gives for the same question and chunks, when already computed.
+        The caller bounds `max_tokens` (by `context_tokens`: TextMemory._ranked_pieces)."""
         chosen: dict[int, float] = {}
         tokens = self.store.chunks.tokens
         budget = max_tokens
