@@ -86,15 +86,23 @@ def test_merged_joins_sentences_that_overlap_ranked_excerpts_and_keeps_document_
     assert out[1].text == documents[0][1][40:90]  # the overlapping sentence widened the ranked excerpt: no text twice
 
 
+def _docking_record() -> tuple[str, list[str], str]:
+    """A record of five dockings far apart in filler, and the whole-document question about them."""
+    filler = "The weather was mild and nothing of note happened in the town that week. " * 40
+    dockings = [f"In spring year {i} the Veridian docked at Carrow with salt." for i in range(5)]
+    return (
+        filler + " ".join(f"{docking} {filler}" for docking in dockings),
+        dockings,
+        "How many times did the Veridian dock at Carrow?",
+    )
+
+
 def test_the_text_memory_answers_a_whole_document_question_from_every_mention(tiny_tokenizer, embedder):
     from engine.memories import MemoryContext
     from tests.engine.test_memories import ingest, text_memory
 
     context = MemoryContext(tokenizer=tiny_tokenizer, embedder=embedder)
-    filler = "The weather was mild and nothing of note happened in the town that week. " * 40
-    dockings = [f"In spring year {i} the Veridian docked at Carrow with salt." for i in range(5)]
-    text = filler + " ".join(f"{docking} {filler}" for docking in dockings)
-    question = "How many times did the Veridian dock at Carrow?"
+    text, dockings, question = _docking_record()
     plain = text_memory(context, {})
     gathering = text_memory(context, {"gather": True})
     for memory in (plain, gathering):
@@ -121,10 +129,7 @@ def test_gather_chunks_bounds_the_ranked_chunks_beside_every_mention(tiny_tokeni
     from tests.engine.test_memories import ingest, text_memory
 
     context = MemoryContext(tokenizer=tiny_tokenizer, embedder=embedder)
-    filler = "The weather was mild and nothing of note happened in the town that week. " * 40
-    dockings = [f"In spring year {i} the Veridian docked at Carrow with salt." for i in range(5)]
-    text = filler + " ".join(f"{docking} {filler}" for docking in dockings)
-    question = "How many times did the Veridian dock at Carrow?"
+    text, dockings, question = _docking_record()
     beside = {}
     for name, options in {"0": {"gather_chunks": 0}, "1": {"gather_chunks": 1}, "top_k": {}, "top_k 2": {"top_k": 2}}.items():
         memory = text_memory(context, {"gather": True, **options})
