@@ -96,14 +96,17 @@ class TextMemory(Memory):
         texts = [text if documents is None or id_ in documents else "" for id_, text in self.store.documents]
         whole = min(max_tokens, self.options.gather_tokens)
         strategy, sentences = gather(texts, query, whole, min(whole, self.options.lookup_tokens))
-        vector = self.ranking.query_vector(query)
-        order = None if strategy == "exact" else self.ranking.ordered(query, vector, allowed)  # ranked once
+        vector: np.ndarray | None = None  # an exact gathering that fits needs no ranking
+        order: list[tuple[int, float]] | None = None
+        if strategy != "exact":
+            vector = self.ranking.query_vector(query)
+            order = self.ranking.ordered(query, vector, allowed)  # ranked once
         if strategy == "whole" and order is not None and self._stands_out(order):
             strategy, sentences = "none", []  # a local question after all: one passage answers it
         gathered = self.excerpts.sentences(sentences, strategy)
-        if strategy == "exact" and sum(self.excerpts.token_count(piece.text) + 2 for piece in gathered) <= whole:
-            return gathered  # the ranked chunks would bring back the look-alikes the question rules out
         used = sum(self.excerpts.token_count(piece.text) + 2 for piece in gathered)  # and the blank line between
+        if strategy == "exact" and used <= whole:
+            return gathered  # the ranked chunks would bring back the look-alikes the question rules out
         if used > whole:  # the characters' estimate fell short: never more than the budget
             return self._ranked_pieces(query, max_tokens, allowed, vector, order)
         top_k = self.options.gather_chunks if strategy == "whole" and gathered else None  # None: top_k

@@ -70,8 +70,7 @@ class TextOptions:
             raise ValueError("gather must be true or false")
         if not (1 <= self.gather_tokens <= 32_768 and 1 <= self.lookup_tokens <= 32_768):
             raise ValueError("gather_tokens and lookup_tokens must be between 1 and 32768")
-        chunks = self.gather_chunks
-        if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or not 0 <= chunks <= 64):
+        if self.gather_chunks is not None and not 0 <= self.gather_chunks <= 64:
             raise ValueError("gather_chunks must be between 0 and 64, or null (top_k)")
         if not isinstance(self.locate, bool):
             raise ValueError("locate must be true or false")
