@@ -1,54 +1,78 @@
-"""One C decode step (engine/models/native_step.py) of SmolLM2-135M in its default dtype, at
-512 and 2,048 tokens of context for 1, 2, 4 and 8 answers, with the matmuls' AVX2 kernels against
-their AVX-512 ones (csrc/weight_only.c), alternating in one process, on the compute thread as the
-server runs it. Needs a CPU with AVX-512 (F, BW, VL).
+"""One C decode step (engine/models/native_step.py) at 512 and 2,048 tokens of context for 1, 2,
+4 and 8 answers, two kernel sets alternating in one process, on the compute thread as the server
+runs it: the matmuls' AVX2 kernels against their AVX-512 ones (csrc/weight_only.c), on
+SmolLM2-135M in its default dtype; or, `--vnni`, int4's kernel on float32 inputs against the one
+on inputs rounded to int8 (AVX-512 VNNI), on the default model with `--quantize int4`. Needs a CPU
+with AVX-512 (F, BW, VL; and VNNI for `--vnni`).
 
-    .venv/bin/python -m bench.bench_step_kernels
+    .venv/bin/python -m bench.bench_step_kernels [--vnni]
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 from bench.bench_batch_step import filled_rows
-from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
+from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL, SMALL_MODEL
 from engine.models import cpu_kernels
 from engine.models.llama_step import BatchDecoder
 from engine.models.loader import load_model
+from engine.models.quantize import quantize_linears
 from engine.runtime.worker import compute_executor, single_threaded_torch
 
 REPEATS = 20
-KERNELS = {"AVX2": False, "AVX-512": True}
 
 
-def main() -> None:
-    loaded = load_model(SMALL_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu", dtype="auto")
+def avx512(on: bool) -> None:
+    cpu_kernels.use_avx512(on)
+
+
+def vnni(on: bool) -> None:
+    cpu_kernels.use_avx512(True)
+    cpu_kernels.use_vnni(on)
+
+
+def main(switch: Callable[[bool], None], names: tuple[str, str], model: str, quantize: str) -> None:
+    loaded = load_model(model, cache_dir=DEFAULT_CACHE_DIR, device="cpu", dtype="auto")
+    quantize_linears(loaded.model, quantize)
     decoder = BatchDecoder(loaded.model)
     assert decoder.native is not None, "the C step cannot run here"
     assert cpu_kernels.use_avx512(True), "no AVX-512 on this CPU"
-    print(f"model dtype {loaded.model.dtype}, medians of {REPEATS}\n")
-    print("| context | answers | step ms, AVX2 | step ms, AVX-512 | tok/s, AVX2 | tok/s, AVX-512 | AVX-512 / AVX2 |")
+    if switch is vnni:
+        assert cpu_kernels.use_vnni(True), "no AVX-512 VNNI on this CPU"
+    old_name, new_name = names
+    print(f"{model}, dtype {loaded.model.dtype}, --quantize {quantize}, medians of {REPEATS}\n")
+    print(f"| context | answers | step ms, {old_name} | step ms, {new_name} | tok/s, {old_name} | tok/s, {new_name} | ratio |")
     print("|---|---|---|---|---|---|---|")
     for context in (512, 2048):
         for count in (1, 2, 4, 8):
             rows = filled_rows(decoder, loaded.tokenizer, count, context)
-            times: dict[str, list[float]] = {name: [] for name in KERNELS}
+            times: dict[bool, list[float]] = {False: [], True: []}
             for _ in range(REPEATS + 1):  # the first round warms up
-                for name, avx512 in KERNELS.items():
-                    cpu_kernels.use_avx512(avx512)
+                for on in (False, True):
+                    switch(on)
                     started = time.perf_counter()
                     decoder.step(rows)
-                    times[name].append(time.perf_counter() - started)
-            old, new = (statistics.median(times[name][1:]) for name in KERNELS)
+                    times[on].append(time.perf_counter() - started)
+            old, new = (statistics.median(times[on][1:]) for on in (False, True))
             print(
                 f"| {context} | {count} | {old * 1e3:.1f} | {new * 1e3:.1f} | {count / old:.1f} | {count / new:.1f} | "
                 f"{old / new:.2f}x |",
                 flush=True,
             )
-    cpu_kernels.use_avx512(True)
+    switch(True)
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vnni", action="store_true", help="int4 on float32 inputs against int8 ones, default model")
+    args = parser.parse_args()
+    if args.vnni:
+        task = (vnni, ("float inputs", "int8 inputs (VNNI)"), DEFAULT_MODEL, "int4")
+    else:
+        task = (avx512, ("AVX2", "AVX-512"), SMALL_MODEL, "none")
     single_threaded_torch()  # the main thread stays out of it: the model runs where the server runs it
-    compute_executor().submit(main).result()
+    compute_executor().submit(main, *task).result()

@@ -28,16 +28,22 @@ def _test_device() -> Iterator[None]:
         yield
 
 
-@pytest.fixture(params=["avx2", "avx512"])
+@pytest.fixture(params=["avx2", "avx512", "vnni"])
 def kernel_set(request):
-    """The matmuls' AVX2 versions, then their AVX-512 ones where the CPU has AVX-512."""
+    """The matmuls' AVX2 versions, then their AVX-512 ones (int4 on float32 inputs), then those
+    with int4 on inputs rounded to int8 (AVX-512 VNNI), where the CPU has each."""
     if cpu_kernels.library() is None:
         pytest.skip("the CPU kernels cannot be built here")
-    before = cpu_kernels.use_avx512()
-    if cpu_kernels.use_avx512(request.param == "avx512") != (request.param == "avx512"):
+    before = cpu_kernels.use_avx512(), cpu_kernels.use_vnni()
+    wide = request.param != "avx2"
+    if cpu_kernels.use_avx512(wide) != wide:
         pytest.skip("no AVX-512 on this CPU")
+    cpu_kernels.use_vnni(request.param == "vnni")
+    if request.param == "vnni" and not cpu_kernels.int4_rounds_inputs():
+        pytest.skip("no AVX-512 VNNI on this CPU")
     yield request.param
-    cpu_kernels.use_avx512(before)
+    cpu_kernels.use_avx512(before[0])
+    cpu_kernels.use_vnni(before[1])
 
 
 @pytest.fixture(scope="session")

@@ -40,6 +40,33 @@ CACHE_DIR = Path(os.environ.get("LONGDOC_CACHE_DIR", DEFAULT_CACHE_DIR)).expandu
 # of the test servers' engines (scripts/gpu/check.sh); CI leaves it unset, on CPU.
 TEST_DEVICE = os.environ.get("LONGDOC_TEST_DEVICE", "cpu")
 
+# --- int4 on inputs rounded to int8 (AVX-512 VNNI, csrc/weight_only.c) ---
+
+
+def int4_inputs(x: torch.Tensor) -> torch.Tensor:
+    """The inputs an int4 matmul multiplies its codes by, as float64 [rows, in]: each group of 32
+    rounded to int8 at a scale of its largest magnitude / 127 (ties to even) and scaled back, where
+    `cpu_kernels.int4_rounds_inputs()`; else the inputs as they are."""
+    from engine.models import cpu_kernels
+
+    if not cpu_kernels.int4_rounds_inputs():
+        return x.double()
+    groups = x.float().reshape(*x.shape[:-1], -1, 32)
+    scale = groups.abs().amax(-1, keepdim=True) / 127.0
+    inverse = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
+    rounded = (groups * inverse).round().clamp(-127, 127)
+    return (rounded.double() * scale.double()).reshape(x.shape)
+
+
+def int4_product(layer: Any, x: torch.Tensor) -> torch.Tensor:
+    """An int4 `WeightOnlyLinear`'s decode product as its kernel computes it, in float64 [rows, out]:
+    each weight is scale * code + minimum; the codes' part multiplies `int4_inputs`, the minimums'
+    part the inputs as they are (their sums over each group)."""
+    weights = layer.dequantized().double()
+    minimums = layer.scales.double()[..., 1].repeat_interleave(32, dim=1)  # [out, in]
+    return int4_inputs(x) @ (weights - minimums).T + x.double() @ minimums.T
+
+
 # --- documents ---
 
 TEXT = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")[:20_000]

@@ -88,8 +88,10 @@ def library() -> ctypes.CDLL | None:
     for kernel in (lib.int8_matmul, lib.bf16_matmul, lib.int4_matmul):
         kernel.argtypes = [pointer, size, size, pointer, pointer, size, pointer]
         kernel.restype = None
-    lib.matmul_avx512.argtypes, lib.matmul_avx512.restype = [size], size
+    for switch in (lib.matmul_avx512, lib.matmul_vnni):
+        switch.argtypes, switch.restype = [size], size
     lib.matmul_avx512(0 if os.environ.get("LONGDOC_CPU_AVX512", "1") == "0" else 1)
+    lib.matmul_vnni(0 if os.environ.get("LONGDOC_CPU_VNNI", "1") == "0" else 1)
     return lib
 
 
@@ -101,6 +103,22 @@ def use_avx512(wanted: bool | None = None) -> bool:
     if lib is None:
         return False
     return bool(lib.matmul_avx512(-1 if wanted is None else int(wanted)))
+
+
+def use_vnni(wanted: bool | None = None) -> bool:
+    """Whether int4's AVX-512 kernel rounds its inputs to int8 and multiplies bytes (AVX-512 VNNI;
+    the default where the CPU has it, unless `LONGDOC_CPU_VNNI=0`), as `use_avx512`. It takes
+    effect with the AVX-512 kernels only; off, int4 widens its codes to float32 and multiplies the
+    inputs as they are."""
+    lib = library()
+    if lib is None:
+        return False
+    return bool(lib.matmul_vnni(-1 if wanted is None else int(wanted)))
+
+
+def int4_rounds_inputs() -> bool:
+    """Whether int4 matmuls run on inputs rounded to int8 now (`use_vnni` and `use_avx512`)."""
+    return use_avx512() and use_vnni()
 
 
 def usable(weight: torch.Tensor, features: int | None = None) -> bool:

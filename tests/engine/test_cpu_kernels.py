@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.models import cpu_kernels
 from engine.models.quantize import DECODE_ROWS, WeightOnlyLinear
-from tests.helpers import TEST_DEVICE
+from tests.helpers import TEST_DEVICE, int4_inputs, int4_product
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU kernels")
 BUILDABLE = shutil.which("cc") is not None and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
@@ -38,6 +38,13 @@ def product(layer: WeightOnlyLinear, x: torch.Tensor) -> torch.Tensor:
     if layer.mode == "int4":
         return cpu_kernels.int4_matmul(x, layer.weight_low, layer.scales)
     return cpu_kernels.matmul(x, layer.weight_low, layer.scales if layer.mode == "int8" else None)
+
+
+def exact(layer: WeightOnlyLinear, x: torch.Tensor) -> torch.Tensor:
+    """The product the kernel computes, in float64 (int4: of the inputs it multiplies), as float32."""
+    if layer.mode == "int4":
+        return int4_product(layer, x).float()
+    return (x.double() @ layer.dequantized().double().T).float()
 
 
 @pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")
@@ -70,7 +77,7 @@ def test_a_built_copy_loads_where_no_compiler_is(fresh, monkeypatch):
 def test_equal_to_the_float32_product_of_the_stored_weights(mode, rows, kernel_set):
     layer = stored(mode)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
-    want = (x.double() @ layer.dequantized().double().T).float()
+    want = exact(layer, x)
     got = product(layer, x)
     assert got.dtype == torch.float32 and got.shape == (rows, 37)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -95,7 +102,7 @@ def test_int4_over_whole_blocks_of_groups_and_their_tails(in_features, kernel_se
     blocks, blocks and a tail, several blocks; the product, and a row's bits in any company."""
     layer = stored("int4", out_features=33, in_features=in_features, seed=in_features)
     x = torch.randn(7, in_features, generator=torch.Generator().manual_seed(5))
-    want = (x.double() @ layer.dequantized().double().T).float()
+    want = exact(layer, x)
     got = product(layer, x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     alone = torch.cat([product(layer, x[i : i + 1]) for i in range(len(x))])
@@ -106,6 +113,8 @@ def test_int4_over_whole_blocks_of_groups_and_their_tails(in_features, kernel_se
 def test_the_avx512_kernels_run_where_asked(mode, kernel_set):
     """Both sets give the product; they sum in different orders, so their bits differ somewhere:
     proof that turning AVX-512 on or off changes which kernels run."""
+    if kernel_set == "vnni":
+        pytest.skip("AVX-512 against AVX2 on the same inputs (the next test: VNNI)")
     layer = stored(mode, out_features=256, in_features=1536)
     x = torch.randn(4, 1536, generator=torch.Generator().manual_seed(3))
     mine = product(layer, x)
@@ -115,6 +124,37 @@ def test_the_avx512_kernels_run_where_asked(mode, kernel_set):
     other = product(layer, x)
     torch.testing.assert_close(mine, other, rtol=1e-5, atol=1e-4)
     assert not torch.equal(mine, other)
+
+
+def test_int4_with_vnni_rounds_its_inputs_to_int8(monkeypatch):
+    """On int8 inputs (the default where the CPU has AVX-512 VNNI) int4 gives the product of the
+    rounded inputs (shown above); each is then within half its group's step of the input, so the
+    product stays within that of the float32 inputs' one, and is not it; `LONGDOC_CPU_VNNI=0` turns
+    it off."""
+    if not cpu_kernels.use_avx512(True) or not cpu_kernels.use_vnni(True):
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    layer = stored("int4", out_features=64, in_features=544)  # 17 groups: the last pairs with zeros
+    x = torch.randn(3, 544, generator=torch.Generator().manual_seed(7)) * torch.linspace(0.1, 10, 544)
+    rounded = int4_inputs(x)
+    step = x.reshape(3, 17, 32).abs().amax(-1) / 127
+    assert ((rounded - x.double()).abs().reshape(3, 17, 32) <= step[..., None] / 2 * 1.0001).all()
+    got = product(layer, x)
+    weights = layer.dequantized().double()
+    bound = (rounded - x.double()).abs() @ weights.abs().T + 1e-4  # each weight's part at most |w| |x - rounded|
+    assert ((got.double() - x.double() @ weights.T).abs() <= bound).all()
+    cpu_kernels.use_vnni(False)
+    plain = product(layer, x)
+    cpu_kernels.use_vnni(True)
+    assert not torch.equal(got, plain)
+    torch.testing.assert_close(plain, (x.double() @ weights.T).float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")
+def test_vnni_can_be_turned_off(fresh, monkeypatch):
+    monkeypatch.setenv("LONGDOC_CPU_VNNI", "0")
+    assert cpu_kernels.library() is not None and not cpu_kernels.use_vnni()
+    flags = open("/proc/cpuinfo").read().split()
+    assert cpu_kernels.use_vnni(True) == ("avx512_vnni" in flags)
 
 
 @pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")

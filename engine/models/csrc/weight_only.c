@@ -7,7 +7,9 @@
    and converted to float32 in registers (AVX2: once for each pair of activation rows; AVX-512:
    once for up to 4), and the output rows are
    shared among OpenMP's threads (the team torch's kernels use). Every output is summed in one
-   fixed order whatever the number of rows, so a row's result never depends on its company. */
+   fixed order whatever the number of rows, so a row's result never depends on its company. Where
+   the CPU has AVX-512 VNNI, int4 instead rounds each row's inputs to int8 and multiplies bytes
+   (below: int4_matmul_vnni). */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -313,6 +315,140 @@ AVX512 static void int4_matmul_avx512(const float *x, const float *sums, long ro
     }
 }
 
+/* int4 with AVX-512 VNNI (llama.cpp's Q4 x Q8 way): each row's inputs are rounded to int8, a
+   scale a group of 32 (the group's largest magnitude / 127), and each group's codes are
+   multiplied by them as bytes (vpdpbusd: unsigned codes by signed inputs, four products summed a
+   lane). A weight row's product is then, over its groups, code scale * input scale * (the codes
+   times the rounded inputs) + minimum * (the sum of the group's inputs as they are). Two groups
+   go in one 64-byte vector: [the first's inputs 0-15][the second's 0-15][the first's 16-31][the
+   second's 16-31], which is how their 32 bytes of codes unpack (low halves, then high ones), so
+   the rounded inputs are laid out that way once a call (`quantized`), each pair's input scales
+   beside them as 16 floats, one for each lane of sums (`lane_scales`). An odd last group pairs
+   with zeros. */
+
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+/* Row r's inputs rounded (pairs [rows, pairs, 64] bytes) and their scales by lane ([rows, pairs,
+   16] floats); the rounding is to nearest, ties to even (the default rounding mode). */
+VNNI static void quantize_inputs(const float *x, long rows, long k, int8_t *quantized, float *lane_scales) {
+    long groups = k / 32, pairs = (groups + 1) / 2;
+    for (long r = 0; r < rows; r++) {
+        int8_t *q = quantized + r * pairs * 64;
+        float *s = lane_scales + r * pairs * 16;
+        if (groups % 2) { /* the missing group's inputs and scale */
+            for (int t = 0; t < 16; t++) q[(pairs - 1) * 64 + 16 + t] = q[(pairs - 1) * 64 + 48 + t] = 0;
+            for (int t = 0; t < 4; t++) s[(pairs - 1) * 16 + 4 + t] = s[(pairs - 1) * 16 + 12 + t] = 0.0f;
+        }
+        for (long g = 0; g < groups; g++) {
+            const float *xg = x + r * k + g * 32;
+            __m512 lo = _mm512_loadu_ps(xg), hi = _mm512_loadu_ps(xg + 16);
+            __m512 biggest = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
+            float d = _mm512_reduce_max_ps(biggest) / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+            __m512 by = _mm512_set1_ps(inverse);
+            long p = g / 2, half = g % 2;
+            _mm_storeu_si128((__m128i *)(q + p * 64 + half * 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, by))));
+            _mm_storeu_si128((__m128i *)(q + p * 64 + 32 + half * 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, by))));
+            for (int t = 0; t < 4; t++) s[p * 16 + half * 4 + t] = s[p * 16 + 8 + half * 4 + t] = d;
+        }
+    }
+}
+
+/* A pair of groups' 32 bytes of codes (16 where the second is missing) as 64 unsigned bytes in the
+   inputs' layout. */
+VNNI static inline __m512i unpack_codes(const uint8_t *codes, int both) {
+    __m256i packed = both ? _mm256_loadu_si256((const __m256i *)codes) : _mm256_maskz_loadu_epi8(0xFFFF, codes);
+    const __m256i low4 = _mm256_set1_epi8(15);
+    __m256i low = _mm256_and_si256(packed, low4), high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+}
+
+#define BLOCK_VNNI(ROWS)                                                                               \
+    VNNI static inline void block_vnni_##ROWS(const int8_t *q, const float *ls, const float *sums, long k, \
+                                              const uint8_t *a, const uint16_t *ga, const uint8_t *b,     \
+                                              const uint16_t *gb, const uint8_t *next, float *out) {      \
+        long groups = k / 32, pairs = (groups + 1) / 2;                                                \
+        __m512 sa[ROWS], sb[ROWS];                                                                     \
+        for (int r = 0; r < ROWS; r++) sa[r] = sb[r] = _mm512_setzero_ps();                            \
+        const __m512i high16 = _mm512_set1_epi32((int)0xFFFF0000);                                     \
+        const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);      \
+        for (long g0 = 0; g0 < groups; g0 += 16) {                                                     \
+            long count = groups - g0 < 16 ? groups - g0 : 16;                                          \
+            __mmask16 mask = (__mmask16)((1u << count) - 1);                                           \
+            __m512i pa = _mm512_maskz_loadu_epi32(mask, ga + 2 * g0);                                  \
+            __m512i pb = _mm512_maskz_loadu_epi32(mask, gb + 2 * g0);                                  \
+            __m512 scale_a = _mm512_castsi512_ps(_mm512_slli_epi32(pa, 16));                           \
+            __m512 scale_b = _mm512_castsi512_ps(_mm512_slli_epi32(pb, 16));                           \
+            __m512 min_a = _mm512_castsi512_ps(_mm512_and_si512(pa, high16));                          \
+            __m512 min_b = _mm512_castsi512_ps(_mm512_and_si512(pb, high16));                          \
+            for (int r = 0; r < ROWS; r++) {                                                           \
+                __m512 s = _mm512_maskz_loadu_ps(mask, sums + r * groups + g0);                        \
+                sa[r] = _mm512_fmadd_ps(min_a, s, sa[r]);                                              \
+                sb[r] = _mm512_fmadd_ps(min_b, s, sb[r]);                                              \
+            }                                                                                          \
+            for (long g = 0; g < count; g += 2) {                                                      \
+                long p = (g0 + g) / 2, i = (g0 + g) * 32;                                              \
+                int both = g + 1 < count;                                                              \
+                if (g % 4 == 0) {                                                                      \
+                    prefetch(next + i / 2, 64);                                                        \
+                    prefetch(next + k / 2 + i / 2, 64);                                                \
+                }                                                                                      \
+                __m512i ca = unpack_codes(a + i / 2, both), cb = unpack_codes(b + i / 2, both);        \
+                __m512i lanes = _mm512_add_epi32(halves, _mm512_set1_epi32((int)g));                   \
+                __m512 ska = _mm512_permutexvar_ps(lanes, scale_a);                                    \
+                __m512 skb = _mm512_permutexvar_ps(lanes, scale_b);                                    \
+                for (int r = 0; r < ROWS; r++) {                                                       \
+                    __m512i xq = _mm512_loadu_si512((const void *)(q + (r * pairs + p) * 64));         \
+                    __m512 xs = _mm512_loadu_ps(ls + (r * pairs + p) * 16);                            \
+                    __m512 da = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ca, xq)); \
+                    __m512 db = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), cb, xq)); \
+                    sa[r] = _mm512_fmadd_ps(_mm512_mul_ps(da, xs), ska, sa[r]);                        \
+                    sb[r] = _mm512_fmadd_ps(_mm512_mul_ps(db, xs), skb, sb[r]);                        \
+                }                                                                                      \
+            }                                                                                          \
+        }                                                                                              \
+        for (int r = 0; r < ROWS; r++) {                                                               \
+            out[r] = _mm512_reduce_add_ps(sa[r]);                                                      \
+            out[ROWS + r] = _mm512_reduce_add_ps(sb[r]);                                               \
+        }                                                                                              \
+    }
+BLOCK_VNNI(8)
+BLOCK_VNNI(4)
+BLOCK_VNNI(2)
+BLOCK_VNNI(1)
+
+VNNI static void int4_matmul_vnni(const float *x, const float *sums, long rows, long k, const uint8_t *w,
+                                  const uint16_t *groups, long n, float *out) {
+    long bytes = k / 2, per_row = k / 16, count = k / 32, pairs = (count + 1) / 2;
+    int8_t *quantized = aligned_alloc(64, (size_t)(rows * pairs * 64));
+    float *lane_scales = aligned_alloc(64, (size_t)(rows * pairs * 16) * sizeof(float));
+    if (quantized == NULL || lane_scales == NULL) abort();
+    quantize_inputs(x, rows, k, quantized, lane_scales);
+    _Pragma("omp parallel for schedule(static)")
+    for (long pair = 0; pair < (n + 1) / 2; pair++) {
+        long j = 2 * pair, second = j + 1 < n ? j + 1 : j;
+        const uint8_t *next = w + (j + 3 < n ? j + 2 : j) * bytes;
+        const uint8_t *a = w + j * bytes, *b = w + second * bytes;
+        const uint16_t *ga = groups + j * per_row, *gb = groups + second * per_row;
+        float out16[16];
+        for (long r = 0; r < rows;) {
+            long take = rows - r >= 8 ? 8 : rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
+            const int8_t *qr = quantized + r * pairs * 64;
+            const float *lr = lane_scales + r * pairs * 16, *sr = sums + r * count;
+            if (take == 8) block_vnni_8(qr, lr, sr, k, a, ga, b, gb, next, out16);
+            else if (take == 4) block_vnni_4(qr, lr, sr, k, a, ga, b, gb, next, out16);
+            else if (take == 2) block_vnni_2(qr, lr, sr, k, a, ga, b, gb, next, out16);
+            else block_vnni_1(qr, lr, sr, k, a, ga, b, gb, next, out16);
+            for (long t = 0; t < take; t++) {
+                out[(r + t) * n + j] = out16[t];
+                out[(r + t) * n + second] = out16[take + t];
+            }
+            r += take;
+        }
+    }
+    free(quantized);
+    free(lane_scales);
+}
+
 /* Set between steps (a step that saw it change would mix the two sets); -1: not yet decided. */
 static long avx512 = -1;
 
@@ -321,6 +457,14 @@ long matmul_avx512(long wanted) {
         avx512 = wanted != 0 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                  __builtin_cpu_supports("avx512vl");
     return avx512;
+}
+
+/* The same for the int4 VNNI kernel (used only with the AVX-512 ones); -1: not yet decided. */
+static long vnni = -1;
+
+long matmul_vnni(long wanted) {
+    if (wanted >= 0 || vnni < 0) vnni = wanted != 0 && __builtin_cpu_supports("avx512vnni");
+    return vnni;
 }
 
 #define DISPATCH(name, type)                                                                 \
@@ -338,7 +482,8 @@ void int4_matmul(const float *x, long rows, long k, const uint8_t *w, const uint
     float *sums = count <= 4096 ? small : malloc((size_t)count * sizeof(float));
     if (sums == NULL) abort();
     group_sums(x, rows, k, sums);
-    if (matmul_avx512(-1)) int4_matmul_avx512(x, sums, rows, k, w, groups, n, out);
+    if (matmul_avx512(-1) && matmul_vnni(-1)) int4_matmul_vnni(x, sums, rows, k, w, groups, n, out);
+    else if (matmul_avx512(-1)) int4_matmul_avx512(x, sums, rows, k, w, groups, n, out);
     else int4_matmul_avx2(x, sums, rows, k, w, groups, n, out);
     if (sums != small) free(sums);
 }

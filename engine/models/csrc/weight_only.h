@@ -34,5 +34,7 @@ void int4_matmul(const float *x, long rows, long k, const uint8_t *w, const uint
 /* Whether the matmuls run their AVX-512 kernels: `wanted` 1 where the CPU has AVX-512 (the default),
    0 never (the AVX2 ones), -1 only asks. Returns the choice. */
 long matmul_avx512(long wanted);
+/* The same for the int4 kernel on int8 inputs (AVX-512 VNNI; used only with the AVX-512 ones). */
+long matmul_vnni(long wanted);
 /* out [rows, w->out] = x [rows, w->in] times the weight transposed, plus the bias */
 void weight_matmul(const Weight *w, const float *x, long rows, float *out);
