@@ -35,15 +35,17 @@ def kernel_set(request):
     if cpu_kernels.library() is None:
         pytest.skip("the CPU kernels cannot be built here")
     before = cpu_kernels.use_avx512(), cpu_kernels.use_vnni()
-    wide = request.param != "avx2"
-    if cpu_kernels.use_avx512(wide) != wide:
-        pytest.skip("no AVX-512 on this CPU")
-    cpu_kernels.use_vnni(request.param == "vnni")
-    if request.param == "vnni" and not cpu_kernels.int4_rounds_inputs():
-        pytest.skip("no AVX-512 VNNI on this CPU")
-    yield request.param
-    cpu_kernels.use_avx512(before[0])
-    cpu_kernels.use_vnni(before[1])
+    try:
+        wide = request.param != "avx2"
+        if cpu_kernels.use_avx512(wide) != wide:
+            pytest.skip("no AVX-512 on this CPU")
+        cpu_kernels.use_vnni(request.param == "vnni")
+        if request.param == "vnni" and not cpu_kernels.int4_rounds_inputs():
+            pytest.skip("no AVX-512 VNNI on this CPU")
+        yield request.param
+    finally:
+        cpu_kernels.use_avx512(before[0])
+        cpu_kernels.use_vnni(before[1])
 
 
 @pytest.fixture(scope="session")

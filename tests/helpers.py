@@ -53,18 +53,26 @@ def int4_inputs(x: torch.Tensor) -> torch.Tensor:
         return x.double()
     groups = x.float().reshape(*x.shape[:-1], -1, 32)
     scale = groups.abs().amax(-1, keepdim=True) / 127.0
-    inverse = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
+    inverse = torch.where(scale > torch.finfo(torch.float32).tiny, 1.0 / scale, torch.zeros_like(scale))
     rounded = (groups * inverse).round().clamp(-127, 127)
     return (rounded.double() * scale.double()).reshape(x.shape)
 
 
+def int4_parts(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int4 `WeightOnlyLinear`'s weights as float64 [out, in] parts: scale * code, and minimum."""
+    groups = layer.scales.double()  # [out, in / 32, 2]
+    low, high = layer.weight_low & 15, layer.weight_low >> 4  # a group's inputs 0-15, then 16-31
+    out = low.shape[0]
+    codes = torch.cat([low.view(out, -1, 16), high.view(out, -1, 16)], dim=-1).double()  # [out, groups, 32]
+    return (codes * groups[..., :1]).view(out, -1), groups[..., 1:].expand(-1, -1, 32).reshape(out, -1)
+
+
 def int4_product(layer: Any, x: torch.Tensor) -> torch.Tensor:
     """An int4 `WeightOnlyLinear`'s decode product as its kernel computes it, in float64 [rows, out]:
-    each weight is scale * code + minimum; the codes' part multiplies `int4_inputs`, the minimums'
-    part the inputs as they are (their sums over each group)."""
-    weights = layer.dequantized().double()
-    minimums = layer.scales.double()[..., 1].repeat_interleave(32, dim=1)  # [out, in]
-    return int4_inputs(x) @ (weights - minimums).T + x.double() @ minimums.T
+    the codes' part multiplies `int4_inputs`, the minimums' part the inputs as they are (their
+    sums over each group)."""
+    coded, minimums = int4_parts(layer)
+    return int4_inputs(x) @ coded.T + x.double() @ minimums.T
 
 
 # --- documents ---

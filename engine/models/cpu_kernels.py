@@ -15,7 +15,9 @@ and its flags; a built copy is loaded without a compiler. `longdoc serve --cache
 move it: the directory follows the environment (`kernel_dir`). Where it cannot be built or loaded
 (no compiler, a CPU without AVX2 and FMA, `LONGDOC_CPU_KERNELS=0`), `library()` returns None and
 the caller uses torch's kernels. On a CPU with AVX-512 the matmuls run their AVX-512 versions
-(chosen at run time, so one build serves both; `LONGDOC_CPU_AVX512=0` keeps the AVX2 ones).
+(chosen at run time, so one build serves both; `LONGDOC_CPU_AVX512=0` keeps the AVX2 ones), and
+where it also has VNNI, int4 rounds its inputs to int8 and multiplies bytes (`LONGDOC_CPU_VNNI=0`
+keeps float32 inputs; the VNNI kernel needs gcc 8 or a clang that knows `avx512vnni` to build).
 """
 
 from __future__ import annotations

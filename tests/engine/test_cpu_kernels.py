@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 
 from engine.models import cpu_kernels
 from engine.models.quantize import DECODE_ROWS, WeightOnlyLinear
-from tests.helpers import TEST_DEVICE, int4_inputs, int4_product
+from tests.helpers import TEST_DEVICE, int4_inputs, int4_parts, int4_product
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU kernels")
 BUILDABLE = shutil.which("cc") is not None and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
@@ -126,34 +127,33 @@ def test_the_avx512_kernels_run_where_asked(mode, kernel_set):
     assert not torch.equal(mine, other)
 
 
-def test_int4_with_vnni_rounds_its_inputs_to_int8(monkeypatch):
+def test_int4_with_vnni_rounds_its_inputs_to_int8(kernel_set):
     """On int8 inputs (the default where the CPU has AVX-512 VNNI) int4 gives the product of the
-    rounded inputs (shown above); each is then within half its group's step of the input, so the
-    product stays within that of the float32 inputs' one, and is not it; `LONGDOC_CPU_VNNI=0` turns
-    it off."""
-    if not cpu_kernels.use_avx512(True) or not cpu_kernels.use_vnni(True):
-        pytest.skip("no AVX-512 VNNI on this CPU")
+    rounded inputs (shown above); each is within half its group's step of the input and multiplies
+    scale * code only, so the product stays within |x - rounded| @ |scale * code| of the float32
+    inputs' one, and is not it; with VNNI off, it is that product."""
+    if kernel_set != "vnni":
+        pytest.skip("the VNNI kernel")
     layer = stored("int4", out_features=64, in_features=544)  # 17 groups: the last pairs with zeros
     x = torch.randn(3, 544, generator=torch.Generator().manual_seed(7)) * torch.linspace(0.1, 10, 544)
     rounded = int4_inputs(x)
     step = x.reshape(3, 17, 32).abs().amax(-1) / 127
     assert ((rounded - x.double()).abs().reshape(3, 17, 32) <= step[..., None] / 2 * 1.0001).all()
     got = product(layer, x)
-    weights = layer.dequantized().double()
-    bound = (rounded - x.double()).abs() @ weights.abs().T + 1e-4  # each weight's part at most |w| |x - rounded|
-    assert ((got.double() - x.double() @ weights.T).abs() <= bound).all()
+    coded, _ = int4_parts(layer)
+    plain = x.double() @ layer.dequantized().double().T
+    assert ((got.double() - plain).abs() <= (rounded - x.double()).abs() @ coded.abs().T + 1e-4).all()
     cpu_kernels.use_vnni(False)
-    plain = product(layer, x)
-    cpu_kernels.use_vnni(True)
-    assert not torch.equal(got, plain)
-    torch.testing.assert_close(plain, (x.double() @ weights.T).float(), rtol=1e-5, atol=1e-5)
+    widened = product(layer, x)
+    assert not torch.equal(got, widened)
+    torch.testing.assert_close(widened, plain.float(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")
 def test_vnni_can_be_turned_off(fresh, monkeypatch):
     monkeypatch.setenv("LONGDOC_CPU_VNNI", "0")
     assert cpu_kernels.library() is not None and not cpu_kernels.use_vnni()
-    flags = open("/proc/cpuinfo").read().split()
+    flags = Path("/proc/cpuinfo").read_text().split()
     assert cpu_kernels.use_vnni(True) == ("avx512_vnni" in flags)
 
 

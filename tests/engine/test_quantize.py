@@ -23,7 +23,7 @@ from engine.models.quantize import DECODE_ROWS, WeightOnlyLinear, quantize_linea
 from engine.runtime import registry
 from engine.runtime.registry import quantize_mode
 from tests.engine.test_cpu_kernels import BUILDABLE
-from tests.helpers import TEST_DEVICE, int4_inputs, int4_product, tiny_settings
+from tests.helpers import TEST_DEVICE, int4_inputs, int4_parts, int4_product, tiny_settings
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="weight-only quantization is for CPU")
 MODES = ("bf16", "int8")
@@ -248,8 +248,9 @@ def int4_tolerance(layer: WeightOnlyLinear) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 3, DECODE_ROWS, DECODE_ROWS + 1, 200])
 def test_an_int4_layer_stays_within_its_rounding_of_float32(rows, decode_kernel):
     """Each weight within half its group's step; decode rows are the stored weight times the
-    float32 input (longdoc's kernel, or the widened weight where it cannot run), prefill rows
-    exactly the float32 matmul on the widened weight."""
+    float32 input (longdoc's kernel, or the widened weight where it cannot run; with VNNI, scale *
+    code times the input rounded to int8), prefill rows exactly the float32 matmul on the widened
+    weight."""
     torch.manual_seed(0)
     plain = nn.Linear(96, 160, bias=True)
     quantized = WeightOnlyLinear(plain, "int4")
@@ -258,8 +259,9 @@ def test_an_int4_layer_stays_within_its_rounding_of_float32(rows, decode_kernel)
     x = torch.randn(rows, 96)
     with torch.no_grad():
         want, got = plain(x), quantized(x)
-    rounding = (int4_inputs(x) - x.double()).abs().float() @ quantized.dequantized().abs().T  # VNNI's int8 inputs
-    assert ((got - want).abs() <= x.abs() @ tolerance.T + rounding + 1e-4).all()
+    coded, _ = int4_parts(quantized)
+    rounding = (int4_inputs(x) - x.double()).abs() @ coded.abs().T  # VNNI's int8 inputs multiply scale * code
+    assert ((got - want).abs() <= x.abs() @ tolerance.T + rounding.float() + 1e-4).all()
     exact = (int4_product(quantized, x) + plain.bias.double()).float()
     if rows > DECODE_ROWS:
         torch.testing.assert_close(got, F.linear(x, quantized.dequantized(), plain.bias), rtol=0, atol=0)

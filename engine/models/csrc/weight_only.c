@@ -11,6 +11,7 @@
    the CPU has AVX-512 VNNI, int4 instead rounds each row's inputs to int8 and multiplies bytes
    (below: int4_matmul_vnni). */
 
+#include <float.h>
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -322,20 +323,22 @@ AVX512 static void int4_matmul_avx512(const float *x, const float *sums, long ro
    times the rounded inputs) + minimum * (the sum of the group's inputs as they are). Two groups
    go in one 64-byte vector: [the first's inputs 0-15][the second's 0-15][the first's 16-31][the
    second's 16-31], which is how their 32 bytes of codes unpack (low halves, then high ones), so
-   the rounded inputs are laid out that way once a call (`quantized`), each pair's input scales
-   beside them as 16 floats, one for each lane of sums (`lane_scales`). An odd last group pairs
-   with zeros. */
+   the rounded inputs are laid out that way once a call (`quantized`), and each pair's two input
+   scales as 16 floats, one for each lane of sums (`lane_scales`). An odd last group pairs with
+   zeros. */
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
-/* Row r's inputs rounded (pairs [rows, pairs, 64] bytes) and their scales by lane ([rows, pairs,
-   16] floats); the rounding is to nearest, ties to even (the default rounding mode). */
+/* Row r's inputs rounded (`quantized` [rows, pairs of groups, 64] bytes) and their scales by lane
+   (`lane_scales` [rows, pairs of groups, 16] floats); the rounding is to nearest, ties to even (the
+   default rounding mode). A group whose largest magnitude is too small to invert rounds to zeros. */
 VNNI static void quantize_inputs(const float *x, long rows, long k, int8_t *quantized, float *lane_scales) {
     long groups = k / 32, pairs = (groups + 1) / 2;
     for (long r = 0; r < rows; r++) {
         int8_t *q = quantized + r * pairs * 64;
         float *s = lane_scales + r * pairs * 16;
-        if (groups % 2) { /* the missing group's inputs and scale */
+        if (groups % 2) { /* the missing group: its codes read as zeros, its inputs and scales zero (no
+                             stale NaN may reach the sums) */
             for (int t = 0; t < 16; t++) q[(pairs - 1) * 64 + 16 + t] = q[(pairs - 1) * 64 + 48 + t] = 0;
             for (int t = 0; t < 4; t++) s[(pairs - 1) * 16 + 4 + t] = s[(pairs - 1) * 16 + 12 + t] = 0.0f;
         }
@@ -343,7 +346,7 @@ VNNI static void quantize_inputs(const float *x, long rows, long k, int8_t *quan
             const float *xg = x + r * k + g * 32;
             __m512 lo = _mm512_loadu_ps(xg), hi = _mm512_loadu_ps(xg + 16);
             __m512 biggest = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
-            float d = _mm512_reduce_max_ps(biggest) / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+            float d = _mm512_reduce_max_ps(biggest) / 127.0f, inverse = d > FLT_MIN ? 1.0f / d : 0.0f;
             __m512 by = _mm512_set1_ps(inverse);
             long p = g / 2, half = g % 2;
             _mm_storeu_si128((__m128i *)(q + p * 64 + half * 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, by))));
@@ -417,7 +420,8 @@ BLOCK_VNNI(1)
 
 VNNI static void int4_matmul_vnni(const float *x, const float *sums, long rows, long k, const uint8_t *w,
                                   const uint16_t *groups, long n, float *out) {
-    long bytes = k / 2, per_row = k / 16, count = k / 32, pairs = (count + 1) / 2;
+    /* a weight row's bytes, bfloat16 (scale, minimum) values, groups and pairs of groups */
+    long bytes = k / 2, values = k / 16, count = k / 32, pairs = (count + 1) / 2;
     int8_t *quantized = aligned_alloc(64, (size_t)(rows * pairs * 64));
     float *lane_scales = aligned_alloc(64, (size_t)(rows * pairs * 16) * sizeof(float));
     if (quantized == NULL || lane_scales == NULL) abort();
@@ -427,7 +431,7 @@ VNNI static void int4_matmul_vnni(const float *x, const float *sums, long rows, 
         long j = 2 * pair, second = j + 1 < n ? j + 1 : j;
         const uint8_t *next = w + (j + 3 < n ? j + 2 : j) * bytes;
         const uint8_t *a = w + j * bytes, *b = w + second * bytes;
-        const uint16_t *ga = groups + j * per_row, *gb = groups + second * per_row;
+        const uint16_t *ga = groups + j * values, *gb = groups + second * values;
         float out8[8];
         for (long r = 0; r < rows;) {
             long take = rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
@@ -475,6 +479,7 @@ DISPATCH(bf16_matmul, uint16_t)
 DISPATCH(f32_matmul, float)
 
 void int4_matmul(const float *x, long rows, long k, const uint8_t *w, const uint16_t *groups, long n, float *out) {
+    if (rows == 0 || n == 0) return;
     long count = rows * (k / 32);
     float small[4096]; /* a decode step's rows fit; a longer call takes the heap */
     float *sums = count <= 4096 ? small : malloc((size_t)count * sizeof(float));

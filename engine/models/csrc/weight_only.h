@@ -29,7 +29,8 @@ void bf16_matmul(const float *x, long rows, long k, const uint16_t *w, const flo
 void f32_matmul(const float *x, long rows, long k, const float *w, const float *scale, long n, float *out);
 /* int4: w [n, k / 2] bytes, a group of 32 inputs in 16 bytes (byte j: input j in its low half,
    input j + 16 in its high half), each weight scale * code + minimum with the group's pair from
-   groups [n, k / 32, 2] (bfloat16) */
+   groups [n, k / 32, 2] (bfloat16); where the CPU has AVX-512 VNNI (and `matmul_vnni`), the inputs
+   are rounded to int8 a group of 32 first (weight_only.c, int4_matmul_vnni) */
 void int4_matmul(const float *x, long rows, long k, const uint8_t *w, const uint16_t *groups, long n, float *out);
 /* Whether the matmuls run their AVX-512 kernels: `wanted` 1 where the CPU has AVX-512 (the default),
    0 never (the AVX2 ones), -1 only asks. Returns the choice. */
