@@ -238,6 +238,28 @@ MATMUL512(f32_matmul_avx512, float, block_f32, AS_IS_AT)
    widened to float32 and multiplied as they are (no scaling a weight at a time), each group's
    partial sum scaled once, and the minimums' part taken from the inputs' group sums (`sums`,
    computed once a call). The bfloat16 (scale, minimum) pairs of 16 groups are read as one vector. */
+/* The (scale, minimum) pairs of weight rows a and b for the (up to) 16 groups from g0 on, read as
+   one vector each: their scales into `scale_a` and `scale_b`, and the minimums' part of `rows`
+   rows (their inputs' group sums times the minimums) added into `sa` and `sb`. Returns how many
+   groups there are. */
+AVX512 static inline long group_block(const uint16_t *ga, const uint16_t *gb, const float *sums, long groups, long g0,
+                                      int rows, __m512 *sa, __m512 *sb, __m512 *scale_a, __m512 *scale_b) {
+    long count = groups - g0 < 16 ? groups - g0 : 16;
+    __mmask16 mask = (__mmask16)((1u << count) - 1);
+    const __m512i high16 = _mm512_set1_epi32((int)0xFFFF0000);
+    __m512i pa = _mm512_maskz_loadu_epi32(mask, ga + 2 * g0), pb = _mm512_maskz_loadu_epi32(mask, gb + 2 * g0);
+    *scale_a = _mm512_castsi512_ps(_mm512_slli_epi32(pa, 16));
+    *scale_b = _mm512_castsi512_ps(_mm512_slli_epi32(pb, 16));
+    __m512 min_a = _mm512_castsi512_ps(_mm512_and_si512(pa, high16));
+    __m512 min_b = _mm512_castsi512_ps(_mm512_and_si512(pb, high16));
+    for (int r = 0; r < rows; r++) {
+        __m512 s = _mm512_maskz_loadu_ps(mask, sums + r * groups + g0);
+        sa[r] = _mm512_fmadd_ps(min_a, s, sa[r]);
+        sb[r] = _mm512_fmadd_ps(min_b, s, sb[r]);
+    }
+    return count;
+}
+
 #define BLOCK4(ROWS)                                                                                  \
     AVX512 static inline void block_int4_##ROWS(const float *x, const float *sums, long k, const uint8_t *a, \
                                                 const uint16_t *ga, const uint8_t *b, const uint16_t *gb,  \
@@ -245,21 +267,10 @@ MATMUL512(f32_matmul_avx512, float, block_f32, AS_IS_AT)
         long groups = k / 32;                                                                        \
         __m512 sa[ROWS], sb[ROWS];                                                                   \
         for (int r = 0; r < ROWS; r++) sa[r] = sb[r] = _mm512_setzero_ps();                          \
-        const __m512i low4 = _mm512_set1_epi32(15), high16 = _mm512_set1_epi32((int)0xFFFF0000);     \
+        const __m512i low4 = _mm512_set1_epi32(15);                                                  \
         for (long g0 = 0; g0 < groups; g0 += 16) {                                                   \
-            long count = groups - g0 < 16 ? groups - g0 : 16;                                        \
-            __mmask16 mask = (__mmask16)((1u << count) - 1);                                         \
-            __m512i pa = _mm512_maskz_loadu_epi32(mask, ga + 2 * g0);                                \
-            __m512i pb = _mm512_maskz_loadu_epi32(mask, gb + 2 * g0);                                \
-            __m512 scale_a = _mm512_castsi512_ps(_mm512_slli_epi32(pa, 16));                         \
-            __m512 scale_b = _mm512_castsi512_ps(_mm512_slli_epi32(pb, 16));                         \
-            __m512 min_a = _mm512_castsi512_ps(_mm512_and_si512(pa, high16));                        \
-            __m512 min_b = _mm512_castsi512_ps(_mm512_and_si512(pb, high16));                        \
-            for (int r = 0; r < ROWS; r++) {                                                         \
-                __m512 s = _mm512_maskz_loadu_ps(mask, sums + r * groups + g0);                      \
-                sa[r] = _mm512_fmadd_ps(min_a, s, sa[r]);                                            \
-                sb[r] = _mm512_fmadd_ps(min_b, s, sb[r]);                                            \
-            }                                                                                        \
+            __m512 scale_a, scale_b;                                                                 \
+            long count = group_block(ga, gb, sums, groups, g0, ROWS, sa, sb, &scale_a, &scale_b);   \
             for (long g = 0; g < count; g++) {                                                       \
                 long i = (g0 + g) * 32;                                                              \
                 if (g % 4 == 0) {                                                                    \
@@ -372,22 +383,10 @@ VNNI static inline __m512i unpack_codes(const uint8_t *codes, int both) {
         long groups = k / 32, pairs = (groups + 1) / 2;                                                \
         __m512 sa[ROWS], sb[ROWS];                                                                     \
         for (int r = 0; r < ROWS; r++) sa[r] = sb[r] = _mm512_setzero_ps();                            \
-        const __m512i high16 = _mm512_set1_epi32((int)0xFFFF0000);                                     \
         const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);      \
         for (long g0 = 0; g0 < groups; g0 += 16) {                                                     \
-            long count = groups - g0 < 16 ? groups - g0 : 16;                                          \
-            __mmask16 mask = (__mmask16)((1u << count) - 1);                                           \
-            __m512i pa = _mm512_maskz_loadu_epi32(mask, ga + 2 * g0);                                  \
-            __m512i pb = _mm512_maskz_loadu_epi32(mask, gb + 2 * g0);                                  \
-            __m512 scale_a = _mm512_castsi512_ps(_mm512_slli_epi32(pa, 16));                           \
-            __m512 scale_b = _mm512_castsi512_ps(_mm512_slli_epi32(pb, 16));                           \
-            __m512 min_a = _mm512_castsi512_ps(_mm512_and_si512(pa, high16));                          \
-            __m512 min_b = _mm512_castsi512_ps(_mm512_and_si512(pb, high16));                          \
-            for (int r = 0; r < ROWS; r++) {                                                           \
-                __m512 s = _mm512_maskz_loadu_ps(mask, sums + r * groups + g0);                        \
-                sa[r] = _mm512_fmadd_ps(min_a, s, sa[r]);                                              \
-                sb[r] = _mm512_fmadd_ps(min_b, s, sb[r]);                                              \
-            }                                                                                          \
+            __m512 scale_a, scale_b;                                                                   \
+            long count = group_block(ga, gb, sums, groups, g0, ROWS, sa, sb, &scale_a, &scale_b);     \
             for (long g = 0; g < count; g += 2) {                                                      \
                 long p = (g0 + g) / 2, i = (g0 + g) * 32;                                              \
                 int both = g + 1 < count;                                                              \
