@@ -16,7 +16,7 @@ from engine.memories.neurocache.adapter_io import save_adapter
 from engine.models import cpu_kernels
 from engine.models.loader import small_model_dir
 from server.app import create_app
-from tests.helpers import CACHE_DIR, FIXTURES, TEST_DEVICE, make_tiny_llama, tiny_settings, wait_ready
+from tests.helpers import CACHE_DIR, FIXTURES, TEST_DEVICE, int4_rounds_inputs, make_tiny_llama, tiny_settings, wait_ready
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +40,7 @@ def kernel_set(request):
         if cpu_kernels.use_avx512(wide) != wide:
             pytest.skip("no AVX-512 on this CPU")
         cpu_kernels.use_vnni(request.param == "vnni")
-        if request.param == "vnni" and not cpu_kernels.int4_rounds_inputs():
+        if request.param == "vnni" and not int4_rounds_inputs():
             pytest.skip("no AVX-512 VNNI on this CPU")
         yield request.param
     finally:

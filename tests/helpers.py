@@ -43,13 +43,18 @@ TEST_DEVICE = os.environ.get("LONGDOC_TEST_DEVICE", "cpu")
 # --- int4 on inputs rounded to int8 (AVX-512 VNNI, csrc/weight_only.c) ---
 
 
+def int4_rounds_inputs() -> bool:
+    """Whether int4 matmuls run on inputs rounded to int8 now (VNNI on, with the AVX-512 kernels)."""
+    from engine.models import cpu_kernels
+
+    return cpu_kernels.use_avx512() and cpu_kernels.use_vnni()
+
+
 def int4_inputs(x: torch.Tensor) -> torch.Tensor:
     """The inputs an int4 matmul multiplies its codes by, as float64 [rows, in]: each group of 32
     rounded to int8 at a scale of its largest magnitude / 127 (ties to even) and scaled back, where
-    `cpu_kernels.int4_rounds_inputs()`; else the inputs as they are."""
-    from engine.models import cpu_kernels
-
-    if not cpu_kernels.int4_rounds_inputs():
+    `int4_rounds_inputs()`; else the inputs as they are."""
+    if not int4_rounds_inputs():
         return x.double()
     groups = x.float().reshape(*x.shape[:-1], -1, 32)
     scale = groups.abs().amax(-1, keepdim=True) / 127.0

@@ -118,11 +118,6 @@ def use_vnni(wanted: bool | None = None) -> bool:
     return bool(lib.matmul_vnni(-1 if wanted is None else int(wanted)))
 
 
-def int4_rounds_inputs() -> bool:
-    """Whether int4 matmuls run on inputs rounded to int8 now (`use_vnni` and `use_avx512`)."""
-    return use_avx512() and use_vnni()
-
-
 def usable(weight: torch.Tensor, features: int | None = None) -> bool:
     """Whether the kernels can multiply by this stored weight ([out, in], bf16 or int8, on CPU;
     int4: [out, in / 2] bytes, `features` its in)."""

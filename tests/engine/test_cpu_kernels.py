@@ -110,12 +110,11 @@ def test_int4_over_whole_blocks_of_groups_and_their_tails(in_features, kernel_se
     assert torch.equal(got, alone)
 
 
+@pytest.mark.parametrize("kernel_set", ["avx2", "avx512"], indirect=True)  # on the same inputs (VNNI: the next test)
 @pytest.mark.parametrize("mode", ["bf16", "int4"])
 def test_the_avx512_kernels_run_where_asked(mode, kernel_set):
     """Both sets give the product; they sum in different orders, so their bits differ somewhere:
     proof that turning AVX-512 on or off changes which kernels run."""
-    if kernel_set == "vnni":
-        pytest.skip("AVX-512 against AVX2 on the same inputs (the next test: VNNI)")
     layer = stored(mode, out_features=256, in_features=1536)
     x = torch.randn(4, 1536, generator=torch.Generator().manual_seed(3))
     mine = product(layer, x)
@@ -127,13 +126,12 @@ def test_the_avx512_kernels_run_where_asked(mode, kernel_set):
     assert not torch.equal(mine, other)
 
 
+@pytest.mark.parametrize("kernel_set", ["vnni"], indirect=True)
 def test_int4_with_vnni_rounds_its_inputs_to_int8(kernel_set):
     """On int8 inputs (the default where the CPU has AVX-512 VNNI) int4 gives the product of the
     rounded inputs (shown above); each is within half its group's step of the input and multiplies
     scale * code only, so the product stays within |x - rounded| @ |scale * code| of the float32
     inputs' one, and is not it; with VNNI off, it is that product."""
-    if kernel_set != "vnni":
-        pytest.skip("the VNNI kernel")
     layer = stored("int4", out_features=64, in_features=544)  # 17 groups: the last pairs with zeros
     x = torch.randn(3, 544, generator=torch.Generator().manual_seed(7)) * torch.linspace(0.1, 10, 544)
     rounded = int4_inputs(x)

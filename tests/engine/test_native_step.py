@@ -27,7 +27,7 @@ from engine.runtime.generation import AnswerState
 from research.lms.byte_tokenizer import ByteTokenizer
 from tests.engine.test_batching import FAMILIES, NO_STOP, alone, batcher_for, collect, requests, same_answer, tiny
 from tests.engine.test_cpu_kernels import BUILDABLE
-from tests.helpers import TEST_DEVICE
+from tests.helpers import TEST_DEVICE, int4_rounds_inputs
 
 pytestmark = [
     pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the C step is for CPU"),
@@ -213,7 +213,7 @@ def test_it_writes_the_keys_and_values_the_torch_step_writes(mode, kernel_set):
     quantize_linears(model, mode)
     native, torch_step = BatchDecoder(model), BatchDecoder(model)
     torch_step.native = None
-    rounded = mode == "int4" and cpu_kernels.int4_rounds_inputs()
+    rounded = mode == "int4" and int4_rounds_inputs()
     lengths = [DECODE_ROWS + 3, 21]  # prompt passes over DECODE_ROWS rows: both feed them alike (float32)
     pairs = rows_of(native, lengths), rows_of(torch_step, lengths)
     for token in (7, 40, 3):
