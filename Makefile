@@ -13,7 +13,7 @@ APT := $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive
 DRILL_VENV  := .venv-drills
 DRILL_STAMP := $(DRILL_VENV)/.installed
 
-.PHONY: serve test install chromium bench bench-kvcache bench-batching bench-scaleout peers corpus documents bench-documents drills drill-capacity drill-summary observe image image-smoke clean
+.PHONY: serve test install chromium bench bench-kvcache bench-batching bench-scaleout peers corpus documents bench-documents drills drill-capacity drill-second drill-summary observe image image-smoke clean
 
 $(STAMP): pyproject.toml engine/models/wheels.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,10 @@ drills: $(STAMP) $(DRILL_STAMP)
 # issue 62's figures: 32 questions at once and 8 streams on the default model, default settings
 drill-capacity: $(STAMP)
 	$(BIN)/python -m scripts.drills --only capacity $(ARGS)
+
+# the second question of a session against its first, the prefix cache on and off (default model)
+drill-second: $(STAMP)
+	$(BIN)/python -m scripts.drills --only second $(ARGS)
 
 # background summaries on the default model: the build's time and first tokens meanwhile
 drill-summary: $(STAMP)

@@ -150,7 +150,8 @@ class Answering:
             if memory.plain_answer and runtime.batcher is not None:
                 yield placed(memory.retrieval(request), session.documents)
                 prompt_ids = await asyncio.to_thread(memory.answer_prompt, request)
-                async with contextlib.aclosing(generate_events(runtime, prompt_ids, params)) as answer:
+                answer_events = generate_events(runtime, prompt_ids, params, scope=session.id)
+                async with contextlib.aclosing(answer_events) as answer:
                     async for event in answer:
                         yield event
                 return
@@ -178,12 +179,19 @@ class Answering:
 
 
 async def generate_events(
-    runtime: ModelRuntime, prompt_ids: list[int], params: GenerationParams, *, background: bool = False
+    runtime: ModelRuntime,
+    prompt_ids: list[int],
+    params: GenerationParams,
+    *,
+    background: bool = False,
+    scope: str | None = None,
 ) -> AsyncGenerator[GenerationEvent, None]:
     """The model's answer to `prompt_ids`: decode-batched where the model allows (`background`
-    work queued behind the answers), else alone on its worker."""
+    work queued behind the answers; a `scope`'s prompts start from what they share with its last
+    one), else alone on its worker."""
     if runtime.batcher is not None:
-        async with contextlib.aclosing(runtime.batcher.generate(prompt_ids, params, background=background)) as answer:
+        answer_events = runtime.batcher.generate(prompt_ids, params, background=background, scope=scope)
+        async with contextlib.aclosing(answer_events) as answer:
             async for event in answer:
                 yield event
         return

@@ -167,6 +167,7 @@ class GenerationLimits:
     max_generation_seconds: float = 300.0  # a generation still running then ends with finish_reason "length"
     kv_block_tokens: int = 32  # a batched answer's keys and values are held in blocks of this many positions
     kv_wait_seconds: float = 60.0  # an answer waiting for memory that no running answer will free fails after this
+    prefix_cache_tokens: int = 8192  # positions of sessions' last prompts kept to start their next ones from (0: none)
 
     def __post_init__(self) -> None:
         _require(0 < self.default_max_tokens <= self.max_new_tokens, "need 0 < default_max_tokens <= max_new_tokens")
@@ -177,6 +178,7 @@ class GenerationLimits:
         _require(self.max_generation_seconds > 0, "max_generation_seconds must be positive")
         _require(self.kv_block_tokens > 0, "kv_block_tokens must be positive")
         _require(self.kv_wait_seconds > 0, "kv_wait_seconds must be positive")
+        _require(self.prefix_cache_tokens >= 0, "prefix_cache_tokens must be 0 (none kept) or positive")
 
 
 @dataclass(frozen=True)
@@ -273,6 +275,13 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
         "generation.kv_wait_seconds",
         "an answer whose prompt finds the server's memory full waits for it; once the first in the queue has waited "
         "this long with no answer of its model running to free any, it and those behind it get 429",
+    ),
+    Setting(
+        "prefix_cache_tokens",
+        "generation.prefix_cache_tokens",
+        "positions of keys and values kept from each session's last prompt (reserved from the server's memory, given "
+        "back when an answer needs it), so that its next prompt feeds only what follows the prefix they share: the "
+        "chat template and any leading excerpts both retrieve (0: every prompt fed whole)",
     ),
     Setting(
         "default_memory",

@@ -145,6 +145,9 @@ class Engine:
         """Delete the session; its summaries' build, if one runs, stops."""
         self.session_service.delete(session_id)
         self.summarizer.cancel(session_id)
+        for runtime in self.models.runtimes():
+            if runtime.batcher is not None and runtime.batcher.prefix is not None:
+                runtime.batcher.prefix.drop(session_id)
 
     def cache_info(self, session_id: str) -> CacheInfo:
         return self.session_service.use(session_id).cache()
@@ -215,6 +218,7 @@ class Engine:
         depth[embed_worker.name] = embed_worker.depth
         batchers = {runtime.loaded.name: runtime.batcher for runtime in runtimes if runtime.batcher is not None}
         blocks = {name: batcher.kv for name, batcher in batchers.items() if batcher.kv is not None}
+        prefixes = {name: batcher.prefix for name, batcher in batchers.items() if batcher.prefix is not None}
         return EngineStats(
             ready=self._ready,
             active_sessions=len(self.sessions),
@@ -225,6 +229,9 @@ class Engine:
             kv_blocks={name: kv.in_use for name, kv in blocks.items()},
             kv_block_bytes={name: kv.block_bytes for name, kv in blocks.items()},
             kv_preemptions={name: kv.preemptions for name, kv in blocks.items()},
+            prefix_tokens={name: prefix.tokens for name, prefix in prefixes.items()},
+            prefix_hits={name: prefix.hits for name, prefix in prefixes.items()},
+            prefix_reused_tokens={name: prefix.reused_tokens for name, prefix in prefixes.items()},
             queue_limit=self.config.generation.max_queue,
             memory_limit_bytes=self.config.sessions.server_memory_bytes,
             memory_reserved_bytes=self.sessions.reserved_bytes,

@@ -230,6 +230,9 @@ class EngineStats:
     kv_blocks: dict[str, int] = field(default_factory=dict)  # key/value blocks its answers hold
     kv_block_bytes: dict[str, int] = field(default_factory=dict)  # bytes of one of its blocks
     kv_preemptions: dict[str, int] = field(default_factory=dict)  # answers preempted for memory since start
+    prefix_tokens: dict[str, int] = field(default_factory=dict)  # positions of sessions' last prompts kept
+    prefix_hits: dict[str, int] = field(default_factory=dict)  # prompts started from a kept prefix since start
+    prefix_reused_tokens: dict[str, int] = field(default_factory=dict)  # prompt tokens those did not feed again
     memory_limit_bytes: int = 0  # what all sessions' memories may hold together
     memory_reserved_bytes: int = 0  # promised to work in flight, not yet committed
     sessions_on_disk: int = 0  # saved, not resident

@@ -64,6 +64,18 @@ class _EngineCollector(Collector):
         yield _per_model(
             CounterMetricFamily, "longdoc_kv_preemptions", "answers preempted when memory ran short", stats.kv_preemptions
         )
+        yield _per_model(
+            GaugeMetricFamily, "longdoc_prefix_cache_tokens", "positions of sessions' last prompts kept", stats.prefix_tokens
+        )
+        yield _per_model(
+            CounterMetricFamily, "longdoc_prefix_cache_hits", "prompts started from a kept prefix", stats.prefix_hits
+        )
+        yield _per_model(
+            CounterMetricFamily,
+            "longdoc_prefix_cache_reused_tokens",
+            "prompt tokens taken from a kept prefix instead of fed again",
+            stats.prefix_reused_tokens,
+        )
 
 
 def _per_model(

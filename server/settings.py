@@ -80,6 +80,7 @@ class Settings(BaseSettings):
     max_generation_seconds: float = engine_setting("max_generation_seconds")
     kv_block_tokens: int = engine_setting("kv_block_tokens")
     kv_wait_seconds: float = engine_setting("kv_wait_seconds")
+    prefix_cache_tokens: int = engine_setting("prefix_cache_tokens")
     body_read_timeout_seconds: float = Field(30.0, gt=0, description="408 when a request body stalls this long")
     linger_bytes: int = Field(
         128 * 1024**2,

@@ -65,6 +65,9 @@ class Row:
     blocks: int = 0
     waiting_since: float | None = None  # when it first found the server's memory short
     background: bool = False  # work no client waits on (a summary): queued behind the answers
+    scope: str | None = None  # whose earlier prompts its own may start from (a session: engine/runtime/prefix_cache.py)
+    keep_prompt: bool = False  # hand its prompt's own keys and values to `kept` once fed, not free them
+    kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer [1, kv_heads, len(ids()), head_dim]
 
     def ids(self) -> list[int]:
         """What its prefill feeds: the prompt, and the answer so far when it resumes."""
@@ -231,12 +234,15 @@ class BatchDecoder:
         if capacity <= len(ids):
             raise ValueError(f"a row of {len(ids)} tokens was given room for {capacity}")
         row.keys, row.values = self._buffer(capacity), self._buffer(capacity)
+        row.kept = [] if row.keep_prompt else None
         for index, layer in enumerate(
             cast(list[DynamicLayer], cache.layers)
-        ):  # each layer freed once copied: the peak stays near the reservation
+        ):  # each layer freed once copied (unless kept): the peak stays near the reservation
             assert layer.keys is not None and layer.values is not None  # filled by the prompt's pass
             row.keys[index, :, : len(ids)] = layer.keys[0]
             row.values[index, :, : len(ids)] = layer.values[0]
+            if row.kept is not None:
+                row.kept.append((layer.keys, layer.values))
             layer.keys = layer.values = None
         row.length = len(ids)
         return cast(torch.Tensor, out.logits[0, -1])

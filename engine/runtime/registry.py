@@ -23,6 +23,7 @@ from engine.models.quantize import quantize_linears, stored_mode
 from engine.runtime.generation import StopTokens, generate_steps
 from engine.runtime.kv_blocks import Held, KVBlocks
 from engine.runtime.os_memory import return_free_memory
+from engine.runtime.prefix_cache import PrefixCache
 from engine.runtime.scheduler import Batcher
 from engine.runtime.worker import SerialWorker
 
@@ -155,10 +156,13 @@ class ModelRegistry:
             return None
         limits = self.config.generation
         decoder = BatchDecoder(loaded.model, limits.batch_invariant)
-        kv = None
+        kv = prefix = None
         if self._reserve is not None:
             kv = KVBlocks(self._reserve, limits.kv_block_tokens, loaded.kv_bytes_per_token, limits.kv_wait_seconds)
-        return Batcher(decoder, worker, loaded.tokenizer, stop, limits.max_batch, limits.prefill_chunk or None, kv)
+            if limits.prefix_cache_tokens:
+                prefix = PrefixCache(self._reserve, limits.prefix_cache_tokens)
+        chunk = limits.prefill_chunk or None
+        return Batcher(decoder, worker, loaded.tokenizer, stop, limits.max_batch, chunk, kv, prefix)
 
     def _resources(self, loaded: LoadedModel) -> dict[str, Any]:
         """Per memory kind, what the memory needs from this model (`Memory.model_resources`)."""

@@ -1,9 +1,9 @@
 """`make drills`: reliability drills against a real `longdoc serve` on the small model (SmolLM2-135M; scripts/drills/server.py).
 
-    python -m scripts.drills [--only sweep,refusals,load,rss,crash,fuzz,first,capacity,summary] [--sessions 16] [--starts 10] [--out results.json]
+    python -m scripts.drills [--only sweep,refusals,load,rss,crash,fuzz,first,capacity,summary,second] [--sessions 16] [--starts 10] [--out results.json]
 
-`capacity` and `summary` run the default model (not the small one) on default settings, and are
-not in the default run: `make drill-capacity`, `make drill-summary`.
+`capacity`, `summary` and `second` run the default model (not the small one) on default settings,
+and are not in the default run: `make drill-capacity`, `make drill-summary`, `make drill-second`.
 
 Prints each drill's figures as JSON and exits non-zero if any drill failed.
 """
@@ -26,12 +26,13 @@ from scripts.drills.fuzz import fuzz_passed, run_fuzz
 from scripts.drills.load import BOOK, load_passed, run_load
 from scripts.drills.refusals import refusals_passed, run_refusals
 from scripts.drills.rss import rss_passed, run_rss
+from scripts.drills.second import run_second, second_passed
 from scripts.drills.server import Server
 from scripts.drills.summary import run_summary, summary_passed
 from scripts.drills.sweep import run_sweep, sweep_passed
 
 DRILLS = ("sweep", "refusals", "load", "rss", "crash", "fuzz", "first")
-EXTRA_DRILLS = ("capacity", "summary")  # asked for by name only
+EXTRA_DRILLS = ("capacity", "summary", "second")  # asked for by name only
 LEAK_TOLERANCE = 0.05
 MAX_DOCUMENT_BYTES = 2_000_000
 # Bounded so a drill measures the server's handling, not minutes of decoding on 2 cores.
@@ -62,6 +63,8 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=8, help="streams whose aggregate decode the capacity drill measures")
     parser.add_argument("--capacity-tokens", type=int, default=128, help="new tokens of each capacity drill answer")
     parser.add_argument("--summary-book", type=Path, default=BOOK, help="the book the summary drill summarizes")
+    parser.add_argument("--pairs", type=int, default=3, help="question pairs per text in the second-question drill")
+    parser.add_argument("--dev", action="store_true", help="the second-question drill on the development texts")
     parser.add_argument("--out", type=Path, help="also write the results here as JSON")
     args = parser.parse_args()
     chosen = [d for d in args.only.split(",") if d]
@@ -136,6 +139,13 @@ def main() -> int:
             server.stop()
         passed["summary"] = summary_passed(results["summary"])
         report("summary", results["summary"])
+    if "second" in chosen:  # the default model, default settings
+        results["second"] = run_second(DEFAULT_MODEL, args.dev, args.pairs, 32)
+        passed["second"] = second_passed(results["second"])
+        report(
+            "second",
+            {k: {m: n for m, n in v.items() if m != "rows"} if isinstance(v, dict) else v for k, v in results["second"].items()},
+        )
     if "first" in chosen:
         results["first"] = run_first(SERVER_ARGS, (fetch() / "plrabn12.txt").read_text(encoding="utf-8"), args.starts)
         passed["first"] = first_passed(results["first"])

@@ -164,9 +164,10 @@ def test_an_answers_key_value_cache_is_held_in_blocks_while_it_runs(make_client)
     try:
         thread, result = in_thread(lambda: client.post(f"/v1/sessions/{session_id}/ask", json={"question": "q", "max_tokens": 8}))
         assert hold.reached.wait(TIMEOUT)
-        kv = engine.models.runtimes()[0].batcher.kv
-        held = engine.sessions.reserved_bytes  # the blocks its prompt and first tokens fill, not the whole context
-        assert held == kv.in_use * kv.block_tokens * loaded.kv_bytes_per_token > 0
+        batcher = engine.models.runtimes()[0].batcher
+        kv, kept = batcher.kv, batcher.prefix.nbytes  # its prompt's keys and values, kept for the session's next
+        held = engine.sessions.reserved_bytes - kept  # the blocks its prompt and first tokens fill, not the whole context
+        assert held == kv.in_use * kv.block_tokens * loaded.kv_bytes_per_token > 0 and kept > 0
         assert held < loaded.context_len * loaded.kv_bytes_per_token
         metrics = client.get("/metrics").text
         assert f'longdoc_batch_rows{{model="{loaded.name}"}} 1.0' in metrics  # the answer is in the batch
@@ -175,10 +176,13 @@ def test_an_answers_key_value_cache_is_held_in_blocks_while_it_runs(make_client)
         thread.join(TIMEOUT)
     finally:
         handle.remove()
-    assert result[0].status_code == 200 and engine.sessions.reserved_bytes == 0
+    assert result[0].status_code == 200 and engine.sessions.reserved_bytes == kept
     metrics = client.get("/metrics").text
     assert f'longdoc_batch_rows{{model="{loaded.name}"}} 0.0' in metrics
     assert f'longdoc_kv_blocks{{model="{loaded.name}"}} 0.0' in metrics
+    assert f'longdoc_prefix_cache_tokens{{model="{loaded.name}"}} {batcher.prefix.tokens}.0' in metrics
+    client.delete(f"/v1/sessions/{session_id}")  # its kept prompt goes with it
+    assert engine.sessions.reserved_bytes == 0 and batcher.prefix.tokens == 0
 
 
 def test_answers_that_cannot_fit_the_server_budget_are_refused(make_client):
