@@ -16,6 +16,7 @@ from engine.memories import ContextPiece, Scope, memory_type
 from engine.memories.base import AnswerRequest, MemoryWrite
 from engine.prompts import Messages, overhead_tokens, render
 from engine.runtime.generation import generate_steps
+from engine.runtime.prefix_cache import Owner
 from engine.runtime.registry import ModelRuntime
 from engine.runtime.worker import EventStream, Releasable, released_on_error
 from engine.sessions.service import SessionService
@@ -150,7 +151,7 @@ class Answering:
             if memory.plain_answer and runtime.batcher is not None:
                 yield placed(memory.retrieval(request), session.documents)
                 prompt_ids = await asyncio.to_thread(memory.answer_prompt, request)
-                answer_events = generate_events(runtime, prompt_ids, params, scope=session.id)
+                answer_events = generate_events(runtime, prompt_ids, params, owner=session)
                 async with contextlib.aclosing(answer_events) as answer:
                     async for event in answer:
                         yield event
@@ -184,13 +185,13 @@ async def generate_events(
     params: GenerationParams,
     *,
     background: bool = False,
-    scope: str | None = None,
+    owner: Owner | None = None,
 ) -> AsyncGenerator[GenerationEvent, None]:
     """The model's answer to `prompt_ids`: decode-batched where the model allows (`background`
-    work queued behind the answers; a `scope`'s prompts start from what they share with its last
+    work queued behind the answers; an `owner`'s prompts start from what they share with its last
     one), else alone on its worker."""
     if runtime.batcher is not None:
-        answer_events = runtime.batcher.generate(prompt_ids, params, background=background, scope=scope)
+        answer_events = runtime.batcher.generate(prompt_ids, params, background=background, owner=owner)
         async with contextlib.aclosing(answer_events) as answer:
             async for event in answer:
                 yield event

@@ -51,7 +51,10 @@ class Engine:
         load_plugins()  # before anything reads the memory registry
         # batched answers hold their keys and values from the server's budget as they fill them
         self.models = ModelRegistry(
-            config, self._require_ready, lambda nbytes: self.sessions.reserve(None, nbytes, transient=True)
+            config,
+            self._require_ready,
+            lambda nbytes: self.sessions.reserve(None, nbytes, transient=True),
+            lambda nbytes: self.sessions.reserve(None, nbytes, transient=True, optional=True),
         )
         self.session_service = SessionService(config, self.models)
         self.sessions = self.session_service.store
@@ -78,6 +81,10 @@ class Engine:
 
     def _load(self) -> None:
         self.models.load_all()
+        for runtime in self.models.runtimes():  # kept prompts give their memory back to any other
+            if runtime.batcher is not None and runtime.batcher.prefix is not None:  # reservation, and go with their session
+                self.sessions.reclaimers.append(runtime.batcher.prefix.reclaim)
+                self.sessions.on_leave.append(runtime.batcher.prefix.drop)
         self.session_service.embedder = self._embedder_factory()
         self.session_service.restore()
 
@@ -145,9 +152,6 @@ class Engine:
         """Delete the session; its summaries' build, if one runs, stops."""
         self.session_service.delete(session_id)
         self.summarizer.cancel(session_id)
-        for runtime in self.models.runtimes():
-            if runtime.batcher is not None and runtime.batcher.prefix is not None:
-                runtime.batcher.prefix.drop(session_id)
 
     def cache_info(self, session_id: str) -> CacheInfo:
         return self.session_service.use(session_id).cache()

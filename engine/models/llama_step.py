@@ -34,6 +34,7 @@ from engine.models.quantize import DECODE_ROWS, WeightOnlyLinear
 if TYPE_CHECKING:
     from engine.runtime.generation import AnswerState
     from engine.runtime.kv_blocks import Held
+    from engine.runtime.prefix_cache import Owner
 
 BATCHED_FAMILIES = ("llama", "qwen2", "mistral")
 # float32 matmuls on x86 (MKL) sum in one order for 1 row, another for 2-3, a third from 4 rows on
@@ -65,7 +66,7 @@ class Row:
     blocks: int = 0
     waiting_since: float | None = None  # when it first found the server's memory short
     background: bool = False  # work no client waits on (a summary): queued behind the answers
-    scope: str | None = None  # whose earlier prompts its own may start from (a session: engine/runtime/prefix_cache.py)
+    owner: Owner | None = None  # whose earlier prompts its own may start from (a session: engine/runtime/prefix_cache.py)
     keep_prompt: bool = False  # hand its prompt's own keys and values to `kept` once fed, not free them
     kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer [1, kv_heads, len(ids()), head_dim]
 

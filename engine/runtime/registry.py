@@ -111,13 +111,19 @@ class ModelRegistry:
     """Loads every configured model and finds one by name (the first by default)."""
 
     def __init__(
-        self, config: EngineConfig, require_ready: Callable[[], None], reserve: Callable[[int], Held] | None = None
+        self,
+        config: EngineConfig,
+        require_ready: Callable[[], None],
+        reserve: Callable[[int], Held] | None = None,
+        reserve_spare: Callable[[int], Held] | None = None,
     ) -> None:
         """`reserve(nbytes)` holds bytes of the server's memory for the batched answers' keys and
-        values (None: each answer's are held by its request)."""
+        values (None: each answer's are held by its request); `reserve_spare(nbytes)` holds only
+        bytes no one else needs, for the prompts the batchers keep (None: none kept)."""
         self.config = config
         self._require_ready = require_ready
         self._reserve = reserve
+        self._reserve_spare = reserve_spare
         self._runtimes: dict[str, ModelRuntime] = {}
 
     def load_all(self) -> None:
@@ -159,8 +165,8 @@ class ModelRegistry:
         kv = prefix = None
         if self._reserve is not None:
             kv = KVBlocks(self._reserve, limits.kv_block_tokens, loaded.kv_bytes_per_token, limits.kv_wait_seconds)
-            if limits.prefix_cache_tokens:
-                prefix = PrefixCache(self._reserve, limits.prefix_cache_tokens)
+            if limits.prefix_cache_tokens and self._reserve_spare is not None:
+                prefix = PrefixCache(self._reserve_spare, limits.prefix_cache_tokens)
         chunk = limits.prefill_chunk or None
         return Batcher(decoder, worker, loaded.tokenizer, stop, limits.max_batch, chunk, kv, prefix)
 

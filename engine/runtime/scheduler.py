@@ -7,8 +7,8 @@ others for one chunk at a time. Each keeps its own sampling, stop strings and re
 in blocks as they fill (engine/runtime/kv_blocks.py): a prompt waits at the head of the queue until
 its blocks can be held, and a row that needs a block when memory is short takes it from the youngest
 row, which is preempted and resumes later; without, a row gets prompt + max_tokens positions at
-once. A row of a scope (a session) starts its prompt from the longest prefix it shares with that
-scope's last prompt, kept by `PrefixCache` (engine/runtime/prefix_cache.py). What one step computes
+once. A session's row starts its prompt from the longest prefix it shares with that session's
+last prompt, kept by `PrefixCache` (engine/runtime/prefix_cache.py). What one step computes
 is engine/models/llama_step.py (`BatchDecoder`); a model it does not support is answered one
 request at a time. Background rows (summaries) wait in a queue of their
 own, admitted only when no answer waits; one whose prompt is being fed steps aside for an arriving
@@ -32,7 +32,7 @@ from engine.models.llama_step import BatchDecoder, Row
 from engine.models.quantize import DECODE_ROWS
 from engine.runtime.generation import AnswerState, StopTokens
 from engine.runtime.kv_blocks import KVBlocks
-from engine.runtime.prefix_cache import PrefixCache
+from engine.runtime.prefix_cache import Owner, PrefixCache
 from engine.runtime.worker import SerialWorker
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class Batcher:
         self._stalled = False  # the last tick could neither feed nor step: rows wait for memory
         self._loop_task: asyncio.Task[None] | None = None
         self.kv = kv  # None: each row gets prompt + max_tokens positions, held by its request
-        self.prefix = prefix  # each scope's last prompt's keys and values (None: every prompt fed whole)
+        self.prefix = prefix  # each session's last prompt's keys and values (None: every prompt fed whole)
         # what a prompt's own cache (the model's dtype) takes a token while it is fed
         self._prompt_bytes = 0
         if kv is not None:
@@ -97,13 +97,13 @@ class Batcher:
         row.state.take(self._decoder.step([row])[0])
 
     async def generate(
-        self, prompt_ids: list[int], params: GenerationParams, *, background: bool = False, scope: str | None = None
+        self, prompt_ids: list[int], params: GenerationParams, *, background: bool = False, owner: Owner | None = None
     ) -> AsyncGenerator[GenerationEvent, None]:
         """Text deltas, then done; leaving early cancels the row before its next step. A
-        `background` row waits while any answer does. A `scope`'s prompts start from the prefix
-        they share with its last one."""
-        row = Row(list(prompt_ids), params, background=background, scope=scope)
-        row.keep_prompt = scope is not None and self.prefix is not None
+        `background` row waits while any answer does. An `owner`'s (a session's) prompts start
+        from the prefix they share with its last one."""
+        row = Row(list(prompt_ids), params, background=background, owner=owner)
+        row.keep_prompt = owner is not None and self.prefix is not None
         (self._background if background else self._waiting).append(row)
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
@@ -170,8 +170,8 @@ class Batcher:
             row = queue[0]
             fed_before = row.prompt_cache is not None  # a background row that stepped aside holds its blocks
             if not row.cancelled and not fed_before and not self._hold_prompt(row, out) and not row.cancelled:
-                if (not row.background and self._drop_background_prompts()) or self._drop_prefixes():
-                    continue  # what background prompts or kept prefixes held is back: it tries again
+                if not row.background and self._drop_background_prompts():
+                    continue  # what background prompts held is back: the answer tries again
                 break  # the server's memory is short: it waits at the head of the queue
             queue.popleft()
             if row.cancelled:  # also when its client left after its blocks were held
@@ -242,27 +242,23 @@ class Batcher:
             self._free(row)
         return bool(aside)
 
-    def _drop_prefixes(self) -> bool:
-        """Give back what the kept prefixes hold; True when they held any."""
-        return self.prefix is not None and self.prefix.clear()
-
     def _start_from_prefix(self, row: Row) -> None:
-        """Start the row's prompt cache from the longest prefix it shares with its scope's last
+        """Start the row's prompt cache from the longest prefix it shares with its owner's last
         prompt, leaving at least one token to feed (more than DECODE_ROWS where a short part would
         run through the low-precision weights: see `BatchDecoder.whole_tail`)."""
-        if self.prefix is None or row.scope is None:
+        if self.prefix is None or row.owner is None:
             return
         ids = row.ids()
         most = len(ids) - (DECODE_ROWS + 1 if self._decoder.whole_tail else 1)
-        started = self.prefix.start(row.scope, ids, most)
+        started = self.prefix.start(row.owner, ids, most)
         if started is not None:
             row.prompt_cache, row.fed = started
 
     def _keep_prompt(self, row: Row) -> None:
-        """Hand the row's fed prompt's keys and values to the prefix cache, as its scope's last prompt."""
+        """Hand the row's fed prompt's keys and values to the prefix cache, as its owner's last prompt."""
         kept, row.kept = row.kept, None
-        if self.prefix is not None and row.scope is not None and kept is not None:
-            self.prefix.keep(row.scope, row.ids(), kept)
+        if self.prefix is not None and row.owner is not None and kept is not None:
+            self.prefix.keep(row.owner, row.ids(), kept)
 
     def _roomy(self, row: Row, blocks: int, extra: int) -> bool:
         """Whether, beside the row's `blocks`, each running row could grow once: every growth's
@@ -297,8 +293,7 @@ class Batcher:
                         self._decoder.grow(row, grown * kv.block_tokens)
                         kv.hold(row, grown)
                         break
-                    if not self._drop_prefixes():
-                        self._preempt(self._rows[-1])
+                    self._preempt(self._rows[-1])
             except Exception as exc:  # larger than the server's budget, or the allocation failed
                 row.cancelled = True
                 self._free(row)

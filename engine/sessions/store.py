@@ -180,6 +180,12 @@ class SessionStore:
         self.on_drop: Callable[[Session], None] | None = None  # told of sessions dropped for good (their files)
         # asked before a session on disk is dropped for being unused: True when it is used elsewhere
         self.used_elsewhere: Callable[[Session], bool] = lambda session: False
+        # optional caches (engine/runtime/prefix_cache.py): each `reclaim(nbytes)` gives back up to
+        # about that many of its bytes, and says how many, when a reservation finds the server short
+        self.reclaimers: list[Callable[[int], int]] = []
+        # told the id of each session that leaves RAM (deleted, dropped, or moved to disk), after
+        # it is marked so: what optional caches keep for it goes
+        self.on_leave: list[Callable[[str], None]] = []
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -232,6 +238,7 @@ class SessionStore:
         if session is None:
             raise NotFoundError(f"no session {session_id!r}")
         session.deleted = True
+        self._left(session)
         return session
 
     def list(self) -> list[Session]:
@@ -267,12 +274,18 @@ class SessionStore:
     def _drop(self, session: Session) -> None:
         self._sessions.pop(session.id)
         session.deleted = True
+        self._left(session)
 
     def _evict(self, session: Session) -> None:
         if self.keep_on_disk:
             session.saved_cache, session.memory = session.cache(), None
+            self._left(session)
         else:
             self._drop(session)
+
+    def _left(self, session: Session) -> None:
+        for forget in self.on_leave:
+            forget(session.id)
 
     def evict_for(self, nbytes: int, keep: Session | None = None, used: int | None = None) -> int:
         """Move least recently used idle sessions to disk until `nbytes` more fit the server budget;
@@ -301,10 +314,12 @@ class SessionStore:
     def reserved_bytes(self) -> int:
         return self._reserved
 
-    def reserve(self, session: Session | None, nbytes: int, *, transient: bool = False) -> Reservation:
+    def reserve(self, session: Session | None, nbytes: int, *, transient: bool = False, optional: bool = False) -> Reservation:
         """Promise `nbytes` to work for `session` (None: a session being made). A `transient`
         reservation (a generation's key/value cache) is the server's, not a session memory's: only
-        the server's budget applies to it.
+        the server's budget applies to it. An `optional` one (a cache's) takes only what is free:
+        it moves no session out of RAM and takes nothing from the `reclaimers`; any other takes
+        back what they hold before it moves sessions or is refused.
 
         Raises:
             TooLargeError (413): `nbytes` alone is over the per-session or the server budget, so
@@ -314,7 +329,7 @@ class SessionStore:
                 idle ones to expire).
         """
         with self.books_lock:
-            self._check(session, nbytes, transient)
+            self._check(session, nbytes, transient, optional)
             reservation = Reservation(self, session, 0, transient)
             reservation._add(nbytes)
         return reservation
@@ -327,7 +342,7 @@ class SessionStore:
                 "(LONGDOC_MAX_MEMORY_BYTES)"
             )
 
-    def _check(self, session: Session | None, nbytes: int, transient: bool = False) -> None:
+    def _check(self, session: Session | None, nbytes: int, transient: bool = False, optional: bool = False) -> None:
         per_session, server = self.limits.memory_budget_bytes, self.limits.server_memory_bytes
         if nbytes > per_session and not transient:
             raise TooLargeError(
@@ -343,7 +358,10 @@ class SessionStore:
                     60.0,
                 )
         used = self.used_bytes()
-        if used + nbytes > server:
+        if used + nbytes > server and not optional:
+            for reclaim in self.reclaimers:
+                if used + nbytes > server:
+                    used -= reclaim(used + nbytes - server)
             used = self.evict_for(nbytes, keep=session, used=used)
         if used + nbytes > server:
             raise BudgetExceededError(
