@@ -82,9 +82,11 @@ class Engine:
     def _load(self) -> None:
         self.models.load_all()
         for runtime in self.models.runtimes():  # kept prompts give their memory back to any other
-            if runtime.batcher is not None and runtime.batcher.prefix is not None:  # reservation, and go with their session
-                self.sessions.reclaimers.append(runtime.batcher.prefix.reclaim)
-                self.sessions.on_leave.append(runtime.batcher.prefix.drop)
+            prefix = runtime.batcher.prefix if runtime.batcher is not None else None  # reservation, and go with their session
+            if prefix is not None:
+                prefix.share_lock(self.sessions.books_lock)
+                self.sessions.reclaimers.append(prefix.reclaim)
+                self.sessions.on_leave.append(prefix.drop)
         self.session_service.embedder = self._embedder_factory()
         self.session_service.restore()
 

@@ -11,9 +11,10 @@ it holds is reserved from the server's memory as optional: keeping an entry neve
 out of RAM, and any other reservation takes entries back, least recently used first, before it
 would wait, move sessions or be refused (`SessionStore.reclaimers`).
 
-Locks: the model's worker starts and keeps prompts, the event loop drops a deleted session's entry,
-and the session store reclaims under its own lock; this class never asks the store for memory
-while holding its lock, so the two locks are never taken in opposite orders.
+Locks: the model's worker starts and keeps prompts, while the session store drops a session's
+entry and reclaims memory under its own lock (`books_lock`), which the engine hands this class to
+use as its own (`share_lock`): one lock, so no two are ever taken in opposite orders (a
+reservation released by the garbage collector takes it too). Copies are made outside it.
 """
 
 from __future__ import annotations
@@ -71,9 +72,13 @@ class PrefixCache:
         self.max_tokens = max_tokens
         self.least = least
         self._entries: collections.OrderedDict[str, _Entry] = collections.OrderedDict()  # least recently used first
-        self._lock = threading.Lock()
+        self._lock: threading.RLock | threading.Lock = threading.Lock()
         self.hits = 0  # prompts that started from a kept prefix
         self.reused_tokens = 0  # prompt tokens those did not feed again
+
+    def share_lock(self, lock: threading.RLock) -> None:
+        """Use the session store's lock as this cache's own (before any answer runs)."""
+        self._lock = lock
 
     @property
     def tokens(self) -> int:
@@ -99,11 +104,11 @@ class PrefixCache:
             if entry is None or shared < self.least:
                 return None
             self._entries.move_to_end(owner.id)
-            cache = DynamicCache()
-            for index, (keys, values) in enumerate(entry.layers):
-                cache.update(keys[:, :, :shared], values[:, :, :shared], index)  # concatenated onto nothing: a copy
             self.hits += 1
             self.reused_tokens += shared
+        cache = DynamicCache()  # the tensors outlive a drop meanwhile: the entry's reference is ours
+        for index, (keys, values) in enumerate(entry.layers):
+            cache.update(keys[:, :, :shared], values[:, :, :shared], index)  # concatenated onto nothing: a copy
         return cache, shared
 
     def keep(self, owner: Owner, ids: list[int], layers: Layers) -> bool:

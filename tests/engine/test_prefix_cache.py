@@ -41,6 +41,7 @@ A, B, C, D = Owner("a"), Owner("b"), Owner("c"), Owner("d")
 def cache_on(store: SessionStore, max_tokens: int = 1000) -> PrefixCache:
     """A prefix cache holding spare memory of `store`, which takes it back as the engine's does."""
     prefix = PrefixCache(lambda n: store.reserve(None, n, transient=True, optional=True), max_tokens, least=4)
+    prefix.share_lock(store.books_lock)
     store.reclaimers.append(prefix.reclaim)
     return prefix
 
