@@ -215,7 +215,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
         "quantize",
         "models.quantize",
         "auto, none, bf16, int8 or int4: weights stored in fewer bytes for faster decoding on CPU (bf16: of a float32 "
-        "model; int8 and int4: of a float32 or bfloat16 one, whose prompts still run in "
+        "model; int8 and int4 (its output head in int8): of a float32 or bfloat16 one, whose prompts still run in "
         "bfloat16); auto: on CPU the mode the model's manifest names, chosen on the QA benchmark (int4 for the default "
         "model), none on a GPU or for a model without one; none keeps the model's weights; the cost in answers is in "
         "docs/studies/quantize.md",

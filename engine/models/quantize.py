@@ -11,12 +11,10 @@ in float32 for any model). The speed-up needs one OpenMP team on the cores (engi
 
 - `bf16`: weights kept in bfloat16 (half the bytes).
 - `int8`: weights kept in int8 with one float scale per output row (a quarter of the bytes).
-- `int4`: the decoder projections and the output head in 4 bits, each group of 32 inputs of a
-  row with its own scale and minimum (bfloat16): 5 bits a weight, 0.16 of float32's bytes; a
-  projection whose inputs are not a multiple of 32 in int8. (The head was int8 until 2026-11-28,
-  as llama.cpp's Q4_K_M keeps it in more bits; in 4 bits one decode step of the default model is
-  1.14x faster at no measured cost in answers: docs/studies/quantize.md.) Its matmuls need
-  longdoc's kernels; without them a decode step widens the weights.
+- `int4`: the decoder projections in 4 bits, each group of 32 inputs of a row with its own
+  scale and minimum (bfloat16): 5 bits a weight, 0.16 of float32's bytes; the output head in int8
+  (as llama.cpp's Q4_K_M keeps it in more bits), and so is a projection whose inputs are not a
+  multiple of 32. Its matmuls need longdoc's kernels; without them a decode step widens the weights.
 
 A pass over many rows (a prompt's prefill) is compute-bound, not memory-bound. A float32 model's
 layers widen the stored weights back to float32 for that pass and run the float32 matmul. A
@@ -206,7 +204,7 @@ def quantize_linears(model: nn.Module, mode: str) -> int:
 
 def stored_mode(model: nn.Module) -> str:
     """How the model's converted layers are stored, as `--quantize` names it: "int4" when any
-    projection is 4-bit, else the one mode they share; "none" if none is."""
+    projection is 4-bit (its head is int8), else the one mode they share; "none" if none is."""
     modes = {m.mode for m in model.modules() if isinstance(m, WeightOnlyLinear)}
     if "int4" in modes:
         return "int4"
@@ -214,7 +212,7 @@ def stored_mode(model: nn.Module) -> str:
 
 
 def _layer_mode(name: str, linear: nn.Linear, mode: str) -> str:
-    """int4 keeps a layer whose inputs are not a multiple of GROUP in int8."""
-    if mode == "int4" and linear.in_features % GROUP:
+    """int4 keeps the output head, and a layer whose inputs are not a multiple of GROUP, in int8."""
+    if mode == "int4" and (name == "lm_head" or linear.in_features % GROUP):
         return "int8"
     return mode
