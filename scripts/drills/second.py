@@ -12,31 +12,21 @@ the prompt tokens the cache took instead of feeding (/metrics).
 
 from __future__ import annotations
 
-import asyncio
-import json
 import statistics
 
-import httpx
-
+from clients.client import LongdocClient
 from research.evals.qa import DEV_QUESTIONS, QUESTIONS, load_questions
 from research.evals.texts import load
 from scripts.drills.server import Server
 
 
-async def _ask(client: httpx.AsyncClient, session: str, question: str, max_tokens: int) -> dict:
-    body = {"question": question, "stream": True, "max_tokens": max_tokens, "temperature": 0}
-    done: dict = {}
-    async with client.stream("POST", f"/v1/sessions/{session}/ask", json=body) as response:
-        response.raise_for_status()
-        name = ""
-        async for line in response.aiter_lines():
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: ") and name in ("done", "error"):
-                done = {"event": name, **json.loads(line[6:])}
-    if done.get("event") != "done":
-        raise RuntimeError(f"the answer failed: {json.dumps(done)[:300]}")
-    return {"ttft": done["timings"]["ttft_seconds"], "prompt_tokens": done["usage"]["prompt_tokens"]}
+def _ask(client: LongdocClient, session: str, question: str, max_tokens: int) -> dict:
+    """One streamed question: the server's first-token time and the prompt's tokens."""
+    events = list(client.ask_stream(session, question, max_tokens=max_tokens, temperature=0))
+    done = events[-1]
+    if done.event != "done":
+        raise RuntimeError(f"the answer failed: {str(done.data)[:300]}")
+    return {"ttft": done.data["timings"]["ttft_seconds"], "prompt_tokens": done.data["usage"]["prompt_tokens"]}
 
 
 def pairs(dev: bool, per_text: int) -> list[tuple[str, str, str]]:
@@ -50,17 +40,19 @@ def pairs(dev: bool, per_text: int) -> list[tuple[str, str, str]]:
     return chosen
 
 
-async def _sessions(server: Server, asked: list[tuple[str, str, str]], max_tokens: int) -> list[dict]:
+def _sessions(server: Server, asked: list[tuple[str, str, str]], max_tokens: int) -> list[dict]:
     rows = []
-    async with httpx.AsyncClient(base_url=server.url, timeout=3600) as client:
+    client = LongdocClient(server.url, timeout=3600)
+    try:
         for text, first, second in asked:
-            session = (await client.post("/v1/sessions", json={"memory": "text"})).json()["id"]
-            response = await client.post(f"/v1/sessions/{session}/documents", json={"text": load(text), "name": text})
-            response.raise_for_status()
-            one, two = await _ask(client, session, first, max_tokens), await _ask(client, session, second, max_tokens)
-            again = await _ask(client, session, second, max_tokens)
+            session = client.create_session(memory="text")["id"]
+            client.add_document(session, load(text), name=text)
+            one, two = _ask(client, session, first, max_tokens), _ask(client, session, second, max_tokens)
+            again = _ask(client, session, second, max_tokens)
             rows.append({"text": text, "first": one, "second": two, "again": again, "ratio": two["ttft"] / one["ttft"]})
-            await client.delete(f"/v1/sessions/{session}")
+            client.delete_session(session)
+    finally:
+        client.close()
     return rows
 
 
@@ -84,12 +76,12 @@ def run_second(model: str, dev: bool, per_text: int, max_tokens: int) -> dict:
     for name, args in (("kept", []), ("none", ["--prefix-cache-tokens", "0"])):
         server = Server(args, env={"LONGDOC_MODEL": model}).start(timeout=1800)
         try:
-            asyncio.run(_sessions(server, asked[:1], 4))  # warm: the first answer's one-time costs
+            _sessions(server, asked[:1], 4)  # warm: the first answer's one-time costs
             hits, reused = (
                 server.metric("longdoc_prefix_cache_hits_total"),
                 server.metric("longdoc_prefix_cache_reused_tokens_total"),
             )
-            rows = asyncio.run(_sessions(server, asked, max_tokens))
+            rows = _sessions(server, asked, max_tokens)
             hits = server.metric("longdoc_prefix_cache_hits_total") - hits
             reused = server.metric("longdoc_prefix_cache_reused_tokens_total") - reused
             results[name] = _summary(rows, reused, hits)

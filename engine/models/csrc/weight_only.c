@@ -233,11 +233,6 @@ MATMUL512(int8_matmul_avx512, int8_t, block_int8, BY_SCALE_AT)
 MATMUL512(bf16_matmul_avx512, uint16_t, block_bf16, AS_IS_AT)
 MATMUL512(f32_matmul_avx512, float, block_f32, AS_IS_AT)
 
-/* int4 with AVX-512. A weight is scale * code + minimum, so a row's product is, over its groups,
-   scale * (the inputs times the codes) + minimum * (the sum of the group's inputs): the codes are
-   widened to float32 and multiplied as they are (no scaling a weight at a time), each group's
-   partial sum scaled once, and the minimums' part taken from the inputs' group sums (`sums`,
-   computed once a call). The bfloat16 (scale, minimum) pairs of 16 groups are read as one vector. */
 /* The (scale, minimum) pairs of weight rows a and b for the (up to) 16 groups from g0 on, read as
    one vector each: their scales into `scale_a` and `scale_b`, and the minimums' part of `rows`
    rows (their inputs' group sums times the minimums) added into `sa` and `sb`. Returns how many
@@ -260,6 +255,11 @@ AVX512 static inline long group_block(const uint16_t *ga, const uint16_t *gb, co
     return count;
 }
 
+/* int4 with AVX-512. A weight is scale * code + minimum, so a row's product is, over its groups,
+   scale * (the inputs times the codes) + minimum * (the sum of the group's inputs): the codes are
+   widened to float32 and multiplied as they are (no scaling a weight at a time), each group's
+   partial sum scaled once, and the minimums' part taken from the inputs' group sums (`sums`,
+   computed once a call). The bfloat16 (scale, minimum) pairs of 16 groups are read as one vector. */
 #define BLOCK4(ROWS)                                                                                  \
     AVX512 static inline void block_int4_##ROWS(const float *x, const float *sums, long k, const uint8_t *a, \
                                                 const uint16_t *ga, const uint8_t *b, const uint16_t *gb,  \
