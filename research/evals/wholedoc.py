@@ -7,16 +7,19 @@ question of each kind, its facts' character spans, and a grading rule:
 - count: how many times one ship docked at one port (other ships and ports as distractors);
   correct when the answer's first number is the count;
 - list: every town one envoy sailed to (another envoy's towns as distractors); correct when all
-  are named;
+  are named and no distractor is;
 - first_last: who was appointed first (or last) to an office; correct when the right name is the
   first of the candidates the answer names;
 - compare: which of two ships came to a port more often; the same rule;
-- two_hop: a person's mother's trade, the link and the trade far apart (another family as
-  distractor); correct when the trade is named;
-- order: the order in which a traveller met three figures; correct when all three are named, in
-  that order;
+- two_hop: a person's mother's trade, the link and the trade at least a quarter of the document
+  apart (another family as distractor); correct when the trade is named and the distractor's is not;
+- order: the order in which a traveller met three figures, asked in another order; correct when
+  all three are named, in the order met;
 - lookalike (two questions): what one of many people sharing first names, surnames, trades and
-  streets left to the parish; correct when the right bequest is named.
+  streets left to the parish; correct when the right bequest is named and no other of theirs is.
+
+Each kind's facts stand in record order (counts, successions and meetings run forward) at random
+places of their own, so the kinds interleave through the document.
 
 Several phrasings per kind, chosen by the seed; seeds DEV_SEEDS for choosing settings, HELD_OUT_SEEDS
 for the figures, and the filler of each from different books.
@@ -81,6 +84,7 @@ class Question:
     answers: tuple[str, ...]  # what a correct answer names (the rule: `grade`)
     candidates: tuple[str, ...]  # first_last, compare: the names an answer may choose among
     facts: tuple[tuple[int, int], ...]  # the fact paragraphs' character spans, in document order
+    distractors: tuple[str, ...] = ()  # list, two_hop, lookalike: names a correct answer does not give
 
 
 @dataclass(frozen=True)
@@ -116,10 +120,14 @@ class _Record:
     """Fact paragraphs to weave into the filler, each tagged with the questions it serves."""
 
     facts: list[tuple[str, tuple[str, ...]]]
-    questions: list[tuple[str, str, str, tuple[str, ...], tuple[str, ...]]]  # (id, kind, question, answers, candidates)
+    questions: list[tuple[str, str, str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]]
+    # (id, kind, question, answers, candidates, distractors)
+    kinds: list[str] = field(default_factory=list)  # each fact's kind, which `kind` names while it is written
+    kind: str = ""
 
     def fact(self, text: str, *served: str) -> None:
         self.facts.append((text, served))
+        self.kinds.append(self.kind)
 
 
 def _count(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
@@ -142,7 +150,7 @@ def _count(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
             f"Count the times the {ship} docked at {port}.",
         )
     )
-    rec.questions.append((qid, "count", question, (str(count), _NUMBERS[count]), ()))
+    rec.questions.append((qid, "count", question, (str(count), _NUMBERS[count]), (), ()))
 
 
 def _list(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
@@ -155,8 +163,9 @@ def _list(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
     )
     for town in towns:
         rec.fact(rng.choice(sailing).format(e=envoy, t=town), qid)
-    for _ in range(2):
-        rec.fact(rng.choice(sailing).format(e=other, t=names()))
+    elsewhere = [names() for _ in range(2)]
+    for town in elsewhere:
+        rec.fact(rng.choice(sailing).format(e=other, t=town))
     question = rng.choice(
         (
             f"Name every town the envoy {envoy} sailed to.",
@@ -164,7 +173,7 @@ def _list(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
             f"To which towns did the envoy {envoy} sail? Name them all.",
         )
     )
-    rec.questions.append((qid, "list", question, tuple(towns), ()))
+    rec.questions.append((qid, "list", question, tuple(towns), (), tuple(elsewhere)))
 
 
 def _first_last(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
@@ -189,7 +198,7 @@ def _first_last(rec: _Record, rng: random.Random, names: _Names, qid: str) -> No
         )
     )
     answer = holders[0] if first else holders[-1]
-    rec.questions.append((qid, "first_last", question, (answer,), tuple(holders)))
+    rec.questions.append((qid, "first_last", question, (answer,), tuple(holders), ()))
 
 
 def _compare(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
@@ -210,7 +219,7 @@ def _compare(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
             f"Did the {a} or the {b} visit {port} more times?",
         )
     )
-    rec.questions.append((qid, "compare", question, (a if times_a > times_b else b,), (a, b)))
+    rec.questions.append((qid, "compare", question, (a if times_a > times_b else b,), (a, b), ()))
 
 
 def _two_hop(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
@@ -227,7 +236,7 @@ def _two_hop(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
         rec.fact(rng.choice(("{m} worked all her life as a {t}.", "By trade {m} was a {t}.")).format(m=mother, t=trade), *served)
     child, _, trade = families[0]
     question = rng.choice((f"What was the trade of {child}'s mother?", f"What work did the mother of {child} do?"))
-    rec.questions.append((qid, "two_hop", question, (trade,), ()))
+    rec.questions.append((qid, "two_hop", question, (trade,), (), (families[1][2],)))
 
 
 def _order(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
@@ -240,14 +249,16 @@ def _order(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
     )
     for figure in figures:
         rec.fact(rng.choice(meeting).format(v=traveller, f=figure), qid)
-    asked = rng.sample(figures, 3)
+    asked = figures
+    while asked == figures:  # never asked in the order met: repeating the question is no answer
+        asked = rng.sample(figures, 3)
     question = rng.choice(
         (
             f"In what order did {traveller} meet the {asked[0]}, the {asked[1]} and the {asked[2]}?",
             f"{traveller} met the {asked[0]}, the {asked[1]} and the {asked[2]}. In which order?",
         )
     )
-    rec.questions.append((qid, "order", question, tuple(figures), ()))
+    rec.questions.append((qid, "order", question, tuple(figures), (), ()))
 
 
 def _lookalike(rec: _Record, rng: random.Random, names: _Names, qids: tuple[str, str]) -> None:
@@ -276,7 +287,8 @@ def _lookalike(rec: _Record, rng: random.Random, names: _Names, qids: tuple[str,
                 f"Which bequest did the {t} {f} {i}. {s} of {st} make to the parish?",
             )
         )
-        rec.questions.append((qid, "lookalike", question, (bequests[index],), ()))
+        others = tuple(b for b in bequests if b != bequests[index])
+        rec.questions.append((qid, "lookalike", question, (bequests[index],), (), others))
 
 
 def _filler(name: str, corpus_dir: Path) -> str:
@@ -296,39 +308,57 @@ def generate(seed: int, tokens: int, filler_name: str, corpus_dir: Path = DEFAUL
     names = _Names(rng, source)
     rec = _Record([], [])
     name = f"record-{seed}-{tokens // 1024}k"
-    _count(rec, rng, names, f"{name}-count")
-    _list(rec, rng, names, f"{name}-list")
-    _first_last(rec, rng, names, f"{name}-first_last")
-    _compare(rec, rng, names, f"{name}-compare")
+    for kind, write in (("count", _count), ("list", _list), ("first_last", _first_last), ("compare", _compare)):
+        rec.kind = kind
+        write(rec, rng, names, f"{name}-{kind}")
+    rec.kind = "two_hop"
     _two_hop(rec, rng, names, f"{name}-two_hop")
+    rec.kind = "order"
     _order(rec, rng, names, f"{name}-order")
+    rec.kind = "lookalike"
     _lookalike(rec, rng, names, (f"{name}-lookalike-1", f"{name}-lookalike-2"))
-    # in record order within a kind (counts, successions and orders run forward), kinds interleaved
     budget = int(tokens * CHARS_PER_TOKEN)
     start = rng.randrange(len(paragraphs))
     body: list[str] = []
     while sum(len(p) + 2 for p in body) < budget:
         body.append(paragraphs[(start + len(body)) % len(paragraphs)])
-    slots = sorted(rng.choices(range(1, len(body)), k=len(rec.facts)))  # between paragraphs, never first
+    slots = _slots(rec, rng, len(body), f"{name}-two_hop")
+    by_slot = sorted(range(len(rec.facts)), key=lambda i: (slots[i], i))
     text_parts: list[str] = []
     spans: dict[str, list[tuple[int, int]]] = {}
-    position, fact_index = 0, 0
+    position, next_fact = 0, 0
     for index, paragraph in enumerate(body):
-        while fact_index < len(rec.facts) and slots[fact_index] == index:
-            fact, served = rec.facts[fact_index]
+        while next_fact < len(by_slot) and slots[by_slot[next_fact]] == index:
+            fact, served = rec.facts[by_slot[next_fact]]
             for qid in served:
                 spans.setdefault(qid, []).append((position, position + len(fact)))
             text_parts.append(fact)
             position += len(fact) + 2
-            fact_index += 1
+            next_fact += 1
         text_parts.append(paragraph)
         position += len(paragraph) + 2
     text = "\n\n".join(text_parts)
     questions = tuple(
-        Question(qid, kind, question, answers, candidates, tuple(spans.get(qid, ())))
-        for qid, kind, question, answers, candidates in rec.questions
+        Question(qid, kind, question, answers, candidates, tuple(spans.get(qid, ())), distractors)
+        for qid, kind, question, answers, candidates, distractors in rec.questions
     )
     return Document(name, text, questions)
+
+
+def _slots(rec: _Record, rng: random.Random, paragraphs: int, two_hop: str) -> list[int]:
+    """The paragraph each fact goes before (never the first): each kind's facts at random places of
+    their own, in record order, so the kinds interleave; the two-hop question's link and trade at
+    least a quarter of the paragraphs apart."""
+    slots = [0] * len(rec.facts)
+    for kind in dict.fromkeys(rec.kinds):
+        mine = [i for i, k in enumerate(rec.kinds) if k == kind]
+        for i, slot in zip(mine, sorted(rng.choices(range(1, paragraphs), k=len(mine))), strict=True):
+            slots[i] = slot
+    link, trade = [i for i, (_, served) in enumerate(rec.facts) if two_hop in served]
+    apart = paragraphs // 4
+    slots[link] = rng.randrange(1, paragraphs - apart)
+    slots[trade] = rng.randrange(slots[link] + apart, paragraphs)
+    return slots
 
 
 def _named(answer: str, name: str) -> int:
@@ -364,6 +394,8 @@ def grade(question: Question, answer: str) -> bool:
     if question.kind == "order":
         positions = [_named(answer, name) for name in question.answers]
         return all(at >= 0 for at in positions) and positions == sorted(positions)
+    if any(_named(answer, name) >= 0 for name in question.distractors):
+        return False  # a hedge that names a wrong one too
     if question.kind == "list":
         return all(_named(answer, name) >= 0 for name in question.answers)
     return any(_named(answer, name) >= 0 for name in question.answers)

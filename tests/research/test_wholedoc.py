@@ -32,8 +32,25 @@ def test_generated_records_are_gathered_whole_and_alike_twice():
             assert set(question.facts) <= got, question.id
 
 
-def question(kind: str, answers: tuple[str, ...], candidates: tuple[str, ...] = ()) -> Question:
-    return Question("q", kind, "?", answers, candidates, ((0, 1),))
+def test_the_kinds_interleave_and_two_hops_stand_far_apart():
+    for seed in (1, 2, 3, 101):
+        document = generate(seed, 32768, "alice29.txt", FIXTURES)
+        placed = sorted((a, KINDS.index(q.kind)) for q in document.questions for a, _ in q.facts)
+        kinds = [kind for _, kind in placed]
+        assert kinds != sorted(kinds), seed  # not every count fact first and every look-alike last
+        link, trade = next(q for q in document.questions if q.kind == "two_hop").facts
+        blocks = document.text.count("\n\n") + 1
+        between = document.text[link[0] : trade[0]].count("\n\n")
+        assert between >= (blocks - 40) // 4, (seed, between, blocks)  # 40: more than the record's facts
+        order = next(q for q in document.questions if q.kind == "order")
+        asked = sorted(order.answers, key=order.question.index)
+        assert tuple(asked) != order.answers, seed  # repeating the question is no answer
+
+
+def question(
+    kind: str, answers: tuple[str, ...], candidates: tuple[str, ...] = (), distractors: tuple[str, ...] = ()
+) -> Question:
+    return Question("q", kind, "?", answers, candidates, ((0, 1),), distractors)
 
 
 def test_grading_rules():
@@ -47,8 +64,13 @@ def test_grading_rules():
     order = question("order", ("Archivist", "Ferryman", "Weaver"))
     assert grade(order, "the Archivist, then the Ferryman, then the Weaver")
     assert not grade(order, "the Ferryman, the Archivist, the Weaver") and not grade(order, "the Archivist and the Weaver")
-    bequest = question("lookalike", ("font",))
+    bequest = question("lookalike", ("font",), distractors=("organ", "bell"))
     assert grade(bequest, "He left a font.") and not grade(bequest, "He left a fountain.")
+    assert not grade(bequest, "He left a font, or perhaps the organ.")
+    towns = question("list", ("Carrow", "Tull"), distractors=("Brin",))
+    assert grade(towns, "Carrow and Tull.") and not grade(towns, "Carrow, Tull and Brin.")
+    trade = question("two_hop", ("potter",), distractors=("tanner",))
+    assert grade(trade, "She was a potter.") and not grade(trade, "A potter or a tanner.")
 
 
 def test_hand_written_whole_book_questions_are_well_formed():
