@@ -8,8 +8,8 @@
    once for up to 4), and the output rows are
    shared among OpenMP's threads (the team torch's kernels use). Every output is summed in one
    fixed order whatever the number of rows, so a row's result never depends on its company. Where
-   the CPU has AVX-512 VNNI, int4 instead rounds each row's inputs to int8 and multiplies bytes
-   (below: int4_matmul_vnni). */
+   the CPU has AVX-512 VNNI, int4 instead rounds each row's inputs to int8 and multiplies bytes,
+   unpacking each weight once for up to 8 rows (below: int4_matmul_vnni). */
 
 #include <float.h>
 #include <immintrin.h>
@@ -340,18 +340,21 @@ AVX512 static void int4_matmul_avx512(const float *x, const float *sums, long ro
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
-/* Row r's inputs rounded (`quantized` [rows, pairs of groups, 64] bytes) and their scales by lane
-   (`lane_scales` [rows, pairs of groups, 16] floats); the rounding is to nearest, ties to even (the
-   default rounding mode). A group whose largest magnitude is too small to invert rounds to zeros. */
+/* Row r's inputs rounded to int8, in quads of groups as the codes lie (`quantized` [rows, quads,
+   128] bytes: groups 4m..4m+3's inputs 0-15, 16 a group, then their inputs 16-31) and each group's
+   step on its 4 lanes (`lane_scales` [rows, quads, 16] floats); the rounding is to nearest, ties to
+   even (the default rounding mode). A group whose largest magnitude is too small to invert rounds
+   to zeros; the groups that complete the last quad are zeros, their steps zero (no stale NaN may
+   reach the sums). */
 VNNI static void quantize_inputs(const float *x, long rows, long k, int8_t *quantized, float *lane_scales) {
-    long groups = k / 32, pairs = (groups + 1) / 2;
+    long groups = k / 32, quads = (groups + 3) / 4;
     for (long r = 0; r < rows; r++) {
-        int8_t *q = quantized + r * pairs * 64;
-        float *s = lane_scales + r * pairs * 16;
-        if (groups % 2) { /* the missing group: its codes read as zeros, its inputs and scales zero (no
-                             stale NaN may reach the sums) */
-            for (int t = 0; t < 16; t++) q[(pairs - 1) * 64 + 16 + t] = q[(pairs - 1) * 64 + 48 + t] = 0;
-            for (int t = 0; t < 4; t++) s[(pairs - 1) * 16 + 4 + t] = s[(pairs - 1) * 16 + 12 + t] = 0.0f;
+        int8_t *q = quantized + r * quads * 128;
+        float *s = lane_scales + r * quads * 16;
+        for (long g = groups; g < quads * 4; g++) {
+            long m = g / 4, u = g % 4;
+            for (int t = 0; t < 16; t++) q[m * 128 + u * 16 + t] = q[m * 128 + 64 + u * 16 + t] = 0;
+            for (int t = 0; t < 4; t++) s[m * 16 + u * 4 + t] = 0.0f;
         }
         for (long g = 0; g < groups; g++) {
             const float *xg = x + r * k + g * 32;
@@ -359,52 +362,56 @@ VNNI static void quantize_inputs(const float *x, long rows, long k, int8_t *quan
             __m512 biggest = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
             float d = _mm512_reduce_max_ps(biggest) / 127.0f, inverse = d > FLT_MIN ? 1.0f / d : 0.0f;
             __m512 by = _mm512_set1_ps(inverse);
-            long p = g / 2, half = g % 2;
-            _mm_storeu_si128((__m128i *)(q + p * 64 + half * 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, by))));
-            _mm_storeu_si128((__m128i *)(q + p * 64 + 32 + half * 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, by))));
-            for (int t = 0; t < 4; t++) s[p * 16 + half * 4 + t] = s[p * 16 + 8 + half * 4 + t] = d;
+            long m = g / 4, u = g % 4;
+            _mm_storeu_si128((__m128i *)(q + m * 128 + u * 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, by))));
+            _mm_storeu_si128((__m128i *)(q + m * 128 + 64 + u * 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, by))));
+            for (int t = 0; t < 4; t++) s[m * 16 + u * 4 + t] = d;
         }
     }
 }
 
-/* A pair of groups' 32 bytes of codes (16 where the second is missing) as 64 unsigned bytes in the
-   inputs' layout. */
-VNNI static inline __m512i unpack_codes(const uint8_t *codes, int both) {
-    __m256i packed = both ? _mm256_loadu_si256((const __m256i *)codes) : _mm256_maskz_loadu_epi8(0xFFFF, codes);
-    const __m256i low4 = _mm256_set1_epi8(15);
-    __m256i low = _mm256_and_si256(packed, low4), high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+/* A quad of groups' 64 bytes of codes (16 a group; `count` groups, the rest read as zeros) as 64
+   unsigned bytes of their inputs 0-15 (`low`) and of their inputs 16-31 (`high`): the inputs' layout. */
+VNNI static inline void unpack_quad(const uint8_t *codes, long count, __m512i *low, __m512i *high) {
+    __m512i packed = count >= 4 ? _mm512_loadu_si512((const void *)codes)
+                                : _mm512_maskz_loadu_epi8((__mmask64)((1ull << (16 * count)) - 1), codes);
+    const __m512i low4 = _mm512_set1_epi8(15);
+    *low = _mm512_and_si512(packed, low4);
+    *high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
 }
 
+/* ROWS rows against weight rows a and b, a quad of groups at a time: each lane's 8 byte products
+   summed exactly in int32 (its group's inputs 4i..4i+3 and 16+4i..16+4i+3), converted once, times
+   the group's input step and its scale. A row's sums are the same in any block. */
 #define BLOCK_VNNI(ROWS)                                                                               \
     VNNI static inline void block_vnni_##ROWS(const int8_t *q, const float *ls, const float *sums, long k, \
                                               const uint8_t *a, const uint16_t *ga, const uint8_t *b,     \
                                               const uint16_t *gb, const uint8_t *next, float *out) {      \
-        long groups = k / 32, pairs = (groups + 1) / 2;                                                \
+        long groups = k / 32, quads = (groups + 3) / 4;                                                \
         __m512 sa[ROWS], sb[ROWS];                                                                     \
         for (int r = 0; r < ROWS; r++) sa[r] = sb[r] = _mm512_setzero_ps();                            \
-        const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);      \
+        const __m512i quarters = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);    \
         for (long g0 = 0; g0 < groups; g0 += 16) {                                                     \
             __m512 scale_a, scale_b;                                                                   \
             long count = group_block(ga, gb, sums, groups, g0, ROWS, sa, sb, &scale_a, &scale_b);     \
-            for (long g = 0; g < count; g += 2) {                                                      \
-                long p = (g0 + g) / 2, i = (g0 + g) * 32;                                              \
-                int both = g + 1 < count;                                                              \
-                if (g % 4 == 0) {                                                                      \
-                    prefetch(next + i / 2, 64);                                                        \
-                    prefetch(next + k / 2 + i / 2, 64);                                                \
-                }                                                                                      \
-                __m512i ca = unpack_codes(a + i / 2, both), cb = unpack_codes(b + i / 2, both);        \
-                __m512i lanes = _mm512_add_epi32(halves, _mm512_set1_epi32((int)g));                   \
+            for (long g = 0; g < count; g += 4) {                                                      \
+                long m = (g0 + g) / 4, at = (g0 + g) * 16;                                             \
+                prefetch(next + at, 64);                                                               \
+                prefetch(next + k / 2 + at, 64);                                                       \
+                __m512i la, ha, lb, hb;                                                                \
+                unpack_quad(a + at, count - g, &la, &ha);                                              \
+                unpack_quad(b + at, count - g, &lb, &hb);                                              \
+                __m512i lanes = _mm512_add_epi32(quarters, _mm512_set1_epi32((int)g));                 \
                 __m512 ska = _mm512_permutexvar_ps(lanes, scale_a);                                    \
                 __m512 skb = _mm512_permutexvar_ps(lanes, scale_b);                                    \
                 for (int r = 0; r < ROWS; r++) {                                                       \
-                    __m512i xq = _mm512_loadu_si512((const void *)(q + (r * pairs + p) * 64));         \
-                    __m512 xs = _mm512_loadu_ps(ls + (r * pairs + p) * 16);                            \
-                    __m512 da = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ca, xq)); \
-                    __m512 db = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), cb, xq)); \
-                    sa[r] = _mm512_fmadd_ps(_mm512_mul_ps(da, xs), ska, sa[r]);                        \
-                    sb[r] = _mm512_fmadd_ps(_mm512_mul_ps(db, xs), skb, sb[r]);                        \
+                    const int8_t *xq = q + (r * quads + m) * 128;                                      \
+                    __m512i xl = _mm512_loadu_si512((const void *)xq), xh = _mm512_loadu_si512((const void *)(xq + 64)); \
+                    __m512 xs = _mm512_loadu_ps(ls + (r * quads + m) * 16);                            \
+                    __m512i ia = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), la, xl), ha, xh); \
+                    __m512i ib = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lb, xl), hb, xh); \
+                    sa[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ia), xs), ska, sa[r]);    \
+                    sb[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ib), xs), skb, sb[r]);    \
                 }                                                                                      \
             }                                                                                          \
         }                                                                                              \
@@ -413,16 +420,17 @@ VNNI static inline __m512i unpack_codes(const uint8_t *codes, int both) {
             out[ROWS + r] = _mm512_reduce_add_ps(sb[r]);                                               \
         }                                                                                              \
     }
+BLOCK_VNNI(8)
 BLOCK_VNNI(4)
 BLOCK_VNNI(2)
 BLOCK_VNNI(1)
 
 VNNI static void int4_matmul_vnni(const float *x, const float *sums, long rows, long k, const uint8_t *w,
                                   const uint16_t *groups, long n, float *out) {
-    /* a weight row's bytes, bfloat16 (scale, minimum) values, groups and pairs of groups */
-    long bytes = k / 2, values = k / 16, count = k / 32, pairs = (count + 1) / 2;
-    int8_t *quantized = aligned_alloc(64, (size_t)(rows * pairs * 64));
-    float *lane_scales = aligned_alloc(64, (size_t)(rows * pairs * 16) * sizeof(float));
+    /* a weight row's bytes, bfloat16 (scale, minimum) values, groups and quads of groups */
+    long bytes = k / 2, values = k / 16, count = k / 32, quads = (count + 3) / 4;
+    int8_t *quantized = aligned_alloc(64, (size_t)(rows * quads * 128));
+    float *lane_scales = aligned_alloc(64, (size_t)(rows * quads * 16) * sizeof(float));
     if (quantized == NULL || lane_scales == NULL) abort();
     quantize_inputs(x, rows, k, quantized, lane_scales);
     _Pragma("omp parallel for schedule(static)")
@@ -431,17 +439,18 @@ VNNI static void int4_matmul_vnni(const float *x, const float *sums, long rows, 
         const uint8_t *next = w + (j + 3 < n ? j + 2 : j) * bytes;
         const uint8_t *a = w + j * bytes, *b = w + second * bytes;
         const uint16_t *ga = groups + j * values, *gb = groups + second * values;
-        float out8[8];
+        float out16[16];
         for (long r = 0; r < rows;) {
-            long take = rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
-            const int8_t *qr = quantized + r * pairs * 64;
-            const float *lr = lane_scales + r * pairs * 16, *sr = sums + r * count;
-            if (take == 4) block_vnni_4(qr, lr, sr, k, a, ga, b, gb, next, out8);
-            else if (take == 2) block_vnni_2(qr, lr, sr, k, a, ga, b, gb, next, out8);
-            else block_vnni_1(qr, lr, sr, k, a, ga, b, gb, next, out8);
+            long take = rows - r >= 8 ? 8 : rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
+            const int8_t *qr = quantized + r * quads * 128;
+            const float *lr = lane_scales + r * quads * 16, *sr = sums + r * count;
+            if (take == 8) block_vnni_8(qr, lr, sr, k, a, ga, b, gb, next, out16);
+            else if (take == 4) block_vnni_4(qr, lr, sr, k, a, ga, b, gb, next, out16);
+            else if (take == 2) block_vnni_2(qr, lr, sr, k, a, ga, b, gb, next, out16);
+            else block_vnni_1(qr, lr, sr, k, a, ga, b, gb, next, out16);
             for (long t = 0; t < take; t++) {
-                out[(r + t) * n + j] = out8[t];
-                out[(r + t) * n + second] = out8[take + t];
+                out[(r + t) * n + j] = out16[t];
+                out[(r + t) * n + second] = out16[take + t];
             }
             r += take;
         }
