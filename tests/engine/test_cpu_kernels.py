@@ -97,12 +97,12 @@ def test_a_row_gets_the_same_bits_in_any_company(mode, kernel_set):
 
 
 @pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")
-@pytest.mark.parametrize("in_features", [256, 288, 512, 544, 1536])
+@pytest.mark.parametrize("in_features", [256, 288, 320, 352, 512, 544, 1536])  # VNNI quads: 0, 1, 2 and 3 groups over
 def test_int4_over_whole_blocks_of_groups_and_their_tails(in_features, kernel_set):
     """int4 reads the groups' scales and minimums 16 (AVX-512) or 8 (AVX2) groups at a time: whole
     blocks, blocks and a tail, several blocks; the product, and a row's bits in any company."""
     layer = stored("int4", out_features=33, in_features=in_features, seed=in_features)
-    x = torch.randn(11, in_features, generator=torch.Generator().manual_seed(5))  # rows in blocks of 8 (VNNI), 2 and 1
+    x = torch.randn(11, in_features, generator=torch.Generator().manual_seed(5))  # rows in blocks of 4, 4, 2 and 1
     want = exact(layer, x)
     got = product(layer, x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -132,7 +132,7 @@ def test_int4_with_vnni_rounds_its_inputs_to_int8(kernel_set):
     rounded inputs (shown above); each is within half its group's step of the input and multiplies
     scale * code only, so the product stays within |x - rounded| @ |scale * code| of the float32
     inputs' one, and is not it; with VNNI off, it is that product."""
-    layer = stored("int4", out_features=64, in_features=544)  # 17 groups: the last pairs with zeros
+    layer = stored("int4", out_features=64, in_features=544)  # 17 groups: the last quad holds 1, and 3 of zeros
     x = torch.randn(3, 544, generator=torch.Generator().manual_seed(7)) * torch.linspace(0.1, 10, 544)
     rounded = int4_inputs(x)
     step = x.reshape(3, 17, 32).abs().amax(-1) / 127

@@ -8,8 +8,8 @@
    once for up to 4), and the output rows are
    shared among OpenMP's threads (the team torch's kernels use). Every output is summed in one
    fixed order whatever the number of rows, so a row's result never depends on its company. Where
-   the CPU has AVX-512 VNNI, int4 instead rounds each row's inputs to int8 and multiplies bytes,
-   unpacking each weight once for up to 8 rows (below: int4_matmul_vnni). */
+   the CPU has AVX-512 VNNI, int4 instead rounds each row's inputs to int8 and multiplies bytes
+   (below: int4_matmul_vnni). */
 
 #include <float.h>
 #include <immintrin.h>
@@ -331,12 +331,12 @@ AVX512 static void int4_matmul_avx512(const float *x, const float *sums, long ro
    scale a group of 32 (the group's largest magnitude / 127), and each group's codes are
    multiplied by them as bytes (vpdpbusd: unsigned codes by signed inputs, four products summed a
    lane). A weight row's product is then, over its groups, code scale * input scale * (the codes
-   times the rounded inputs) + minimum * (the sum of the group's inputs as they are). Two groups
-   go in one 64-byte vector: [the first's inputs 0-15][the second's 0-15][the first's 16-31][the
-   second's 16-31], which is how their 32 bytes of codes unpack (low halves, then high ones), so
-   the rounded inputs are laid out that way once a call (`quantized`), and each pair's two input
-   scales as 16 floats, one for each lane of sums (`lane_scales`). An odd last group pairs with
-   zeros. */
+   times the rounded inputs) + minimum * (the sum of the group's inputs as they are). Four groups'
+   64 bytes of codes unpack into two vectors, their low halves [inputs 0-15 of each group, in
+   order] and their high halves [inputs 16-31 of each], so the rounded inputs are laid out that
+   way once a call (`quantized`), and each group's input scale on its 4 lanes (`lane_scales`); both
+   products of a lane add into one int32 sum of one group. A last quad short of groups is padded
+   with zeros. */
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
@@ -420,7 +420,6 @@ VNNI static inline void unpack_quad(const uint8_t *codes, long count, __m512i *l
             out[ROWS + r] = _mm512_reduce_add_ps(sb[r]);                                               \
         }                                                                                              \
     }
-BLOCK_VNNI(8)
 BLOCK_VNNI(4)
 BLOCK_VNNI(2)
 BLOCK_VNNI(1)
@@ -439,18 +438,17 @@ VNNI static void int4_matmul_vnni(const float *x, const float *sums, long rows, 
         const uint8_t *next = w + (j + 3 < n ? j + 2 : j) * bytes;
         const uint8_t *a = w + j * bytes, *b = w + second * bytes;
         const uint16_t *ga = groups + j * values, *gb = groups + second * values;
-        float out16[16];
+        float out8[8];
         for (long r = 0; r < rows;) {
-            long take = rows - r >= 8 ? 8 : rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
+            long take = rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
             const int8_t *qr = quantized + r * quads * 128;
             const float *lr = lane_scales + r * quads * 16, *sr = sums + r * count;
-            if (take == 8) block_vnni_8(qr, lr, sr, k, a, ga, b, gb, next, out16);
-            else if (take == 4) block_vnni_4(qr, lr, sr, k, a, ga, b, gb, next, out16);
-            else if (take == 2) block_vnni_2(qr, lr, sr, k, a, ga, b, gb, next, out16);
-            else block_vnni_1(qr, lr, sr, k, a, ga, b, gb, next, out16);
+            if (take == 4) block_vnni_4(qr, lr, sr, k, a, ga, b, gb, next, out8);
+            else if (take == 2) block_vnni_2(qr, lr, sr, k, a, ga, b, gb, next, out8);
+            else block_vnni_1(qr, lr, sr, k, a, ga, b, gb, next, out8);
             for (long t = 0; t < take; t++) {
-                out[(r + t) * n + j] = out16[t];
-                out[(r + t) * n + second] = out16[take + t];
+                out[(r + t) * n + j] = out8[t];
+                out[(r + t) * n + second] = out8[take + t];
             }
             r += take;
         }
