@@ -70,8 +70,13 @@ def build(files: Path, models: Path, site: Path, device: str) -> Path:
     """The random default model's folder (returned) and the random embedder's package under `site`."""
     from transformers import AutoModel, AutoModelForCausalLM
 
+    from engine.config import DEFAULT_MODEL
+    from engine.models.manifest import SHIPPED_MANIFESTS
+
     lm = models / LM_FOLDER
     _random(AutoModelForCausalLM, files / "lm", lm, torch.bfloat16, device)
+    # the default model's settings (its memory's options...): a folder's own manifest (engine/models/manifest.py)
+    shutil.copy2(SHIPPED_MANIFESTS / f"{DEFAULT_MODEL}.json", lm / "longdoc.json")
     package = site / EMBEDDER_PACKAGE
     _random(AutoModel, files / "embedder", package / "model", torch.float32, device)
     (package / "__init__.py").write_text('"""all-MiniLM-L6-v2 with random weights (scripts/gpu/shape.py)."""\n')

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checklist items 1-2 without staging the default model's 1.1 GB (speed figures only: random weights).
 #   scripts/gpu/shape.sh stage   # here: .gpu/w1 (faiss-cpu, transformers), .gpu/w2 (the other wheels), .gpu/shape (configs,
-#                                # tokenizers, the 100K-token book)
+#                                # tokenizers, the 120K-token book, the held-out filler)
 #   device run 1, carrying .gpu/w1:                           mkdir -p /tmp/stage && cp .gpu/w1/* /tmp/stage/
 #   device run 2, carrying .gpu/w2 .gpu/shape longdoc.egg-info: bash scripts/gpu/shape.sh [bench|wholedoc]
 # bench (the default) writes the serving table (bench.bench_memories) and the kNN table (bench.bench_knn) to $OUT;
