@@ -1,11 +1,12 @@
 """One C decode step (engine/models/native_step.py) at 512 and 2,048 tokens of context for 1, 2,
 4 and 8 answers, two kernel sets alternating in one process, on the compute thread as the server
 runs it: the matmuls' AVX2 kernels against their AVX-512 ones (csrc/weight_only.c), on
-SmolLM2-135M in its default dtype; or, `--vnni`, int4's kernel on float32 inputs against the one
-on inputs rounded to int8 (AVX-512 VNNI), on the default model with `--quantize int4`. Needs a CPU
-with AVX-512 (F, BW, VL; and VNNI for `--vnni`).
+SmolLM2-135M in its default dtype (needs a CPU with AVX-512 F, BW, VL); or, `--int8-inputs`,
+int4's kernel on float32 inputs against the one on inputs rounded to int8, on the default model with
+`--quantize int4`, with the kernel set the CPU runs by default (AVX-512 with VNNI where it has
+them, else AVX2).
 
-    .venv/bin/python -m bench.bench_step_kernels [--vnni]
+    .venv/bin/python -m bench.bench_step_kernels [--int8-inputs]
 """
 
 from __future__ import annotations
@@ -30,9 +31,8 @@ def avx512(on: bool) -> None:
     cpu_kernels.use_avx512(on)
 
 
-def vnni(on: bool) -> None:
-    cpu_kernels.use_avx512(True)
-    cpu_kernels.use_vnni(on)
+def int8_inputs(on: bool) -> None:
+    cpu_kernels.use_int8_inputs(on)
 
 
 def main(switch: Callable[[bool], None], names: tuple[str, str], model: str, quantize: str) -> None:
@@ -40,9 +40,11 @@ def main(switch: Callable[[bool], None], names: tuple[str, str], model: str, qua
     quantize_linears(loaded.model, quantize)
     decoder = BatchDecoder(loaded.model)
     assert decoder.native is not None, "the C step cannot run here"
-    assert cpu_kernels.use_avx512(True), "no AVX-512 on this CPU"
-    if switch is vnni:
-        assert cpu_kernels.use_vnni(True), "no AVX-512 VNNI on this CPU"
+    if switch is avx512:
+        assert cpu_kernels.use_avx512(True), "no AVX-512 on this CPU"
+    else:
+        int8_inputs(True)
+        assert cpu_kernels.int4_rounds_inputs(), "the AVX-512 kernels here have no VNNI: LONGDOC_CPU_AVX512=0 runs the AVX2 ones"
     old_name, new_name = names
     print(f"{model}, dtype {loaded.model.dtype}, --quantize {quantize}, medians of {REPEATS}\n")
     print(f"| context | answers | step ms, {old_name} | step ms, {new_name} | tok/s, {old_name} | tok/s, {new_name} | ratio |")
@@ -68,10 +70,11 @@ def main(switch: Callable[[bool], None], names: tuple[str, str], model: str, qua
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vnni", action="store_true", help="int4 on float32 inputs against int8 ones, default model")
+    parser.add_argument("--int8-inputs", action="store_true", help="int4 on float32 inputs against int8 ones, default model")
     args = parser.parse_args()
-    if args.vnni:
-        task = (vnni, ("float inputs", "int8 inputs (VNNI)"), DEFAULT_MODEL, "int4")
+    if args.int8_inputs:
+        kernels = "AVX-512 VNNI" if cpu_kernels.use_avx512() else "AVX2"
+        task = (int8_inputs, ("float inputs", f"int8 inputs ({kernels})"), DEFAULT_MODEL, "int4")
     else:
         task = (avx512, ("AVX2", "AVX-512"), SMALL_MODEL, "none")
     single_threaded_torch()  # the main thread stays out of it: the model runs where the server runs it

@@ -28,24 +28,25 @@ def _test_device() -> Iterator[None]:
         yield
 
 
-@pytest.fixture(params=["avx2", "avx512", "vnni"])
+@pytest.fixture(params=["avx2", "avx2_int8", "avx512", "vnni"])
 def kernel_set(request):
-    """The matmuls' AVX2 versions, then their AVX-512 ones (int4 on float32 inputs), then those
-    with int4 on inputs rounded to int8 (AVX-512 VNNI), where the CPU has each."""
+    """The matmuls' AVX2 versions (int4 on float32 inputs), then with int4 on inputs rounded to int8,
+    then their AVX-512 ones (float32 inputs), then those with int4 on int8 inputs (AVX-512 VNNI),
+    where the CPU has each."""
     if cpu_kernels.library() is None:
         pytest.skip("the CPU kernels cannot be built here")
-    before = cpu_kernels.use_avx512(), cpu_kernels.use_vnni()
+    before = cpu_kernels.use_avx512(), cpu_kernels.use_int8_inputs()
     try:
-        wide = request.param != "avx2"
+        wide = request.param in ("avx512", "vnni")
         if cpu_kernels.use_avx512(wide) != wide:
             pytest.skip("no AVX-512 on this CPU")
-        cpu_kernels.use_vnni(request.param == "vnni")
+        cpu_kernels.use_int8_inputs(request.param.endswith(("int8", "vnni")))
         if request.param == "vnni" and not int4_rounds_inputs():
             pytest.skip("no AVX-512 VNNI on this CPU")
         yield request.param
     finally:
         cpu_kernels.use_avx512(before[0])
-        cpu_kernels.use_vnni(before[1])
+        cpu_kernels.use_int8_inputs(before[1])
 
 
 @pytest.fixture(scope="session")

@@ -40,14 +40,15 @@ CACHE_DIR = Path(os.environ.get("LONGDOC_CACHE_DIR", DEFAULT_CACHE_DIR)).expandu
 # of the test servers' engines (scripts/gpu/check.sh); CI leaves it unset, on CPU.
 TEST_DEVICE = os.environ.get("LONGDOC_TEST_DEVICE", "cpu")
 
-# --- int4 on inputs rounded to int8 (AVX-512 VNNI, csrc/weight_only.c) ---
+# --- int4 on inputs rounded to int8 (AVX2, or AVX-512 VNNI, csrc/weight_only.c) ---
 
 
 def int4_rounds_inputs() -> bool:
-    """Whether int4 matmuls run on inputs rounded to int8 now (VNNI on, with the AVX-512 kernels)."""
+    """Whether int4 matmuls run on inputs rounded to int8 now (the AVX2 kernels, or the AVX-512
+    ones on a CPU with VNNI, with int8 inputs on)."""
     from engine.models import cpu_kernels
 
-    return cpu_kernels.use_avx512() and cpu_kernels.use_vnni()
+    return cpu_kernels.int4_rounds_inputs()
 
 
 def int4_inputs(x: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,10 @@ and its flags; a built copy is loaded without a compiler. `longdoc serve --cache
 move it: the directory follows the environment (`kernel_dir`). Where it cannot be built or loaded
 (no compiler, a CPU without AVX2 and FMA, `LONGDOC_CPU_KERNELS=0`), `library()` returns None and
 the caller uses torch's kernels. On a CPU with AVX-512 the matmuls run their AVX-512 versions
-(chosen at run time, so one build serves both; `LONGDOC_CPU_AVX512=0` keeps the AVX2 ones), and
-where it also has VNNI, int4 rounds its inputs to int8 and multiplies bytes (`LONGDOC_CPU_VNNI=0`
-keeps float32 inputs; the VNNI kernel needs gcc 8 or a clang that knows `avx512vnni` to build).
+(chosen at run time, so one build serves both; `LONGDOC_CPU_AVX512=0` keeps the AVX2 ones). int4
+rounds its inputs to int8 and multiplies bytes, as llama.cpp's Q4 x Q8 does, with the AVX2 kernels
+(vpmaddubsw) and with the AVX-512 ones where the CPU has VNNI (`LONGDOC_CPU_INT8_INPUTS=0` keeps
+float32 inputs; the VNNI kernel needs gcc 8 or a clang that knows `avx512vnni` to build).
 """
 
 from __future__ import annotations
@@ -90,10 +91,11 @@ def library() -> ctypes.CDLL | None:
     for kernel in (lib.int8_matmul, lib.bf16_matmul, lib.int4_matmul):
         kernel.argtypes = [pointer, size, size, pointer, pointer, size, pointer]
         kernel.restype = None
-    for switch in (lib.matmul_avx512, lib.matmul_vnni):
+    for switch in (lib.matmul_avx512, lib.matmul_int8_inputs):
         switch.argtypes, switch.restype = [size], size
+    lib.int4_rounds_inputs.argtypes, lib.int4_rounds_inputs.restype = [], size
     lib.matmul_avx512(0 if os.environ.get("LONGDOC_CPU_AVX512", "1") == "0" else 1)
-    lib.matmul_vnni(0 if os.environ.get("LONGDOC_CPU_VNNI", "1") == "0" else 1)
+    lib.matmul_int8_inputs(0 if os.environ.get("LONGDOC_CPU_INT8_INPUTS", "1") == "0" else 1)
     return lib
 
 
@@ -107,15 +109,22 @@ def use_avx512(wanted: bool | None = None) -> bool:
     return bool(lib.matmul_avx512(-1 if wanted is None else int(wanted)))
 
 
-def use_vnni(wanted: bool | None = None) -> bool:
-    """Whether int4's AVX-512 kernel rounds its inputs to int8 and multiplies bytes (AVX-512 VNNI;
-    the default where the CPU has it, unless `LONGDOC_CPU_VNNI=0`), as `use_avx512`. It takes
-    effect with the AVX-512 kernels only; off, int4 widens its codes to float32 and multiplies the
-    inputs as they are."""
+def use_int8_inputs(wanted: bool | None = None) -> bool:
+    """Whether int4 rounds its inputs to int8 and multiplies bytes where it can (the default, unless
+    `LONGDOC_CPU_INT8_INPUTS=0`), as `use_avx512`: with the AVX2 kernels, and with the AVX-512 ones
+    on a CPU with VNNI (`int4_rounds_inputs` tells whether it does now). Off, int4 widens its codes
+    to float32 and multiplies the inputs as they are."""
     lib = library()
     if lib is None:
         return False
-    return bool(lib.matmul_vnni(-1 if wanted is None else int(wanted)))
+    return bool(lib.matmul_int8_inputs(-1 if wanted is None else int(wanted)))
+
+
+def int4_rounds_inputs() -> bool:
+    """Whether int4's matmuls round their inputs to int8 now (`use_int8_inputs`, and a kernel set
+    that can: the AVX2 one, or the AVX-512 one on a CPU with VNNI)."""
+    lib = library()
+    return lib is not None and bool(lib.int4_rounds_inputs())
 
 
 def usable(weight: torch.Tensor, features: int | None = None) -> bool:

@@ -126,12 +126,13 @@ def test_the_avx512_kernels_run_where_asked(mode, kernel_set):
     assert not torch.equal(mine, other)
 
 
-@pytest.mark.parametrize("kernel_set", ["vnni"], indirect=True)
-def test_int4_with_vnni_rounds_its_inputs_to_int8(kernel_set):
-    """On int8 inputs (the default where the CPU has AVX-512 VNNI) int4 gives the product of the
-    rounded inputs (shown above); each is within half its group's step of the input and multiplies
-    scale * code only, so the product stays within |x - rounded| @ |scale * code| of the float32
-    inputs' one, and is not it; with VNNI off, it is that product."""
+@pytest.mark.parametrize("kernel_set", ["avx2_int8", "vnni"], indirect=True)
+def test_int4_on_int8_inputs_rounds_them(kernel_set):
+    """On int8 inputs (the default with the AVX2 kernels, and with the AVX-512 ones where the CPU has
+    VNNI) int4 gives the product of the rounded inputs (shown above); each is within half its
+    group's step of the input and multiplies scale * code only, so the product stays within
+    |x - rounded| @ |scale * code| of the float32 inputs' one, and is not it; with int8 inputs
+    off, it is that product."""
     layer = stored("int4", out_features=64, in_features=544)  # 17 groups: the last quad holds 1, and 3 of zeros
     x = torch.randn(3, 544, generator=torch.Generator().manual_seed(7)) * torch.linspace(0.1, 10, 544)
     rounded = int4_inputs(x)
@@ -141,18 +142,20 @@ def test_int4_with_vnni_rounds_its_inputs_to_int8(kernel_set):
     coded, _ = int4_parts(layer)
     plain = x.double() @ layer.dequantized().double().T
     assert ((got.double() - plain).abs() <= (rounded - x.double()).abs() @ coded.abs().T + 1e-4).all()
-    cpu_kernels.use_vnni(False)
+    cpu_kernels.use_int8_inputs(False)
     widened = product(layer, x)
     assert not torch.equal(got, widened)
     torch.testing.assert_close(widened, plain.float(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")
-def test_vnni_can_be_turned_off(fresh, monkeypatch):
-    monkeypatch.setenv("LONGDOC_CPU_VNNI", "0")
-    assert cpu_kernels.library() is not None and not cpu_kernels.use_vnni()
+def test_int8_inputs_can_be_turned_off(fresh, monkeypatch):
+    monkeypatch.setenv("LONGDOC_CPU_INT8_INPUTS", "0")
+    assert cpu_kernels.library() is not None and not cpu_kernels.use_int8_inputs()
+    assert not cpu_kernels.int4_rounds_inputs()
     flags = Path("/proc/cpuinfo").read_text().split()
-    assert cpu_kernels.use_vnni(True) == ("avx512_vnni" in flags)
+    assert cpu_kernels.use_int8_inputs(True)
+    assert cpu_kernels.int4_rounds_inputs() == (not cpu_kernels.use_avx512() or "avx512_vnni" in flags)
 
 
 @pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")

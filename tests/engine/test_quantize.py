@@ -248,7 +248,7 @@ def int4_tolerance(layer: WeightOnlyLinear) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 3, DECODE_ROWS, DECODE_ROWS + 1, 200])
 def test_an_int4_layer_stays_within_its_rounding_of_float32(rows, decode_kernel):
     """Each weight within half its group's step; decode rows are the stored weight times the
-    float32 input (longdoc's kernel, or the widened weight where it cannot run; with VNNI, scale *
+    float32 input (longdoc's kernel, or the widened weight where it cannot run; with int8 inputs, scale *
     code times the input rounded to int8), prefill rows exactly the float32 matmul on the widened
     weight."""
     torch.manual_seed(0)
@@ -260,7 +260,7 @@ def test_an_int4_layer_stays_within_its_rounding_of_float32(rows, decode_kernel)
     with torch.no_grad():
         want, got = plain(x), quantized(x)
     coded, _ = int4_parts(quantized)
-    rounding = (int4_inputs(x) - x.double()).abs() @ coded.abs().T  # VNNI's int8 inputs multiply scale * code
+    rounding = (int4_inputs(x) - x.double()).abs() @ coded.abs().T  # int8 inputs multiply scale * code
     assert ((got - want).abs() <= x.abs() @ tolerance.T + rounding.float() + 1e-4).all()
     exact = (int4_product(quantized, x) + plain.bias.double()).float()
     if rows > DECODE_ROWS:

@@ -13,8 +13,10 @@
 
 #include <float.h>
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "weight_only.h"
 
@@ -156,6 +158,128 @@ static void int4_matmul_avx2(const float *x, const float *sums, long rows, long 
             for (long t = 0; t < take; t++) out[(r + t) * n + j] = two[t];
         }
     }
+}
+
+/* int4 on inputs rounded to int8 with AVX2 (no VNNI): the rounding, the layout and the sums of
+   int4_matmul_vnni below, 8 lanes at a time. Each row's inputs are rounded as quantize_inputs
+   rounds them (here in scalar code: k values a row, against n * k weights), and a quad's codes are
+   taken as two pairs of groups: 32 bytes of codes, unpacked into their inputs 0-15 and 16-31, are
+   multiplied by the rounded inputs as bytes (vpmaddubsw: unsigned codes by signed inputs, two
+   products summed into 16 bits; the inputs' and the codes' halves added there, four products at
+   most 4 * 15 * 127 in size, so exact; vpmaddwd by ones sums two of those into an int32 lane), so a
+   lane holds the same exact sum of 8 products as the VNNI kernel's.
+   The pair of groups g, g + 1 of a quad adds into the row's first 8-lane sum, g + 2, g + 3 into
+   its second (the VNNI kernel's lanes 0-7 and 8-15, in the same order). */
+static void quantize_inputs_avx2(const float *x, long rows, long k, int8_t *quantized, float *lane_scales) {
+    long groups = k / 32, quads = (groups + 3) / 4;
+    memset(quantized, 0, (size_t)(rows * quads * 128));
+    memset(lane_scales, 0, (size_t)(rows * quads * 16) * sizeof(float));
+    for (long r = 0; r < rows; r++)
+        for (long g = 0; g < groups; g++) {
+            const float *xg = x + r * k + g * 32;
+            float biggest = 0.0f;
+            for (int t = 0; t < 32; t++) biggest = fmaxf(biggest, fabsf(xg[t]));
+            float d = biggest / 127.0f, inverse = d > FLT_MIN ? 1.0f / d : 0.0f;
+            int8_t *q = quantized + (r * quads + g / 4) * 128 + (g % 4) * 16;
+            for (int t = 0; t < 16; t++) {
+                q[t] = (int8_t)lrintf(xg[t] * inverse); /* to nearest, ties to even */
+                q[64 + t] = (int8_t)lrintf(xg[16 + t] * inverse);
+            }
+            for (int t = 0; t < 4; t++) lane_scales[(r * quads + g / 4) * 16 + (g % 4) * 4 + t] = d;
+        }
+}
+
+/* The (scale, minimum) pairs of weight row w's (up to) 16 groups from g0 on as two 8-lane halves:
+   scales into `scale`, and the minimums' part of `rows` rows added into acc[r][0..1]. Returns how
+   many groups there are. */
+static inline long group_block_avx2(const uint16_t *gw, const float *sums, long groups, long g0, int rows, __m256 (*acc)[2],
+                                    __m256 *scale) {
+    long count = groups - g0 < 16 ? groups - g0 : 16;
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), high16 = _mm256_set1_epi32((int)0xFFFF0000);
+    for (int h = 0; h < 2; h++) {
+        __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(count - 8 * h)), lanes);
+        __m256i pairs = _mm256_maskload_epi32((const int *)(gw + 2 * (g0 + 8 * h)), mask);
+        scale[h] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+        __m256 mins = _mm256_castsi256_ps(_mm256_and_si256(pairs, high16));
+        for (int r = 0; r < rows; r++)
+            acc[r][h] = _mm256_fmadd_ps(mins, _mm256_maskload_ps(sums + r * groups + g0 + 8 * h, mask), acc[r][h]);
+    }
+    return count;
+}
+
+/* A pair of groups' 32 bytes of codes (`count` groups of 2, the rest read as zeros) as their
+   inputs 0-15 (`low`) and 16-31 (`high`), 16 bytes a group. */
+static inline void unpack_pair(const uint8_t *codes, long count, __m256i *low, __m256i *high) {
+    __m256i packed = count >= 2 ? _mm256_loadu_si256((const __m256i *)codes)
+                                : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)codes));
+    const __m256i low4 = _mm256_set1_epi8(15);
+    *low = _mm256_and_si256(packed, low4);
+    *high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+}
+
+/* ROWS rows against weight row w, a pair of groups at a time. */
+#define BLOCK_INT8_AVX2(ROWS)                                                                              \
+    static inline void block_int8_avx2_##ROWS(const int8_t *q, const float *ls, const float *sums, long k,    \
+                                              const uint8_t *w, const uint16_t *gw, const uint8_t *next,      \
+                                              float *out) {                                                  \
+        long groups = k / 32, quads = (groups + 3) / 4;                                                      \
+        __m256 acc[ROWS][2];                                                                                 \
+        for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                          \
+        const __m256i ones = _mm256_set1_epi16(1), quarters = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);     \
+        for (long g0 = 0; g0 < groups; g0 += 16) {                                                           \
+            __m256 scale[2];                                                                                 \
+            long count = group_block_avx2(gw, sums, groups, g0, ROWS, acc, scale);                           \
+            for (long g = 0; g < count; g += 4) {                                                            \
+                long m = (g0 + g) / 4, at = (g0 + g) * 16;                                                   \
+                prefetch(next + at, 64);                                                                     \
+                for (int h = 0; h < 2 && g + 2 * h < count; h++) {                                           \
+                    long first = g + 2 * h; /* the pair's first group in this block of 16 */                 \
+                    __m256i low, high;                                                                       \
+                    unpack_pair(w + at + 32 * h, count - first, &low, &high);                                \
+                    __m256 sk = _mm256_permutevar8x32_ps(scale[first / 8],                                   \
+                                                         _mm256_add_epi32(quarters, _mm256_set1_epi32((int)(first % 8)))); \
+                    for (int r = 0; r < ROWS; r++) {                                                         \
+                        const int8_t *xq = q + (r * quads + m) * 128 + 32 * h;                               \
+                        __m256i xl = _mm256_loadu_si256((const __m256i *)xq);                                \
+                        __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + 64));                         \
+                        __m256 xs = _mm256_loadu_ps(ls + (r * quads + m) * 16 + 8 * h);                      \
+                        __m256i sum = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(low, xl),      \
+                                                                         _mm256_maddubs_epi16(high, xh)), ones); \
+                        acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum), xs), sk, acc[r][h]); \
+                    }                                                                                        \
+                }                                                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < ROWS; r++) out[r] = sum8(_mm256_add_ps(acc[r][1], acc[r][0]));                   \
+    }
+BLOCK_INT8_AVX2(4)
+BLOCK_INT8_AVX2(2)
+BLOCK_INT8_AVX2(1)
+
+static void int4_matmul_avx2_int8(const float *x, const float *sums, long rows, long k, const uint8_t *w,
+                                  const uint16_t *groups, long n, float *out) {
+    long bytes = k / 2, values = k / 16, count = k / 32, quads = (count + 3) / 4;
+    int8_t *quantized = aligned_alloc(64, (size_t)(rows * quads * 128));
+    float *lane_scales = aligned_alloc(64, (size_t)(rows * quads * 16) * sizeof(float));
+    if (quantized == NULL || lane_scales == NULL) abort();
+    quantize_inputs_avx2(x, rows, k, quantized, lane_scales);
+    _Pragma("omp parallel for schedule(static)")
+    for (long j = 0; j < n; j++) {
+        const uint8_t *row = w + j * bytes, *next = w + (j + 2 < n ? j + 2 : j) * bytes;
+        float out4[4];
+        for (long r = 0; r < rows;) {
+            long take = rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
+            const int8_t *qr = quantized + r * quads * 128;
+            const float *lr = lane_scales + r * quads * 16, *sr = sums + r * count;
+            if (take == 4) block_int8_avx2_4(qr, lr, sr, k, row, groups + j * values, next, out4);
+            else if (take == 2) block_int8_avx2_2(qr, lr, sr, k, row, groups + j * values, next, out4);
+            else block_int8_avx2_1(qr, lr, sr, k, row, groups + j * values, next, out4);
+            for (long t = 0; t < take; t++) out[(r + t) * n + j] = out4[t];
+            r += take;
+        }
+    }
+    free(quantized);
+    free(lane_scales);
 }
 
 /* The same matmuls with AVX-512, where the CPU has it. Each output of a row is summed in two
@@ -308,7 +432,7 @@ AVX512 static void int4_matmul_avx512(const float *x, const float *sums, long ro
     _Pragma("omp parallel for schedule(static)")
     for (long pair = 0; pair < (n + 1) / 2; pair++) {
         long j = 2 * pair, second = j + 1 < n ? j + 1 : j;
-        const uint8_t *next = w + (j + 3 < n ? j + 2 : j) * bytes;
+        const uint8_t *next = w + (j + 2 < n ? j + 2 : j) * bytes;
         const uint8_t *a = w + j * bytes, *b = w + second * bytes;
         const uint16_t *ga = groups + j * pairs, *gb = groups + second * pairs;
         float out8[8];
@@ -435,7 +559,7 @@ VNNI static void int4_matmul_vnni(const float *x, const float *sums, long rows, 
     _Pragma("omp parallel for schedule(static)")
     for (long pair = 0; pair < (n + 1) / 2; pair++) {
         long j = 2 * pair, second = j + 1 < n ? j + 1 : j;
-        const uint8_t *next = w + (j + 3 < n ? j + 2 : j) * bytes;
+        const uint8_t *next = w + (j + 2 < n ? j + 2 : j) * bytes;
         const uint8_t *a = w + j * bytes, *b = w + second * bytes;
         const uint16_t *ga = groups + j * values, *gb = groups + second * values;
         float out8[8];
@@ -467,12 +591,17 @@ long matmul_avx512(long wanted) {
     return avx512;
 }
 
-/* The same for the int4 VNNI kernel (used only with the AVX-512 ones); -1: not yet decided. */
-static long vnni = -1;
+/* Whether int4 rounds its inputs to int8 where it can (the VNNI kernel with the AVX-512 ones on a
+   CPU with VNNI, the AVX2 int8 kernel with the AVX2 ones); -1: not yet decided. */
+static long int8_inputs = -1;
 
-long matmul_vnni(long wanted) {
-    if (wanted >= 0 || vnni < 0) vnni = wanted != 0 && __builtin_cpu_supports("avx512vnni");
-    return vnni;
+long matmul_int8_inputs(long wanted) {
+    if (wanted >= 0 || int8_inputs < 0) int8_inputs = wanted != 0;
+    return int8_inputs;
+}
+
+long int4_rounds_inputs(void) {
+    return matmul_int8_inputs(-1) && (!matmul_avx512(-1) || __builtin_cpu_supports("avx512vnni"));
 }
 
 #define DISPATCH(name, type)                                                                 \
@@ -491,7 +620,8 @@ void int4_matmul(const float *x, long rows, long k, const uint8_t *w, const uint
     float *sums = count <= 4096 ? small : malloc((size_t)count * sizeof(float));
     if (sums == NULL) abort();
     group_sums(x, rows, k, sums);
-    if (matmul_avx512(-1) && matmul_vnni(-1)) int4_matmul_vnni(x, sums, rows, k, w, groups, n, out);
+    if (int4_rounds_inputs() && matmul_avx512(-1)) int4_matmul_vnni(x, sums, rows, k, w, groups, n, out);
+    else if (int4_rounds_inputs()) int4_matmul_avx2_int8(x, sums, rows, k, w, groups, n, out);
     else if (matmul_avx512(-1)) int4_matmul_avx512(x, sums, rows, k, w, groups, n, out);
     else int4_matmul_avx2(x, sums, rows, k, w, groups, n, out);
     if (sums != small) free(sums);

@@ -29,13 +29,16 @@ void bf16_matmul(const float *x, long rows, long k, const uint16_t *w, const flo
 void f32_matmul(const float *x, long rows, long k, const float *w, const float *scale, long n, float *out);
 /* int4: w [n, k / 2] bytes, a group of 32 inputs in 16 bytes (byte j: input j in its low half,
    input j + 16 in its high half), each weight scale * code + minimum with the group's pair from
-   groups [n, k / 32, 2] (bfloat16); where the CPU has AVX-512 VNNI (and `matmul_vnni`), the inputs
-   are rounded to int8 a group of 32 first (weight_only.c, int4_matmul_vnni) */
+   groups [n, k / 32, 2] (bfloat16); where `int4_rounds_inputs`, the inputs are rounded to int8 a
+   group of 32 first (weight_only.c: int4_matmul_vnni, int4_matmul_avx2_int8) */
 void int4_matmul(const float *x, long rows, long k, const uint8_t *w, const uint16_t *groups, long n, float *out);
 /* Whether the matmuls run their AVX-512 kernels: `wanted` 1 where the CPU has AVX-512 (the default),
    0 never (the AVX2 ones), -1 only asks. Returns the choice. */
 long matmul_avx512(long wanted);
-/* The same for the int4 kernel on int8 inputs (AVX-512 VNNI; used only with the AVX-512 ones). */
-long matmul_vnni(long wanted);
+/* Whether int4 rounds its inputs to int8 where it can (the default): `wanted` as above. */
+long matmul_int8_inputs(long wanted);
+/* Whether int4's matmuls round their inputs now: the switch above on, and the AVX2 kernels or the
+   AVX-512 ones on a CPU with VNNI. */
+long int4_rounds_inputs(void);
 /* out [rows, w->out] = x [rows, w->in] times the weight transposed, plus the bias */
 void weight_matmul(const Weight *w, const float *x, long rows, float *out);
