@@ -13,7 +13,6 @@
 
 #include <float.h>
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -162,29 +161,39 @@ static void int4_matmul_avx2(const float *x, const float *sums, long rows, long 
 
 /* int4 on inputs rounded to int8 with AVX2 (no VNNI): the rounding, the layout and the sums of
    int4_matmul_vnni below, 8 lanes at a time. Each row's inputs are rounded as quantize_inputs
-   rounds them (here in scalar code: k values a row, against n * k weights), and a quad's codes are
-   taken as two pairs of groups: 32 bytes of codes, unpacked into their inputs 0-15 and 16-31, are
-   multiplied by the rounded inputs as bytes (vpmaddubsw: unsigned codes by signed inputs, two
-   products summed into 16 bits; the inputs' and the codes' halves added there, four products at
-   most 4 * 15 * 127 in size, so exact; vpmaddwd by ones sums two of those into an int32 lane), so a
-   lane holds the same exact sum of 8 products as the VNNI kernel's.
-   The pair of groups g, g + 1 of a quad adds into the row's first 8-lane sum, g + 2, g + 3 into
-   its second (the VNNI kernel's lanes 0-7 and 8-15, in the same order). */
+   rounds them, and a quad's codes are taken as two pairs of groups: 32 bytes of codes, unpacked
+   into their inputs 0-15 and 16-31, are multiplied by the rounded inputs as bytes (vpmaddubsw:
+   unsigned codes by signed inputs, two products summed into 16 bits; the two halves added there,
+   four products at most 4 * 15 * 127 in size, so exact; vpmaddwd by ones sums two of those into an
+   int32 lane), so a lane holds the same exact sum of 8 products as the VNNI kernel's. The pair of
+   groups g, g + 1 of a quad adds into the row's first 8-lane sum, g + 2, g + 3 into its second (the
+   VNNI kernel's lanes 0-7 and 8-15, in the same order). */
 static void quantize_inputs_avx2(const float *x, long rows, long k, int8_t *quantized, float *lane_scales) {
     long groups = k / 32, quads = (groups + 3) / 4;
     memset(quantized, 0, (size_t)(rows * quads * 128));
     memset(lane_scales, 0, (size_t)(rows * quads * 16) * sizeof(float));
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes the packs' lane interleaving */
     for (long r = 0; r < rows; r++)
         for (long g = 0; g < groups; g++) {
             const float *xg = x + r * k + g * 32;
-            float biggest = 0.0f;
-            for (int t = 0; t < 32; t++) biggest = fmaxf(biggest, fabsf(xg[t]));
-            float d = biggest / 127.0f, inverse = d > FLT_MIN ? 1.0f / d : 0.0f;
-            int8_t *q = quantized + (r * quads + g / 4) * 128 + (g % 4) * 16;
-            for (int t = 0; t < 16; t++) {
-                q[t] = (int8_t)lrintf(xg[t] * inverse); /* to nearest, ties to even */
-                q[64 + t] = (int8_t)lrintf(xg[16 + t] * inverse);
+            __m256 v[4], biggest = _mm256_setzero_ps();
+            for (int c = 0; c < 4; c++) {
+                v[c] = _mm256_loadu_ps(xg + 8 * c);
+                biggest = _mm256_max_ps(biggest, _mm256_and_ps(v[c], magnitude));
             }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(biggest), _mm256_extractf128_ps(biggest, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            float d = _mm_cvtss_f32(m4) / 127.0f, inverse = d > FLT_MIN ? 1.0f / d : 0.0f;
+            __m256 by = _mm256_set1_ps(inverse);
+            __m256i i[4]; /* to nearest, ties to even (the default rounding mode), as the VNNI kernel's */
+            for (int c = 0; c < 4; c++) i[c] = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], by));
+            __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+            bytes = _mm256_permutevar8x32_epi32(bytes, order); /* inputs 0-31 in order */
+            int8_t *q = quantized + (r * quads + g / 4) * 128 + (g % 4) * 16;
+            _mm_storeu_si128((__m128i *)q, _mm256_castsi256_si128(bytes));
+            _mm_storeu_si128((__m128i *)(q + 64), _mm256_extracti128_si256(bytes, 1));
             for (int t = 0; t < 4; t++) lane_scales[(r * quads + g / 4) * 16 + (g % 4) * 4 + t] = d;
         }
 }
