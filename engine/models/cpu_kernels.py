@@ -31,6 +31,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -91,6 +92,7 @@ def library() -> ctypes.CDLL | None:
     for kernel in (lib.int8_matmul, lib.bf16_matmul, lib.int4_matmul):
         kernel.argtypes = [pointer, size, size, pointer, pointer, size, pointer]
         kernel.restype = None
+    lib.int4_dequantize.argtypes, lib.int4_dequantize.restype = [pointer, pointer, size, size, pointer], None
     for switch in (lib.matmul_avx512, lib.matmul_int8_inputs):
         switch.argtypes, switch.restype = [size], size
     lib.int4_rounds_inputs.argtypes, lib.int4_rounds_inputs.restype = [], size
@@ -160,4 +162,29 @@ def int4_matmul(rows: torch.Tensor, packed: torch.Tensor, groups: torch.Tensor) 
     assert x.shape[1] == 2 * packed.shape[1]
     out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
     lib.int4_matmul(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), groups.data_ptr(), packed.shape[0], out.data_ptr())
+    return out
+
+
+_scratch = threading.local()  # each thread's float32 buffer for `int4_dequantize(..., reuse=True)`
+
+
+def int4_dequantize(packed: torch.Tensor, groups: torch.Tensor, reuse: bool = False) -> torch.Tensor:
+    """The float32 weight [out, in] of an int4 weight (`quantize.int4_groups`' packed and groups),
+    as `quantize.int4_weight` computes it, bit for bit, the rows shared among the threads. With
+    `reuse`, it is written into this thread's buffer (kept, grown to the largest weight asked for:
+    55 MB for the default model's MLP), valid until the thread's next such call: a fresh tensor of
+    that size costs its page faults every time, eight times the conversion itself. The caller
+    checked `usable`."""
+    lib = library()
+    assert lib is not None and packed.dtype == torch.uint8 and groups.dtype == torch.bfloat16
+    assert packed.is_contiguous() and groups.is_contiguous()
+    rows, features = packed.shape[0], 2 * packed.shape[1]
+    if reuse:
+        buffer = getattr(_scratch, "buffer", None)
+        if buffer is None or buffer.numel() < rows * features:
+            buffer = _scratch.buffer = torch.empty(rows * features, dtype=torch.float32)
+        out = buffer[: rows * features].view(rows, features)
+    else:
+        out = torch.empty(rows, features, dtype=torch.float32)
+    lib.int4_dequantize(packed.data_ptr(), groups.data_ptr(), rows, features, out.data_ptr())
     return out

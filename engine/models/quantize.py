@@ -17,7 +17,8 @@ in float32 for any model). The speed-up needs one OpenMP team on the cores (engi
   multiple of 32. Its matmuls need longdoc's kernels; without them a decode step widens the weights.
 
 A pass over many rows (a prompt's prefill) is compute-bound, not memory-bound. A float32 model's
-layers widen the stored weights back to float32 for that pass and run the float32 matmul. A
+layers widen the stored weights back to float32 for that pass (int4: longdoc's C conversion, into
+a buffer the thread keeps) and run the float32 matmul. A
 bfloat16 model (`int8` and `int4`: on a CPU with fast bfloat16 matmuls, where `dtype auto` loads
 one) keeps its bfloat16 weights beside the low-bit ones and prefills with them (engine/models/llama_step.py feeds such a
 model a prompt longer than DECODE_ROWS tokens in parts longer than that), so its prompts keep the
@@ -145,6 +146,8 @@ class WeightOnlyLinear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The stored weight as float32 [out, in]."""
         if self.mode == "int4":
+            if cpu_kernels.usable(self.weight_low, self.in_features):  # the same bits, faster
+                return cpu_kernels.int4_dequantize(self.weight_low, self.scales)
             return int4_weight(self.weight_low, self.scales)
         weight = self.weight_low.float()
         return weight * self.scales[:, None] if self.mode == "int8" else weight
@@ -152,7 +155,12 @@ class WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] > DECODE_ROWS:  # the plain layer's matmul, its bias added as nn.Linear adds it
-            weight = self.weight_full if self.weight_full is not None else self.dequantized()
+            if self.weight_full is not None:
+                weight = self.weight_full
+            elif self.mode == "int4" and cpu_kernels.usable(self.weight_low, self.in_features):
+                weight = cpu_kernels.int4_dequantize(self.weight_low, self.scales, reuse=True)  # used at once
+            else:
+                weight = self.dequantized()
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(rows, weight.to(x.dtype), bias).view(*x.shape[:-1], self.out_features)
         if not torch.is_grad_enabled() and cpu_kernels.usable(self.weight_low, self.in_features):  # no gradient in C

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.models import cpu_kernels
+from engine.models import cpu_kernels, quantize
 from engine.models.quantize import DECODE_ROWS, WeightOnlyLinear
 from tests.helpers import TEST_DEVICE, int4_inputs, int4_parts, int4_product
 
@@ -156,6 +156,20 @@ def test_int8_inputs_can_be_turned_off(fresh, monkeypatch):
     flags = Path("/proc/cpuinfo").read_text().split()
     assert cpu_kernels.use_int8_inputs(True)
     assert cpu_kernels.int4_rounds_inputs() == (not cpu_kernels.use_avx512() or "avx512_vnni" in flags)
+
+
+@pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")
+def test_int4_dequantize_gives_int4_weight_bit_for_bit_into_a_reused_buffer():
+    """A prompt's pass widens int4 weights with the C conversion: the bits of `int4_weight`, fresh
+    or in the thread's buffer, which grows for a larger weight and is reused for a smaller one."""
+    small, large = stored("int4", 33, 352), stored("int4", 70, 544, seed=1)
+    for layer in (small, large, small):
+        want = quantize.int4_weight(layer.weight_low, layer.scales)
+        assert torch.equal(cpu_kernels.int4_dequantize(layer.weight_low, layer.scales), want)
+        reused = cpu_kernels.int4_dequantize(layer.weight_low, layer.scales, reuse=True)
+        assert reused.shape == want.shape and torch.equal(reused, want)
+    again = cpu_kernels.int4_dequantize(large.weight_low, large.scales, reuse=True)
+    assert again.data_ptr() == reused.data_ptr()  # the same buffer: no allocation a pass
 
 
 @pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")

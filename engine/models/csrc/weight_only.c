@@ -28,6 +28,14 @@ static inline __m256 bf16_to_float(const uint16_t *w) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
+static inline float bf16_value(uint16_t bits) {
+    union {
+        uint32_t u;
+        float f;
+    } v = {.u = (uint32_t)bits << 16};
+    return v.f;
+}
+
 /* Asks for `bytes` from `at` on to be brought into the cache. */
 static inline void prefetch(const void *at, long bytes) {
     for (long b = 0; b < bytes; b += 64) _mm_prefetch((const char *)at + b, _MM_HINT_T0);
@@ -588,6 +596,27 @@ VNNI static void int4_matmul_vnni(const float *x, const float *sums, long rows, 
     }
     free(quantized);
     free(lane_scales);
+}
+
+/* The float32 weight [n, k] an int4 weight stands for (scale * code + minimum, multiplied then
+   added, as torch computes `quantize.int4_weight`), its rows shared among the threads: a prompt's
+   pass over a float32 model multiplies by it. */
+void int4_dequantize(const uint8_t *w, const uint16_t *groups, long n, long k, float *out) {
+    const __m256i low4 = _mm256_set1_epi32(15);
+    _Pragma("omp parallel for schedule(static)")
+    for (long j = 0; j < n; j++)
+        for (long g = 0; g < k / 32; g++) {
+            const uint8_t *codes = w + j * (k / 2) + g * 16;
+            const uint16_t *pair = groups + (j * (k / 32) + g) * 2;
+            __m256 scale = _mm256_set1_ps(bf16_value(pair[0])), low = _mm256_set1_ps(bf16_value(pair[1]));
+            float *at = out + j * k + g * 32;
+            for (int half = 0; half < 2; half++) { /* bytes 0-7, then 8-15: inputs 0-7 and 16-23, 8-15 and 24-31 */
+                __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8 * half)));
+                __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(c, low4)), hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+                _mm256_storeu_ps(at + 8 * half, _mm256_add_ps(_mm256_mul_ps(lo, scale), low));
+                _mm256_storeu_ps(at + 16 + 8 * half, _mm256_add_ps(_mm256_mul_ps(hi, scale), low));
+            }
+        }
 }
 
 /* Set between steps (a step that saw it change would mix the two sets); -1: not yet decided. */

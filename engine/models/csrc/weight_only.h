@@ -32,6 +32,8 @@ void f32_matmul(const float *x, long rows, long k, const float *w, const float *
    groups [n, k / 32, 2] (bfloat16); where `int4_rounds_inputs`, the inputs are rounded to int8 a
    group of 32 first (weight_only.c: int4_matmul_vnni, int4_matmul_avx2_int8) */
 void int4_matmul(const float *x, long rows, long k, const uint8_t *w, const uint16_t *groups, long n, float *out);
+/* out [n, k] float32 = the int4 weight (w, groups as int4_matmul's) as scale * code + minimum */
+void int4_dequantize(const uint8_t *w, const uint16_t *groups, long n, long k, float *out);
 /* Whether the matmuls run their AVX-512 kernels: `wanted` 1 where the CPU has AVX-512 (the default),
    0 never (the AVX2 ones), -1 only asks. Returns the choice. */
 long matmul_avx512(long wanted);
