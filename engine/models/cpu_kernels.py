@@ -18,7 +18,8 @@ the caller uses torch's kernels. On a CPU with AVX-512 the matmuls run their AVX
 (chosen at run time, so one build serves both; `LONGDOC_CPU_AVX512=0` keeps the AVX2 ones). int4
 rounds its inputs to int8 and multiplies bytes, as llama.cpp's Q4 x Q8 does, with the AVX2 kernels
 (vpmaddubsw) and with the AVX-512 ones where the CPU has VNNI (`LONGDOC_CPU_INT8_INPUTS=0` keeps
-float32 inputs; the VNNI kernel needs gcc 8 or a clang that knows `avx512vnni` to build).
+float32 inputs, as `LONGDOC_CPU_VNNI=0` did before; the VNNI kernel needs gcc 8 or a clang that
+knows `avx512vnni` to build).
 """
 
 from __future__ import annotations
@@ -97,7 +98,10 @@ def library() -> ctypes.CDLL | None:
         switch.argtypes, switch.restype = [size], size
     lib.int4_rounds_inputs.argtypes, lib.int4_rounds_inputs.restype = [], size
     lib.matmul_avx512(0 if os.environ.get("LONGDOC_CPU_AVX512", "1") == "0" else 1)
-    lib.matmul_int8_inputs(0 if os.environ.get("LONGDOC_CPU_INT8_INPUTS", "1") == "0" else 1)
+    if "LONGDOC_CPU_VNNI" in os.environ:  # its name until 2026-11-28: still honoured where the new one is unset
+        log.warning("LONGDOC_CPU_VNNI is now LONGDOC_CPU_INT8_INPUTS (int4 on int8 inputs, AVX2 or AVX-512 VNNI)")
+    wanted = os.environ.get("LONGDOC_CPU_INT8_INPUTS", os.environ.get("LONGDOC_CPU_VNNI", "1"))
+    lib.matmul_int8_inputs(0 if wanted == "0" else 1)
     return lib
 
 

@@ -3,8 +3,9 @@
 A decode step reads every weight once for one row of activations, so on CPU its time is the time
 to stream the weights from memory: fewer bytes a weight, faster steps. A decode step's matmul (up
 to DECODE_ROWS rows) runs longdoc's own kernel (engine/models/cpu_kernels.py: float32 activations,
-each weight widened to float32 as it is read) where it could be built, else torch's weight-only
-kernel (activations rounded to bfloat16); the result is in the model's dtype. Norms, the
+each weight widened to float32 as it is read; int4 by default rounds the activations to int8 and
+multiplies bytes instead) where it could be built, else torch's weight-only kernel (activations
+rounded to bfloat16); the result is in the model's dtype. Norms, the
 key/value cache and attention stay in the model's dtype (a float32 model's: CPUs without native
 bfloat16 run float32 attention several times faster than bfloat16; the C decode step computes them
 in float32 for any model). The speed-up needs one OpenMP team on the cores (engine/runtime/worker.py).
@@ -157,8 +158,9 @@ class WeightOnlyLinear(nn.Module):
         if rows.shape[0] > DECODE_ROWS:  # the plain layer's matmul, its bias added as nn.Linear adds it
             if self.weight_full is not None:
                 weight = self.weight_full
-            elif self.mode == "int4" and cpu_kernels.usable(self.weight_low, self.in_features):
-                weight = cpu_kernels.int4_dequantize(self.weight_low, self.scales, reuse=True)  # used at once
+            elif self.mode == "int4" and not torch.is_grad_enabled() and cpu_kernels.usable(self.weight_low, self.in_features):
+                # used at once, and kept by no graph (a backward pass would read it after the next layer wrote it)
+                weight = cpu_kernels.int4_dequantize(self.weight_low, self.scales, reuse=True)
             else:
                 weight = self.dequantized()
             bias = None if self.bias is None else self.bias.to(x.dtype)

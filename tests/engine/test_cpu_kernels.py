@@ -97,9 +97,10 @@ def test_a_row_gets_the_same_bits_in_any_company(mode, kernel_set):
 
 
 @pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")
-@pytest.mark.parametrize("in_features", [256, 288, 320, 352, 512, 544, 1536])  # VNNI quads: 0, 1, 2 and 3 groups over
+@pytest.mark.parametrize("in_features", [256, 288, 320, 352, 512, 544, 1536])  # int8 inputs' quads: 0-3 groups over
 def test_int4_over_whole_blocks_of_groups_and_their_tails(in_features, kernel_set):
-    """int4 reads the groups' scales and minimums 16 (AVX-512) or 8 (AVX2) groups at a time: whole
+    """int4 reads the groups' scales and minimums 16 (AVX-512, AVX2 on int8 inputs) or 8 (AVX2 on
+    float inputs) groups at a time: whole
     blocks, blocks and a tail, several blocks; the product, and a row's bits in any company."""
     layer = stored("int4", out_features=33, in_features=in_features, seed=in_features)
     x = torch.randn(11, in_features, generator=torch.Generator().manual_seed(5))  # rows in blocks of 4, 4, 2 and 1
@@ -110,7 +111,7 @@ def test_int4_over_whole_blocks_of_groups_and_their_tails(in_features, kernel_se
     assert torch.equal(got, alone)
 
 
-@pytest.mark.parametrize("kernel_set", ["avx2", "avx512"], indirect=True)  # on the same inputs (VNNI: the next test)
+@pytest.mark.parametrize("kernel_set", ["avx2", "avx512"], indirect=True)  # on the same inputs (int8 inputs: the next test)
 @pytest.mark.parametrize("mode", ["bf16", "int4"])
 def test_the_avx512_kernels_run_where_asked(mode, kernel_set):
     """Both sets give the product; they sum in different orders, so their bits differ somewhere:
@@ -149,8 +150,9 @@ def test_int4_on_int8_inputs_rounds_them(kernel_set):
 
 
 @pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")
-def test_int8_inputs_can_be_turned_off(fresh, monkeypatch):
-    monkeypatch.setenv("LONGDOC_CPU_INT8_INPUTS", "0")
+@pytest.mark.parametrize("variable", ["LONGDOC_CPU_INT8_INPUTS", "LONGDOC_CPU_VNNI"])  # its name before, still honoured
+def test_int8_inputs_can_be_turned_off(fresh, monkeypatch, variable):
+    monkeypatch.setenv(variable, "0")
     assert cpu_kernels.library() is not None and not cpu_kernels.use_int8_inputs()
     assert not cpu_kernels.int4_rounds_inputs()
     flags = Path("/proc/cpuinfo").read_text().split()

@@ -7,9 +7,9 @@
    and converted to float32 in registers (AVX2: once for each pair of activation rows; AVX-512:
    once for up to 4), and the output rows are
    shared among OpenMP's threads (the team torch's kernels use). Every output is summed in one
-   fixed order whatever the number of rows, so a row's result never depends on its company. Where
-   the CPU has AVX-512 VNNI, int4 instead rounds each row's inputs to int8 and multiplies bytes
-   (below: int4_matmul_vnni). */
+   fixed order whatever the number of rows, so a row's result never depends on its company. int4
+   instead rounds each row's inputs to int8 and multiplies bytes by default, with the AVX2 kernels
+   and with the AVX-512 ones where the CPU has VNNI (below: int4_matmul_avx2_int8, int4_matmul_vnni). */
 
 #include <float.h>
 #include <immintrin.h>
@@ -228,7 +228,7 @@ static inline long group_block_avx2(const uint16_t *gw, const float *sums, long 
    inputs 0-15 (`low`) and 16-31 (`high`), 16 bytes a group. */
 static inline void unpack_pair(const uint8_t *codes, long count, __m256i *low, __m256i *high) {
     __m256i packed = count >= 2 ? _mm256_loadu_si256((const __m256i *)codes)
-                                : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)codes));
+                                : _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128((const __m128i *)codes), 0);
     const __m256i low4 = _mm256_set1_epi8(15);
     *low = _mm256_and_si256(packed, low4);
     *high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
