@@ -99,7 +99,8 @@ def library() -> ctypes.CDLL | None:
     lib.int4_rounds_inputs.argtypes, lib.int4_rounds_inputs.restype = [], size
     lib.matmul_avx512(0 if os.environ.get("LONGDOC_CPU_AVX512", "1") == "0" else 1)
     if "LONGDOC_CPU_VNNI" in os.environ:  # its name until 2026-11-28: still honoured where the new one is unset
-        log.warning("LONGDOC_CPU_VNNI is now LONGDOC_CPU_INT8_INPUTS (int4 on int8 inputs, AVX2 or AVX-512 VNNI)")
+        ignored = " (ignored: LONGDOC_CPU_INT8_INPUTS is set)" if "LONGDOC_CPU_INT8_INPUTS" in os.environ else ""
+        log.warning("LONGDOC_CPU_VNNI is now LONGDOC_CPU_INT8_INPUTS (int4 on int8 inputs, AVX2 or AVX-512 VNNI)%s", ignored)
     wanted = os.environ.get("LONGDOC_CPU_INT8_INPUTS", os.environ.get("LONGDOC_CPU_VNNI", "1"))
     lib.matmul_int8_inputs(0 if wanted == "0" else 1)
     return lib
@@ -183,6 +184,7 @@ def int4_dequantize(packed: torch.Tensor, groups: torch.Tensor, reuse: bool = Fa
     assert lib is not None and packed.dtype == torch.uint8 and groups.dtype == torch.bfloat16
     assert packed.is_contiguous() and groups.is_contiguous()
     rows, features = packed.shape[0], 2 * packed.shape[1]
+    assert groups.shape == (rows, features // 32, 2), (groups.shape, packed.shape)  # the C reads this many
     if reuse:
         buffer = getattr(_scratch, "buffer", None)
         if buffer is None or buffer.numel() < rows * features:

@@ -82,7 +82,7 @@ def _cache(client, session_id: str) -> dict:
     return client.get(f"/v1/sessions/{session_id}/cache").json()
 
 
-def _wait(client, session_id: str, done, timeout: float = 600.0) -> dict:
+def _wait(client, session_id: str, done, timeout: float = 300.0) -> dict:
     deadline = time.monotonic() + timeout
     while not done(cache := _cache(client, session_id)):
         assert time.monotonic() < deadline, cache

@@ -273,21 +273,39 @@ BLOCK_INT8_AVX2(4)
 BLOCK_INT8_AVX2(2)
 BLOCK_INT8_AVX2(1)
 
+/* A call's inputs rounded to int8 (`quantize_inputs_avx2` or `quantize_inputs` below) into buffers
+   of their own: the codes [rows, quads, 128] and their steps [rows, quads, 16]. */
+typedef void (*Rounding)(const float *x, long rows, long k, int8_t *quantized, float *lane_scales);
+typedef struct {
+    int8_t *quantized;
+    float *lane_scales;
+} Rounded;
+
+static Rounded rounded(Rounding round, const float *x, long rows, long k) {
+    long quads = (k / 32 + 3) / 4;
+    Rounded r = {aligned_alloc(64, (size_t)(rows * quads * 128)), aligned_alloc(64, (size_t)(rows * quads * 16) * sizeof(float))};
+    if (r.quantized == NULL || r.lane_scales == NULL) abort();
+    round(x, rows, k, r.quantized, r.lane_scales);
+    return r;
+}
+
+static void free_rounded(Rounded r) {
+    free(r.quantized);
+    free(r.lane_scales);
+}
+
 static void int4_matmul_avx2_int8(const float *x, const float *sums, long rows, long k, const uint8_t *w,
                                   const uint16_t *groups, long n, float *out) {
     long bytes = k / 2, values = k / 16, count = k / 32, quads = (count + 3) / 4;
-    int8_t *quantized = aligned_alloc(64, (size_t)(rows * quads * 128));
-    float *lane_scales = aligned_alloc(64, (size_t)(rows * quads * 16) * sizeof(float));
-    if (quantized == NULL || lane_scales == NULL) abort();
-    quantize_inputs_avx2(x, rows, k, quantized, lane_scales);
+    Rounded in = rounded(quantize_inputs_avx2, x, rows, k);
     _Pragma("omp parallel for schedule(static)")
     for (long j = 0; j < n; j++) {
         const uint8_t *row = w + j * bytes, *next = w + (j + 2 < n ? j + 2 : j) * bytes;
         float out4[4];
         for (long r = 0; r < rows;) {
             long take = rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
-            const int8_t *qr = quantized + r * quads * 128;
-            const float *lr = lane_scales + r * quads * 16, *sr = sums + r * count;
+            const int8_t *qr = in.quantized + r * quads * 128;
+            const float *lr = in.lane_scales + r * quads * 16, *sr = sums + r * count;
             if (take == 4) block_int8_avx2_4(qr, lr, sr, k, row, groups + j * values, next, out4);
             else if (take == 2) block_int8_avx2_2(qr, lr, sr, k, row, groups + j * values, next, out4);
             else block_int8_avx2_1(qr, lr, sr, k, row, groups + j * values, next, out4);
@@ -295,8 +313,7 @@ static void int4_matmul_avx2_int8(const float *x, const float *sums, long rows, 
             r += take;
         }
     }
-    free(quantized);
-    free(lane_scales);
+    free_rounded(in);
 }
 
 /* The same matmuls with AVX-512, where the CPU has it. Each output of a row is summed in two
@@ -449,7 +466,7 @@ AVX512 static void int4_matmul_avx512(const float *x, const float *sums, long ro
     _Pragma("omp parallel for schedule(static)")
     for (long pair = 0; pair < (n + 1) / 2; pair++) {
         long j = 2 * pair, second = j + 1 < n ? j + 1 : j;
-        const uint8_t *next = w + (j + 2 < n ? j + 2 : j) * bytes;
+        const uint8_t *next = w + (j + 3 < n ? j + 2 : j) * bytes; /* the next pair's two rows, both inside w */
         const uint8_t *a = w + j * bytes, *b = w + second * bytes;
         const uint16_t *ga = groups + j * pairs, *gb = groups + second * pairs;
         float out8[8];
@@ -569,21 +586,18 @@ VNNI static void int4_matmul_vnni(const float *x, const float *sums, long rows, 
                                   const uint16_t *groups, long n, float *out) {
     /* a weight row's bytes, bfloat16 (scale, minimum) values, groups and quads of groups */
     long bytes = k / 2, values = k / 16, count = k / 32, quads = (count + 3) / 4;
-    int8_t *quantized = aligned_alloc(64, (size_t)(rows * quads * 128));
-    float *lane_scales = aligned_alloc(64, (size_t)(rows * quads * 16) * sizeof(float));
-    if (quantized == NULL || lane_scales == NULL) abort();
-    quantize_inputs(x, rows, k, quantized, lane_scales);
+    Rounded in = rounded(quantize_inputs, x, rows, k);
     _Pragma("omp parallel for schedule(static)")
     for (long pair = 0; pair < (n + 1) / 2; pair++) {
         long j = 2 * pair, second = j + 1 < n ? j + 1 : j;
-        const uint8_t *next = w + (j + 2 < n ? j + 2 : j) * bytes;
+        const uint8_t *next = w + (j + 3 < n ? j + 2 : j) * bytes; /* the next pair's two rows, both inside w */
         const uint8_t *a = w + j * bytes, *b = w + second * bytes;
         const uint16_t *ga = groups + j * values, *gb = groups + second * values;
         float out8[8];
         for (long r = 0; r < rows;) {
             long take = rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
-            const int8_t *qr = quantized + r * quads * 128;
-            const float *lr = lane_scales + r * quads * 16, *sr = sums + r * count;
+            const int8_t *qr = in.quantized + r * quads * 128;
+            const float *lr = in.lane_scales + r * quads * 16, *sr = sums + r * count;
             if (take == 4) block_vnni_4(qr, lr, sr, k, a, ga, b, gb, next, out8);
             else if (take == 2) block_vnni_2(qr, lr, sr, k, a, ga, b, gb, next, out8);
             else block_vnni_1(qr, lr, sr, k, a, ga, b, gb, next, out8);
@@ -594,13 +608,13 @@ VNNI static void int4_matmul_vnni(const float *x, const float *sums, long rows, 
             r += take;
         }
     }
-    free(quantized);
-    free(lane_scales);
+    free_rounded(in);
 }
 
-/* The float32 weight [n, k] an int4 weight stands for (scale * code + minimum, multiplied then
-   added, as torch computes `quantize.int4_weight`), its rows shared among the threads: a prompt's
-   pass over a float32 model multiplies by it. */
+/* The float32 weight [n, k] an int4 weight stands for (scale * code + minimum, as torch computes
+   `quantize.int4_weight`), its rows shared among the threads: a prompt's pass over a float32 model
+   multiplies by it. The same bits whether or not the compiler fuses the two into an FMA: a code
+   (4 bits) times a bfloat16 scale (8) is exact in float32. */
 void int4_dequantize(const uint8_t *w, const uint16_t *groups, long n, long k, float *out) {
     const __m256i low4 = _mm256_set1_epi32(15);
     _Pragma("omp parallel for schedule(static)")
@@ -658,9 +672,10 @@ void int4_matmul(const float *x, long rows, long k, const uint8_t *w, const uint
     float *sums = count <= 4096 ? small : malloc((size_t)count * sizeof(float));
     if (sums == NULL) abort();
     group_sums(x, rows, k, sums);
-    if (int4_rounds_inputs() && matmul_avx512(-1)) int4_matmul_vnni(x, sums, rows, k, w, groups, n, out);
-    else if (int4_rounds_inputs()) int4_matmul_avx2_int8(x, sums, rows, k, w, groups, n, out);
-    else if (matmul_avx512(-1)) int4_matmul_avx512(x, sums, rows, k, w, groups, n, out);
+    long rounds = int4_rounds_inputs(), wide = matmul_avx512(-1); /* read once: one kernel a call */
+    if (rounds && wide) int4_matmul_vnni(x, sums, rows, k, w, groups, n, out);
+    else if (rounds) int4_matmul_avx2_int8(x, sums, rows, k, w, groups, n, out);
+    else if (wide) int4_matmul_avx512(x, sums, rows, k, w, groups, n, out);
     else int4_matmul_avx2(x, sums, rows, k, w, groups, n, out);
     if (sums != small) free(sums);
 }
