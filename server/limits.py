@@ -53,6 +53,12 @@ class RequestBodyLimit:
         headers = dict(scope["headers"])
         declared = headers.get(b"content-length", b"")
         state = BodyState(waits_for_continue=headers.get(b"expect", b"").lower() == b"100-continue")
+        # In HTTP/1.x a request with neither header has no body, so nothing is left to read before
+        # the response (a FileResponse reads receive() itself meanwhile: a drain would wait for a
+        # message that never comes). HTTP/2 may send a body without either.
+        state.done = (
+            scope.get("http_version") in ("1.0", "1.1") and declared in (b"", b"0") and b"transfer-encoding" not in headers
+        )
         if limit is not None and declared.isdigit() and int(declared) > limit:
             await self.drain(receive, state, int(declared))
             response = json_error(scope["app"], "too_large", _too_large(limit), 413)

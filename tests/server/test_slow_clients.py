@@ -114,6 +114,17 @@ def test_a_client_waiting_for_100_continue_is_refused_at_once(server):
     assert response.startswith("HTTP/1.1 413") and time.monotonic() - started < 1.0  # no wait for a body never sent
 
 
+def test_a_page_file_is_sent_without_waiting_for_a_body(server):
+    """A GET has no body to linger over; the static files' response reads the connection itself,
+    so a wait for the rest of a body would hold each file for the read timeout (1 s here)."""
+    with httpx.Client(base_url=f"http://127.0.0.1:{server}") as client:
+        client.get("/ui/app.js")  # the connection opened
+        for name in ("", "app.js", "style.css", "favicon.svg"):
+            started = time.monotonic()
+            response = client.get(f"/ui/{name}")
+            assert response.status_code == 200 and time.monotonic() - started < 0.8, name
+
+
 def test_decode_while_all_counts_only_the_window_where_every_stream_decodes():
     """The drills' and bench/peers.py's aggregate: tokens inside the window from the last first
     delta to the first last delta, each stream by its share of deltas there."""

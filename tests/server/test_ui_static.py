@@ -4,6 +4,7 @@ test_ui_browser.py): where they are, with which headers, and that they need no k
 from __future__ import annotations
 
 import re
+import time
 
 from server.routes.ui import UI_DIR
 
@@ -25,8 +26,11 @@ def test_page_files_need_no_key_and_carry_a_strict_policy(make_client):
     assert client.get("/v1/sessions").status_code == 401  # the data behind the page still needs the key
 
 
-def test_every_file_the_page_names_is_served(client):
-    """index.html and the modules name each other; a missing file would only show in a browser."""
+def test_every_file_the_page_names_is_served(make_client):
+    """index.html and the modules name each other; a missing file would only show in a browser.
+    Each is sent at once: no wait (here up to 5 s) for a body a GET does not have."""
+    client = make_client(body_read_timeout_seconds=30)
+    started = time.monotonic()
     page = client.get("/ui/").text
     names = set(re.findall(r'(?:href|src)="([\w.]+)"', page))
     for module in UI_DIR.glob("*.js"):
@@ -34,6 +38,7 @@ def test_every_file_the_page_names_is_served(client):
     assert {"app.js", "style.css", "api.js", "texts.js", "viewer.js"} <= names
     for name in names:
         assert client.get(f"/ui/{name}").status_code == 200, name
+    assert time.monotonic() - started < 4.0, "the files waited"
 
 
 def test_no_path_outside_the_page_folder(client):
