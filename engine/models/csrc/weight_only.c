@@ -239,7 +239,7 @@ static inline void unpack_pair(const uint8_t *codes, long count, __m256i *low, _
     static inline void block_int8_avx2_##ROWS(const int8_t *q, const float *ls, const float *sums, long k,    \
                                               const uint8_t *w, const uint16_t *gw, const uint8_t *next,      \
                                               float *out) {                                                  \
-        long groups = k / 32, quads = (groups + 3) / 4;                                                      \
+        long groups = k / 32, quads = (groups + 3) / 4, xstride = quads * 128, sstride = quads * 16;         \
         __m256 acc[ROWS][2];                                                                                 \
         for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                          \
         const __m256i ones = _mm256_set1_epi16(1), quarters = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);     \
@@ -255,11 +255,13 @@ static inline void unpack_pair(const uint8_t *codes, long count, __m256i *low, _
                     unpack_pair(w + at + 32 * h, count - first, &low, &high);                                \
                     __m256 sk = _mm256_permutevar8x32_ps(scale[first / 8],                                   \
                                                          _mm256_add_epi32(quarters, _mm256_set1_epi32((int)(first % 8)))); \
+                    const int8_t *xq0 = q + m * 128 + 32 * h;                                                \
+                    const float *xs0 = ls + m * 16 + 8 * h;                                                  \
                     for (int r = 0; r < ROWS; r++) {                                                         \
-                        const int8_t *xq = q + (r * quads + m) * 128 + 32 * h;                               \
+                        const int8_t *xq = xq0 + r * xstride;                                                \
                         __m256i xl = _mm256_loadu_si256((const __m256i *)xq);                                \
                         __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + 64));                         \
-                        __m256 xs = _mm256_loadu_ps(ls + (r * quads + m) * 16 + 8 * h);                      \
+                        __m256 xs = _mm256_loadu_ps(xs0 + r * sstride);                                      \
                         __m256i sum = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(low, xl),      \
                                                                          _mm256_maddubs_epi16(high, xh)), ones); \
                         acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum), xs), sk, acc[r][h]); \
