@@ -246,6 +246,7 @@ static inline void unpack_pair(const uint8_t *codes, long count, __m256i *low, _
         for (long g0 = 0; g0 < groups; g0 += 16) {                                                           \
             __m256 scale[2];                                                                                 \
             long count = group_block_avx2(gw, sums, groups, g0, ROWS, acc, scale);                           \
+            _Pragma("GCC unroll 4")                                                                          \
             for (long g = 0; g < count; g += 4) {                                                            \
                 long m = (g0 + g) / 4, at = (g0 + g) * 16;                                                   \
                 prefetch(next + at, 64);                                                                     \
