@@ -39,6 +39,7 @@ class BodyState:
     received: int = 0
     done: bool = False  # the last body message arrived (or the client left)
     waits_for_continue: bool = False  # "Expect: 100-continue": nothing is sent until the app reads
+    reading: bool = False  # the app waits on receive() itself (a file or stream listening for a disconnect)
 
 
 class RequestBodyLimit:
@@ -53,12 +54,10 @@ class RequestBodyLimit:
         headers = dict(scope["headers"])
         declared = headers.get(b"content-length", b"")
         state = BodyState(waits_for_continue=headers.get(b"expect", b"").lower() == b"100-continue")
-        # In HTTP/1.x a request with neither header has no body, so nothing is left to read before
-        # the response (a FileResponse reads receive() itself meanwhile: a drain would wait for a
-        # message that never comes). HTTP/2 may send a body without either.
-        state.done = (
-            scope.get("http_version") in ("1.0", "1.1") and declared in (b"", b"0") and b"transfer-encoding" not in headers
-        )
+        # In HTTP/1.x a request without Transfer-Encoding whose Content-Length is absent or zero has
+        # no body: nothing to read before the response (HTTP/2 may send a body without either)
+        empty = declared == b"" or (declared.isdigit() and int(declared) == 0)
+        state.done = scope.get("http_version") in ("1.0", "1.1") and empty and b"transfer-encoding" not in headers
         if limit is not None and declared.isdigit() and int(declared) > limit:
             await self.drain(receive, state, int(declared))
             response = json_error(scope["app"], "too_large", _too_large(limit), 413)
@@ -68,7 +67,11 @@ class RequestBodyLimit:
         async def guarded() -> Message:
             if state.done:  # after the body, receive() waits for a disconnect: no timeout there
                 return await receive()
-            message = await self._next(receive, self.read_timeout)
+            state.reading = True
+            try:
+                message = await self._next(receive, self.read_timeout)
+            finally:
+                state.reading = False
             if message is None:
                 state.done = True  # stalled: nothing to linger over
                 # FastAPI passes HTTPException through body parsing to the error handlers
@@ -79,7 +82,10 @@ class RequestBodyLimit:
             return message
 
         async def send_after_body(message: Message) -> None:
-            if message["type"] == "http.response.start" and not state.done:
+            # a response that reads receive() beside its sending (Starlette's FileResponse and
+            # StreamingResponse under ASGI 2.3) takes the body's messages itself: a drain would wait
+            # for one that never comes
+            if message["type"] == "http.response.start" and not state.done and not state.reading:
                 await self.drain(receive, state, int(declared) if declared.isdigit() else None)
             await send(message)
 

@@ -12,11 +12,13 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -161,18 +163,24 @@ def _sweep_stale_staging(models_dir: Path) -> None:
             pass
 
 
+_CONVERTING = threading.Lock()  # one conversion at a time patches gguf's names
+
+
 @contextmanager
 def _gguf_read_once() -> Iterator[None]:
     """Within a conversion, each GGUF's header is parsed once and gguf's tensor-name map built once
     per architecture: transformers parses the header for the tokenizer, the config and the weights
     (a Python loop over every vocabulary string) and builds the map for every module it visits; on
-    SmolLM2-135M both were 31 s of a 41 s conversion. Both are only read by their callers."""
+    SmolLM2-135M both were 31 s of a 41 s conversion under cProfile. Both are only read by their
+    callers. transformers imports the two names from gguf when it calls them, so they are swapped in
+    gguf itself for the conversion (held by a lock: conversions in two threads would otherwise
+    restore each other's), and put back after it."""
     import gguf
 
     reader, names = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[str, gguf.GGUFReader] = {}
+    readers: dict[str, Any] = {}
 
-    def read(path: str | os.PathLike[str], mode: str = "r") -> gguf.GGUFReader:
+    def read(path: str | os.PathLike[str], mode: str = "r") -> Any:
         if mode != "r":
             return reader(path, mode)  # type: ignore[arg-type]
         key = os.path.realpath(path)
@@ -180,11 +188,12 @@ def _gguf_read_once() -> Iterator[None]:
             readers[key] = reader(path)
         return readers[key]
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = read, functools.cache(names)  # type: ignore[assignment,misc]
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader, names  # type: ignore[misc]
+    with _CONVERTING:
+        gguf.GGUFReader, gguf.get_tensor_name_map = read, functools.cache(names)  # type: ignore[assignment,misc]
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = reader, names  # type: ignore[misc]
 
 
 def _convert(source: Path, gguf: str, target: Path, dtype: torch.dtype) -> None:

@@ -125,6 +125,14 @@ def test_a_page_file_is_sent_without_waiting_for_a_body(server):
             assert response.status_code == 200 and time.monotonic() - started < 0.8, name
 
 
+def test_a_page_file_asked_with_a_body_is_sent_at_once(server):
+    """The file's response reads the body itself while it sends: no wait for a drain."""
+    head = b"GET /ui/app.js HTTP/1.1\r\nhost: x\r\ncontent-type: text/plain\r\ncontent-length: 5\r\nconnection: close\r\n\r\n"
+    started = time.monotonic()
+    response = sent_whole(server, head, b"hello")
+    assert response.startswith("HTTP/1.1 200") and time.monotonic() - started < 0.8
+
+
 def test_decode_while_all_counts_only_the_window_where_every_stream_decodes():
     """The drills' and bench/peers.py's aggregate: tokens inside the window from the last first
     delta to the first last delta, each stream by its share of deltas there."""
