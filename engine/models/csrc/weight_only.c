@@ -234,8 +234,10 @@ static inline void unpack_pair(const uint8_t *codes, long count, __m256i *low, _
     *high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
 }
 
-/* ROWS rows against weight row w, a pair of groups at a time. */
-#define BLOCK_INT8_AVX2(ROWS)                                                                              \
+/* ROWS rows against weight row w, a pair of groups at a time; UNROLL, a pragma for the loop over a
+   block's quads (unrolled where more than one row shares the unpacked codes: measured faster there,
+   the same for one row). */
+#define BLOCK_INT8_AVX2(ROWS, UNROLL)                                                                      \
     static inline void block_int8_avx2_##ROWS(const int8_t *q, const float *ls, const float *sums, long k,    \
                                               const uint8_t *w, const uint16_t *gw, const uint8_t *next,      \
                                               float *out) {                                                  \
@@ -246,7 +248,7 @@ static inline void unpack_pair(const uint8_t *codes, long count, __m256i *low, _
         for (long g0 = 0; g0 < groups; g0 += 16) {                                                           \
             __m256 scale[2];                                                                                 \
             long count = group_block_avx2(gw, sums, groups, g0, ROWS, acc, scale);                           \
-            _Pragma("GCC unroll 4")                                                                          \
+            UNROLL                                                                                           \
             for (long g = 0; g < count; g += 4) {                                                            \
                 long m = (g0 + g) / 4, at = (g0 + g) * 16;                                                   \
                 prefetch(next + at, 64);                                                                     \
@@ -272,9 +274,9 @@ static inline void unpack_pair(const uint8_t *codes, long count, __m256i *low, _
         }                                                                                                    \
         for (int r = 0; r < ROWS; r++) out[r] = sum8(_mm256_add_ps(acc[r][1], acc[r][0]));                   \
     }
-BLOCK_INT8_AVX2(4)
-BLOCK_INT8_AVX2(2)
-BLOCK_INT8_AVX2(1)
+BLOCK_INT8_AVX2(4, _Pragma("GCC unroll 4"))
+BLOCK_INT8_AVX2(2, _Pragma("GCC unroll 4"))
+BLOCK_INT8_AVX2(1, )
 
 /* A call's inputs rounded to int8 (`quantize_inputs_avx2` or `quantize_inputs` below) into buffers
    of their own: the codes [rows, quads, 128] and their steps [rows, quads, 16]. */
