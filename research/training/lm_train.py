@@ -56,7 +56,6 @@ def corpus_bytes(corpus_dir: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 @torch.inference_mode()
-@torch.no_grad()
 def bits_per_byte(model: LanguageModel, data: np.ndarray, seq_len: int, limit: int, scored: int | None = None) -> float:
     """Held-out bits per byte over windows of `seq_len` (+1 target) bytes.
 
