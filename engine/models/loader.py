@@ -199,14 +199,10 @@ def _gguf_read_once() -> Iterator[None]:
 def _convert(source: Path, gguf: str, target: Path, dtype: torch.dtype) -> None:
     """Dequantize a GGUF into a safetensors folder with its tokenizer."""
     with _gguf_read_once():
-        _convert_read_once(source, gguf, target, dtype)
-
-
-def _convert_read_once(source: Path, gguf: str, target: Path, dtype: torch.dtype) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf)
-    model = AutoModelForCausalLM.from_pretrained(
-        source, gguf_file=gguf, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
-    )
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, gguf_file=gguf, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
+        )
     model.config.quantization_config = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
