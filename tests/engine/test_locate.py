@@ -44,16 +44,47 @@ def test_questions_point_at_named_sections_or_the_ending():
     assert is_ending("What is the last thing Alice says to the court?") and not is_ending("Where does the road end up?")
 
 
+PLAY = "".join(
+    f"\n\nACT {act}\n\n\nSCENE {scene}\tA place.\n\nFIRST LORD\tThis is act {act}, scene {scene}.\n"
+    for act, scenes in (("I", ("I", "II", "III")), ("II", ("I", "II")))
+    for scene in scenes
+)  # as the Shakespeare texts print it: the act's heading again before each of its scenes
+
+
+def test_a_plays_scenes_lie_inside_its_acts():
+    sections = plain_text(PLAY).layout.sections
+    assert [(s.level, s.title) for s in sections][:4] == [
+        (1, "ACT I"),
+        (2, "SCENE I A place."),
+        (1, "ACT I"),
+        (2, "SCENE II A place."),
+    ]
+    documents, layouts = [("p", PLAY)], {"p": plain_text(PLAY).layout}
+
+    def read(question: str) -> list[str]:
+        return [" ".join(PLAY[p.start : p.end].split()) for p in places(question, documents, layouts, None)]
+
+    assert read("What happens in Act II, Scene I?") == ["SCENE I A place. FIRST LORD This is act II, scene I."]
+    assert read("In scene 2 of act 1, who speaks?") == ["SCENE II A place. FIRST LORD This is act I, scene II."]
+    (act,) = read("What happens in Act II?")  # one place under the repeated headings
+    assert act.startswith("ACT II SCENE I") and act.endswith("act II, scene II.") and "act I," not in act
+    (ending,) = places("How does Act I end?", documents, layouts, None)
+    assert ending.ending and PLAY[ending.end :].lstrip().startswith("ACT II")
+    assert len(read("What happens in Scene II?")) == 2  # no act named: the scene of that number in each act
+    assert read("What happens in Act III, Scene I?") == []
+
+
 def test_a_located_question_reads_its_place_and_an_ending_its_tail(tiny_tokenizer, embedder):
     memory = build_memory("text", MemoryContext(tokenizer=tiny_tokenizer, embedder=embedder), {"locate": True})
     ingest(memory, tiny_tokenizer, "a", ALICE)
     scope = Scope(None, {"a": plain_text(ALICE).layout})
     start, end = ALICE.index("CHAPTER VIII"), ALICE.index("CHAPTER IX")
     pieces = memory.retrieve("How does Chapter VIII end? What are the King and the Queen doing?", 1500, scope)
-    assert pieces and all(start <= p.item.char_end and p.item.char_start < end for p in pieces)
+    assert pieces and all(start <= p.item.char_start and p.item.char_end <= end for p in pieces)  # cut to the chapter
+    assert all(p.text == ALICE[p.item.char_start : p.item.char_end] for p in pieces)
     assert {p.item.gathered for p in pieces} == {"tail", "located"}  # the ranked chunks marked as found in the place
     tail = [p for p in pieces if p.item.gathered == "tail"]
-    assert len(tail) == 1 and tail[0].item.char_start < end <= tail[0].item.char_end  # a ranked chunk may run on
+    assert len(tail) == 1 and tail[0].item.char_start < end and not ALICE[tail[0].item.char_end : end].strip()
     ending = memory.retrieve("How does the book end?", 1500, scope)
     assert ending[-1].item.char_end == len(ALICE) and ending[-1].item.gathered == "tail"
     plain = memory.retrieve("Who is the Cheshire Cat?", 1500, scope)

@@ -1,5 +1,6 @@
-"""Questions about a place in a document: a named chapter (book, part, canto, act: "In Chapter III",
-"How does Book X end?") or its ending ("How does the story end?", "the last thing Alice says").
+"""Questions about a place in a document: a named chapter (book, part, canto, act, or a scene of an
+act: "In Chapter III", "How does Book X end?", "Act III, Scene 3") or its ending ("How does the story
+end?", "the last thing Alice says").
 
 `places` finds where such a question points, by the documents' sections (engine/documents/: a
 PDF's bookmarks, an EPUB's or web page's headings, plain text's chapter headings). The `text`
@@ -13,9 +14,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from engine.interface import Layout
+from engine.interface import Layout, Section
 
-KINDS = "chapter|book|part|canto|act"
+KINDS = "chapter|book|part|canto|act|scene"
 REFERENCE = re.compile(rf"\b({KINDS})\s+([ivxlcdm]+|\d+)\b", re.IGNORECASE)
 TITLE = re.compile(rf"^\s*({KINDS})\s+([ivxlcdm]+|\d+)\b", re.IGNORECASE)
 ROMAN = re.compile(r"^m{0,4}(cm|cd|d?c{0,3})(xc|xl|l?x{0,3})(ix|iv|v?i{0,3})$")
@@ -59,7 +60,10 @@ def places(
     question: str, documents: list[tuple[str, str]], layouts: Mapping[str, Layout], allowed: frozenset[str] | None
 ) -> list[Place]:
     """Where the question points in `documents` ((id, text) each): the named sections found, or for
-    an ending question naming none, each document whole; [] when it points nowhere."""
+    an ending question naming none, each document whole; [] when it points nowhere. A section inside
+    another (a scene in its act) is found only where the question names no other number of the
+    outer one's kind, and the innermost ones found stand for the place ("Act III, Scene 3": the
+    scene, not the act)."""
     ending = is_ending(question)
     named = {key for kind, token in REFERENCE.findall(question) if (key := _key(kind, token))}
     found = []
@@ -72,9 +76,33 @@ def places(
             continue
         layout = layouts.get(document_id)
         sections = layout.sections if layout else ()
-        for i, section in enumerate(sections):
-            title = TITLE.match(section.title)
-            if title and _key(*title.groups()) in named:
-                end = next((s.start for s in sections[i + 1 :] if s.level <= section.level), len(text))
-                found.append(Place(n, section.start, end, ending))
+        matched = [i for i in range(len(sections)) if _named(sections, i, named)]
+        deepest = max((sections[i].level for i in matched), default=0)
+        for i in matched:
+            if sections[i].level == deepest:
+                end = next((s.start for s in sections[i + 1 :] if s.level <= sections[i].level), len(text))
+                if found and found[-1].document == n and found[-1].end == sections[i].start:  # one act under repeated headings
+                    found[-1] = Place(n, found[-1].start, end, ending)
+                else:
+                    found.append(Place(n, sections[i].start, end, ending))
     return found
+
+
+def _section_key(section: Section) -> tuple[str, int] | None:
+    title = TITLE.match(section.title)
+    return _key(*title.groups()) if title else None
+
+
+def _named(sections: tuple[Section, ...], i: int, named: set[tuple[str, int]]) -> bool:
+    """Whether section i is named, and none of the sections it lies in is of a kind the question
+    names with another number."""
+    if _section_key(sections[i]) not in named:
+        return False
+    level, kinds = sections[i].level, {kind for kind, _ in named}
+    for outer in reversed(sections[:i]):
+        if outer.level < level:
+            level = outer.level
+            key = _section_key(outer)
+            if key is not None and key[0] in kinds and key not in named:
+                return False
+    return True

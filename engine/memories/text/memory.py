@@ -214,12 +214,32 @@ class TextMemory(Memory):
             tails, used = [], 0
         if not inside.any():
             return merged(tails, self._ranked_pieces(query, max_tokens - used, allowed), self.store.documents)
-        pieces = merged(tails, self._ranked_pieces(query, max_tokens - used, inside), self.store.documents)
+        pieces = self._clipped(merged(tails, self._ranked_pieces(query, max_tokens - used, inside), self.store.documents), found)
         # chunks ranked within the place: marked, so the strategy shows
         return [
             piece if piece.item.gathered else ContextPiece(piece.text, replace(piece.item, gathered="located"))
             for piece in pieces
         ]
+
+    def _clipped(self, pieces: list[ContextPiece], found: list[Place]) -> list[ContextPiece]:
+        """Excerpts cut to the places they overlap: a chunk ranked inside a chapter that begins in the
+        chapter before starts at the heading, so the reader reads only the place asked about."""
+        numbers = {document_id: number for number, (document_id, _) in enumerate(self.store.documents)}
+        out = []
+        for piece in pieces:
+            item, number = piece.item, numbers[piece.item.document_id]
+            spans = [
+                (p.start, p.end) for p in found if p.document == number and p.start < item.char_end and item.char_start < p.end
+            ]
+            if not spans:
+                out.append(piece)
+                continue
+            start, end = max(item.char_start, min(a for a, _ in spans)), min(item.char_end, max(b for _, b in spans))
+            text = self.store.documents[number][1][start:end]
+            start, end = start + len(text) - len(text.lstrip()), end - (len(text) - len(text.rstrip()))
+            if end > start:
+                out.append(ContextPiece(text.strip(), replace(item, char_start=start, char_end=end)))
+        return out
 
     def _allowed_chunks(self, documents: frozenset[str] | None) -> np.ndarray | None:
         """Which chunks belong to `documents` (a mask over the chunks); None: every chunk."""
