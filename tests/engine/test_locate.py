@@ -72,6 +72,7 @@ def test_a_plays_scenes_lie_inside_its_acts():
     assert ending.ending and PLAY[ending.end :].lstrip().startswith("ACT II")
     assert len(read("What happens in Scene II?")) == 2  # no act named: the scene of that number in each act
     assert read("What happens in Act III, Scene I?") == []
+    assert len(read("How do Act I and Act II end?")) == 2  # two acts side by side stay two places, a tail each
 
 
 def test_a_located_question_reads_its_place_and_an_ending_its_tail(tiny_tokenizer, embedder):

@@ -78,13 +78,16 @@ def places(
         sections = layout.sections if layout else ()
         matched = [i for i in range(len(sections)) if _named(sections, i, named)]
         deepest = max((sections[i].level for i in matched), default=0)
+        last = None  # the section the place found last begins with
         for i in matched:
             if sections[i].level == deepest:
                 end = next((s.start for s in sections[i + 1 :] if s.level <= sections[i].level), len(text))
-                if found and found[-1].document == n and found[-1].end == sections[i].start:  # one act under repeated headings
+                repeated = last is not None and _section_key(last) == _section_key(sections[i])
+                if repeated and found[-1].document == n and found[-1].end == sections[i].start:  # one act, its heading repeated
                     found[-1] = Place(n, found[-1].start, end, ending)
                 else:
                     found.append(Place(n, sections[i].start, end, ending))
+                last = sections[i]
     return found
 
 
