@@ -36,6 +36,9 @@ def test_questions_point_at_named_sections_or_the_ending():
     assert ALICE[third.start :].startswith("CHAPTER III") and ALICE[third.end :].startswith("CHAPTER IV") and not third.ending
     (eighth,) = places("How does Chapter VIII end?", documents, layouts, None)
     assert eighth.ending and ALICE[eighth.end :].startswith("CHAPTER IX")
+    (last,) = places("Summarize the last chapter.", documents, layouts, None)
+    assert last.ending and ALICE[last.start :].startswith("CHAPTER XII") and last.end == len(ALICE)
+    assert places("Summarize the last chapter.", [("a", "No chapters here.")], {}, None)[0].end == len("No chapters here.")
     (whole,) = places("How does the story end?", documents, layouts, None)
     assert (whole.start, whole.end, whole.ending) == (0, len(ALICE), True)
     assert places("Who is the Cheshire Cat?", documents, layouts, None) == []
@@ -73,6 +76,9 @@ def test_a_plays_scenes_lie_inside_its_acts():
     assert len(read("What happens in Scene II?")) == 2  # no act named: the scene of that number in each act
     assert read("What happens in Act III, Scene I?") == []
     assert len(read("How do Act I and Act II end?")) == 2  # two acts side by side stay two places, a tail each
+    assert read("How many people speak in the final scene?") == ["SCENE II A place. FIRST LORD This is act II, scene II."]
+    (last_act,) = read("What happens in the last act?")
+    assert "act II, scene I." in last_act and last_act.endswith("act II, scene II.") and "act I," not in last_act
 
 
 def test_a_located_question_reads_its_place_and_an_ending_its_tail(tiny_tokenizer, embedder):

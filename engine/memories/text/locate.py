@@ -19,6 +19,7 @@ from engine.interface import Layout, Section
 KINDS = "chapter|book|part|canto|act|scene"
 REFERENCE = re.compile(rf"\b({KINDS})\s+([ivxlcdm]+|\d+)\b", re.IGNORECASE)
 TITLE = re.compile(rf"^\s*({KINDS})\s+([ivxlcdm]+|\d+)\b", re.IGNORECASE)
+LAST = re.compile(rf"\b(?:last|final)\s+({KINDS})\b", re.IGNORECASE)
 ROMAN = re.compile(r"^m{0,4}(cm|cd|d?c{0,3})(xc|xl|l?x{0,3})(ix|iv|v?i{0,3})$")
 ROMAN_VALUES = {"i": 1, "v": 5, "x": 10, "l": 50, "c": 100, "d": 500, "m": 1000}
 ENDING = re.compile(
@@ -60,7 +61,8 @@ def places(
     question: str, documents: list[tuple[str, str]], layouts: Mapping[str, Layout], allowed: frozenset[str] | None
 ) -> list[Place]:
     """Where the question points in `documents` ((id, text) each): the named sections found, or for
-    an ending question naming none, each document whole; [] when it points nowhere. A section inside
+    an ending question naming none, each document whole ("the last chapter", "the final scene": the
+    last section of that kind where there are such); [] when it points nowhere. A section inside
     another (a scene in its act) is found only where the question names no other number of the
     outer one's kind, and the innermost ones found stand for the place ("Act III, Scene 3": the
     scene, not the act)."""
@@ -70,12 +72,15 @@ def places(
     for n, (document_id, text) in enumerate(documents):
         if allowed is not None and document_id not in allowed:
             continue
-        if not named:
-            if ending:
-                found.append(Place(n, 0, len(text), True))
-            continue
         layout = layouts.get(document_id)
         sections = layout.sections if layout else ()
+        if not named:
+            lasts = [span for kind in LAST.findall(question) if (span := _last_of(sections, kind.lower(), len(text)))]
+            if lasts:  # "the last chapter", "in the final scene": the document's last section of that kind
+                found += [Place(n, start, end, ending) for start, end in dict.fromkeys(lasts)]
+            elif ending:
+                found.append(Place(n, 0, len(text), True))
+            continue
         matched = [i for i in range(len(sections)) if _named(sections, i, named)]
         deepest = max((sections[i].level for i in matched), default=0)
         last = None  # the section the place found last begins with
@@ -89,6 +94,21 @@ def places(
                     found.append(Place(n, sections[i].start, end, ending))
                 last = sections[i]
     return found
+
+
+def _last_of(sections: tuple[Section, ...], kind: str, length: int) -> tuple[int, int] | None:
+    """(start, end) of the last section of `kind` (a numbered title), or None where there is none."""
+    for i in range(len(sections) - 1, -1, -1):
+        if (key := _section_key(sections[i])) is not None and key[0] == kind:
+            start, level = sections[i].start, sections[i].level
+            end = next((s.start for s in sections[i + 1 :] if s.level <= level), length)
+            for outer in reversed(sections[:i]):  # its heading printed again before each of its scenes: all of it
+                if outer.level <= level:
+                    if _section_key(outer) != key:
+                        break
+                    start = outer.start
+            return start, end
+    return None
 
 
 def _section_key(section: Section) -> tuple[str, int] | None:
