@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.documents.parsers import plain_text
+from engine.interface import Layout, Section
 from engine.memories import MemoryContext, Scope, build_memory
 from engine.memories.text.locate import is_ending, number, places
 from tests.engine.test_memories import ingest
@@ -77,8 +78,34 @@ def test_a_plays_scenes_lie_inside_its_acts():
     assert read("What happens in Act III, Scene I?") == []
     assert len(read("How do Act I and Act II end?")) == 2  # two acts side by side stay two places, a tail each
     assert read("How many people speak in the final scene?") == ["SCENE II A place. FIRST LORD This is act II, scene II."]
+    assert places("How many people speak in the final scene?", documents, layouts, None)[0].ending
     (last_act,) = read("What happens in the last act?")
     assert "act II, scene I." in last_act and last_act.endswith("act II, scene II.") and "act I," not in last_act
+
+
+def outline(*titles: tuple[int, str]) -> tuple[str, dict[str, Layout]]:
+    """A document of one line a section, its sections at the levels given (as bookmarks give them)."""
+    text, sections = "", []
+    for level, title in titles:
+        sections.append(Section(len(text), level, title))
+        text += f"{title}. Some text of {title}.\n"
+    return text, {"d": Layout("pdf", (), tuple(sections))}
+
+
+def test_sections_inside_others_in_nested_and_flat_outlines():
+    def read(question: str, text: str, layouts: dict[str, Layout]) -> list[str]:
+        return [text[p.start : p.end].split(".")[0] for p in places(question, [("d", text)], layouts, None)]
+
+    nested = outline((1, "Chapter 1"), (1, "Chapter 2"), (1, "Solutions"), (2, "Chapter 2 solutions"))
+    assert read("How does Chapter 2 end?", *nested) == ["Chapter 2", "Chapter 2 solutions"]  # neither holds the other
+    flat = outline((1, "Act I"), (1, "Scene 1"), (1, "Scene 2"), (1, "Act II"), (1, "Scene 1"), (1, "Scene 2"))
+    (scene,) = places("What happens in Act II, Scene 2?", [("d", flat[0])], flat[1], None)
+    assert scene.start == flat[1]["d"].sections[-1].start  # Act II's, not Act I's
+    books = outline((1, "Book I"), (1, "Chapter I"), (1, "Chapter III"), (1, "Book II"), (1, "Chapter I"), (1, "Chapter III"))
+    (third,) = places("In Book II, Chapter 3, who leaves?", [("d", books[0])], books[1], None)
+    assert third.start == books[1]["d"].sections[-1].start
+    (first, last) = places("Compare Chapter I with the last chapter.", [("a", ALICE)], {"a": plain_text(ALICE).layout}, None)
+    assert ALICE[first.start :].startswith("CHAPTER I\n") and ALICE[last.start :].startswith("CHAPTER XII")
 
 
 def test_a_located_question_reads_its_place_and_an_ending_its_tail(tiny_tokenizer, embedder):

@@ -19,6 +19,7 @@ from engine.interface import Layout, Section
 KINDS = "chapter|book|part|canto|act|scene"
 REFERENCE = re.compile(rf"\b({KINDS})\s+([ivxlcdm]+|\d+)\b", re.IGNORECASE)
 TITLE = re.compile(rf"^\s*({KINDS})\s+([ivxlcdm]+|\d+)\b", re.IGNORECASE)
+HOLDS = {"book": {"part", "chapter", "canto"}, "part": {"chapter"}, "act": {"scene"}}  # what a kind's sections hold
 LAST = re.compile(rf"\b(?:last|final)\s+({KINDS})\b", re.IGNORECASE)
 ROMAN = re.compile(r"^m{0,4}(cm|cd|d?c{0,3})(xc|xl|l?x{0,3})(ix|iv|v?i{0,3})$")
 ROMAN_VALUES = {"i": 1, "v": 5, "x": 10, "l": 50, "c": 100, "d": 500, "m": 1000}
@@ -60,72 +61,90 @@ def is_ending(question: str) -> bool:
 def places(
     question: str, documents: list[tuple[str, str]], layouts: Mapping[str, Layout], allowed: frozenset[str] | None
 ) -> list[Place]:
-    """Where the question points in `documents` ((id, text) each): the named sections found, or for
-    an ending question naming none, each document whole ("the last chapter", "the final scene": the
-    last section of that kind where there are such); [] when it points nowhere. A section inside
-    another (a scene in its act) is found only where the question names no other number of the
-    outer one's kind, and the innermost ones found stand for the place ("Act III, Scene 3": the
-    scene, not the act)."""
+    """Where the question points in `documents` ((id, text) each): the sections it names by number
+    and the last section of a kind it names as the last or final one ("the final scene"); for an
+    ending question naming none, each document whole; [] when it points nowhere. A section inside
+    another (`_enclosers`) of a kind the question names with another number is not taken, and a
+    section holding one taken stands aside ("Act III, Scene 3": the scene, not the act)."""
     ending = is_ending(question)
     named = {key for kind, token in REFERENCE.findall(question) if (key := _key(kind, token))}
-    found = []
+    lasts = [kind.lower() for kind in LAST.findall(question)]
+    found: list[Place] = []
     for n, (document_id, text) in enumerate(documents):
         if allowed is not None and document_id not in allowed:
             continue
         layout = layouts.get(document_id)
         sections = layout.sections if layout else ()
-        if not named:
-            lasts = [span for kind in LAST.findall(question) if (span := _last_of(sections, kind.lower(), len(text)))]
-            if lasts:  # "the last chapter", "in the final scene": the document's last section of that kind
-                found += [Place(n, start, end, ending) for start, end in dict.fromkeys(lasts)]
-            elif ending:
-                found.append(Place(n, 0, len(text), True))
-            continue
-        matched = [i for i in range(len(sections)) if _named(sections, i, named)]
-        deepest = max((sections[i].level for i in matched), default=0)
-        last = None  # the section the place found last begins with
-        for i in matched:
-            if sections[i].level == deepest:
-                end = next((s.start for s in sections[i + 1 :] if s.level <= sections[i].level), len(text))
-                repeated = last is not None and _section_key(last) == _section_key(sections[i])
-                if repeated and found[-1].document == n and found[-1].end == sections[i].start:  # one act, its heading repeated
-                    found[-1] = Place(n, found[-1].start, end, ending)
-                else:
-                    found.append(Place(n, sections[i].start, end, ending))
-                last = sections[i]
+        spans = _named_spans(sections, named, len(text))
+        spans += [span for kind in lasts if (span := _last_of(sections, kind, len(text))) and span not in spans]
+        if spans:
+            found += [Place(n, start, end, ending) for start, end in spans]
+        elif ending and not named:
+            found.append(Place(n, 0, len(text), True))
     return found
 
 
+def _named_spans(sections: tuple[Section, ...], named: set[tuple[str, int]], length: int) -> list[tuple[int, int]]:
+    """(start, end) of each section `named` takes (see `places`), in order; a section whose heading
+    is printed again (a play's act before each scene) is one span over all of it."""
+    kinds = {kind for kind, _ in named}
+    keys = [_section_key(section) for section in sections]
+    matched = [i for i, key in enumerate(keys) if key in named]
+    enclosers = {i: _enclosers(sections, keys, i, kinds) for i in matched}
+    matched = [i for i in matched if all(keys[j] in named or keys[j] is None or keys[j][0] not in kinds for j in enclosers[i])]
+    held = {keys[j] for i in matched for j in enclosers[i]}
+    spans: list[tuple[int, int]] = []
+    last: tuple[str, int] | None = None  # the key of the section the last span ends with
+    for i in matched:
+        if keys[i] in held:
+            continue
+        start, end = sections[i].start, _end(sections, i, length)
+        if spans and last == keys[i] and spans[-1][1] == start:
+            spans[-1] = (spans[-1][0], end)
+        else:
+            spans.append((start, end))
+        last = keys[i]
+    return spans
+
+
+def _enclosers(sections: tuple[Section, ...], keys: list[tuple[str, int] | None], i: int, kinds: set[str]) -> list[int]:
+    """The sections section i lies in: each one before it of a lower level than the last found, and
+    the nearest one before it of each kind in `kinds` that holds i's kind (`HOLDS`) whatever its
+    level (a flat outline: an act's scenes at the act's level, a book's chapters at the book's)."""
+    own = keys[i][0] if keys[i] else None
+    out, level, seen = [], sections[i].level, set()
+    for j in range(i - 1, -1, -1):
+        key = keys[j]
+        if sections[j].level < level:
+            level = sections[j].level
+            out.append(j)
+        elif key is not None and key[0] in kinds and key[0] not in seen and own in HOLDS.get(key[0], ()):
+            out.append(j)
+        if key is not None:
+            seen.add(key[0])
+    return out
+
+
+def _end(sections: tuple[Section, ...], i: int, length: int) -> int:
+    """Where section i ends: at the next section of its level or above, else the text's end."""
+    return next((s.start for s in sections[i + 1 :] if s.level <= sections[i].level), length)
+
+
 def _last_of(sections: tuple[Section, ...], kind: str, length: int) -> tuple[int, int] | None:
-    """(start, end) of the last section of `kind` (a numbered title), or None where there is none."""
+    """(start, end) of the last section of `kind` (a numbered title), from the first of the
+    headings printed again for it just before; None where there is none."""
     for i in range(len(sections) - 1, -1, -1):
         if (key := _section_key(sections[i])) is not None and key[0] == kind:
             start, level = sections[i].start, sections[i].level
-            end = next((s.start for s in sections[i + 1 :] if s.level <= level), length)
             for outer in reversed(sections[:i]):  # its heading printed again before each of its scenes: all of it
                 if outer.level <= level:
                     if _section_key(outer) != key:
                         break
                     start = outer.start
-            return start, end
+            return start, _end(sections, i, length)
     return None
 
 
 def _section_key(section: Section) -> tuple[str, int] | None:
     title = TITLE.match(section.title)
     return _key(*title.groups()) if title else None
-
-
-def _named(sections: tuple[Section, ...], i: int, named: set[tuple[str, int]]) -> bool:
-    """Whether section i is named, and none of the sections it lies in is of a kind the question
-    names with another number."""
-    if _section_key(sections[i]) not in named:
-        return False
-    level, kinds = sections[i].level, {kind for kind, _ in named}
-    for outer in reversed(sections[:i]):
-        if outer.level < level:
-            level = outer.level
-            key = _section_key(outer)
-            if key is not None and key[0] in kinds and key not in named:
-                return False
-    return True
