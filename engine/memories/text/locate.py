@@ -91,7 +91,7 @@ def _named_spans(sections: tuple[Section, ...], named: set[tuple[str, int]], len
     keys = [_section_key(section) for section in sections]
     matched = [i for i, key in enumerate(keys) if key in named]
     enclosers = {i: _enclosers(sections, keys, i, kinds) for i in matched}
-    matched = [i for i in matched if all(keys[j] in named or keys[j] is None or keys[j][0] not in kinds for j in enclosers[i])]
+    matched = [i for i in matched if all(_agrees(keys[j], named, kinds) for j in enclosers[i])]
     held = {keys[j] for i in matched for j in enclosers[i]}
     spans: list[tuple[int, int]] = []
     last: tuple[str, int] | None = None  # the key of the section the last span ends with
@@ -107,12 +107,20 @@ def _named_spans(sections: tuple[Section, ...], named: set[tuple[str, int]], len
     return spans
 
 
+def _agrees(key: tuple[str, int] | None, named: set[tuple[str, int]], kinds: set[str]) -> bool:
+    """Whether a section with `key` may hold a section the question names: it is named too, or of
+    a kind the question gives no number for."""
+    return key is None or key in named or key[0] not in kinds
+
+
 def _enclosers(sections: tuple[Section, ...], keys: list[tuple[str, int] | None], i: int, kinds: set[str]) -> list[int]:
     """The sections section i lies in: each one before it of a lower level than the last found, and
     the nearest one before it of each kind in `kinds` that holds i's kind (`HOLDS`) whatever its
     level (a flat outline: an act's scenes at the act's level, a book's chapters at the book's)."""
-    own = keys[i][0] if keys[i] else None
-    out, level, seen = [], sections[i].level, set()
+    mine = keys[i]
+    own = mine[0] if mine is not None else None
+    out: list[int] = []
+    level, seen = sections[i].level, set()
     for j in range(i - 1, -1, -1):
         key = keys[j]
         if sections[j].level < level:
