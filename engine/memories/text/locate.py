@@ -87,6 +87,8 @@ def places(
 def _named_spans(sections: tuple[Section, ...], named: set[tuple[str, int]], length: int) -> list[tuple[int, int]]:
     """(start, end) of each section `named` takes (see `places`), in order; a section whose heading
     is printed again (a play's act before each scene) is one span over all of it."""
+    if not named:  # most questions name no section: no title is read
+        return []
     kinds = {kind for kind, _ in named}
     keys = [_section_key(section) for section in sections]
     matched = [i for i, key in enumerate(keys) if key in named]
