@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from engine.documents.parsers import plain_text
 from engine.interface import Layout, Section
 from engine.memories import MemoryContext, Scope, build_memory
-from engine.memories.text.locate import is_ending, number, places
+from engine.memories.text.locate import asks_whole, is_ending, number, places
 from tests.engine.test_memories import ingest
 from tests.helpers import FIXTURES
 
@@ -123,3 +125,20 @@ def test_a_located_question_reads_its_place_and_an_ending_its_tail(tiny_tokenize
     assert ending[-1].item.char_end == len(ALICE) and ending[-1].item.gathered == "tail"
     plain = memory.retrieve("Who is the Cheshire Cat?", 1500, scope)
     assert plain == memory.retrieve("Who is the Cheshire Cat?", 1500) and not any(p.item.gathered for p in plain)
+
+
+def test_a_question_about_a_whole_place_reads_all_of_it_spread_out(tiny_tokenizer, embedder):
+    assert asks_whole("What happens in Act III, Scene 3?") and asks_whole("Summarize the last chapter.")
+    assert not asks_whole("In Chapter III, how do the creatures get dry?") and not asks_whole("How does Chapter VIII end?")
+    context, scope = MemoryContext(tokenizer=tiny_tokenizer, embedder=embedder), Scope(None, {"a": plain_text(ALICE).layout})
+    start, end = ALICE.index("CHAPTER VII"), ALICE.index("CHAPTER VIII")
+    memory = build_memory("text", context, {"locate": True, "margin": 2.0, "context_tokens": 768})
+    ingest(memory, tiny_tokenizer, "a", ALICE)
+    pieces = memory.retrieve("What happens in Chapter VII?", 1500, scope)
+    spans = [(p.item.char_start, p.item.char_end) for p in pieces]
+    assert len(pieces) > 4 and spans == sorted(spans) and all(start <= a and b <= end for a, b in spans)
+    assert spans[0][0] - start < 200 and end - spans[-1][1] < 1000  # from its start to its end, with gaps between
+    assert sum(memory.excerpts.token_count(p.text) for p in pieces) <= 768
+    memory.options = replace(memory.options, context_tokens=8192)  # a budget the chapter fits in
+    pieces = memory.retrieve("What happens in Chapter VII?", 10_000, scope)
+    assert len(pieces) == 1 and pieces[0].text == ALICE[start:end].strip()

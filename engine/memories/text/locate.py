@@ -54,8 +54,24 @@ class Place:
     ending: bool  # the question asks how it ends
 
 
+# words of a question that asks about a place as a whole ("What happens in Act III, Scene 3?",
+# "Summarize the last chapter."), beside the place's own name
+GENERAL = frozenset(
+    "what whats what's happens happen happened happening occurs occur occurred goes go on take takes place in during at "
+    "the of a an me us about give tell describe summarize summarise summary retell recount briefly brief main key events "
+    "event plot is are was were there and please overall outline".split()
+)
+
+
 def is_ending(question: str) -> bool:
     return bool(ENDING.search(question))
+
+
+def asks_whole(question: str) -> bool:
+    """Whether a question names nothing but its place and general words: it asks what happens there
+    as a whole, so no part of the place answers it better than another."""
+    words = re.findall(r"[a-z']+", LAST.sub(" ", REFERENCE.sub(" ", question.lower())))
+    return all(word in GENERAL for word in words)
 
 
 def places(

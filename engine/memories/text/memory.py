@@ -18,7 +18,7 @@ from engine.interface import CacheInfo, Retrieval, RetrievedItem
 from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, Scope, Segment, SummaryTask
 from engine.memories.text.excerpts import Excerpts
 from engine.memories.text.gather import Sentence, gather, merged
-from engine.memories.text.locate import Place, places
+from engine.memories.text.locate import Place, asks_whole, places
 from engine.memories.text.options import TextOptions
 from engine.memories.text.ranking import Ranking
 from engine.memories.text.rerank import QUESTION_TOKENS, frame_tokens, pass_bytes
@@ -214,12 +214,44 @@ class TextMemory(Memory):
             tails, used = [], 0
         if not inside.any():
             return merged(tails, self._ranked_pieces(query, max_tokens - used, allowed), self.store.documents)
-        pieces = self._clipped(merged(tails, self._ranked_pieces(query, max_tokens - used, inside), self.store.documents), found)
+        if asks_whole(query):  # "What happens in Act III, Scene 3?": no part of the place before another
+            body = self._spread(inside & ~self._covered(tails), max_tokens - used)
+        else:
+            body = self._ranked_pieces(query, max_tokens - used, inside)
+        pieces = self._clipped(merged(tails, body, self.store.documents), found)
         # chunks ranked within the place: marked, so the strategy shows
         return [
             piece if piece.item.gathered else ContextPiece(piece.text, replace(piece.item, gathered="located"))
             for piece in pieces
         ]
+
+    def _spread(self, inside: np.ndarray, max_tokens: int) -> list[ContextPiece]:
+        """The chunks `inside` a place, spread evenly over it in document order, as many as the
+        budget holds (all of them when the place fits), as excerpts."""
+        rows, tokens = np.nonzero(inside)[0], self.store.chunks.tokens
+        budget = min(max_tokens, self.options.context_tokens)
+        if not len(rows):
+            return []
+        count = min(len(rows), budget // max(1, int(tokens[rows].min())))
+        while count > 0:
+            picked = rows[np.round(np.linspace(0, len(rows) - 1, count)).astype(int)]
+            if (taken := int(tokens[picked].sum())) <= budget:
+                return self.excerpts.whole_chunks({int(row): 0.0 for row in picked}, budget - taken)
+            count -= 1
+        return []
+
+    def _covered(self, pieces: list[ContextPiece]) -> np.ndarray:
+        """Which chunks overlap one of `pieces` (a mask over the chunks)."""
+        chunks, numbers = self.store.chunks, {document_id: n for n, (document_id, _) in enumerate(self.store.documents)}
+        mask = np.zeros(len(chunks), bool)
+        for piece in pieces:
+            item = piece.item
+            mask |= (
+                (chunks.documents == numbers[item.document_id])
+                & (chunks.spans[:, 0] < item.char_end)
+                & (chunks.spans[:, 1] > item.char_start)
+            )
+        return mask
 
     def _clipped(self, pieces: list[ContextPiece], found: list[Place]) -> list[ContextPiece]:
         """Excerpts cut to the places they overlap: a chunk ranked inside a chapter that begins in the
