@@ -219,7 +219,7 @@ class TextMemory(Memory):
         else:
             body = self._ranked_pieces(query, max_tokens - used, inside)
         pieces = self._clipped(merged(tails, body, self.store.documents), found)
-        # chunks ranked within the place: marked, so the strategy shows
+        # chunks taken within the place (ranked or spread): marked, so the strategy shows
         return [
             piece if piece.item.gathered else ContextPiece(piece.text, replace(piece.item, gathered="located"))
             for piece in pieces
