@@ -7,7 +7,7 @@ from dataclasses import replace
 from engine.documents.parsers import plain_text
 from engine.interface import Layout, Section
 from engine.memories import MemoryContext, Scope, build_memory
-from engine.memories.text.locate import asks_whole, is_ending, number, places
+from engine.memories.text.locate import asks_whole, is_ending, number, places, unplaced
 from tests.engine.test_memories import ingest
 from tests.helpers import FIXTURES
 
@@ -142,3 +142,20 @@ def test_a_question_about_a_whole_place_reads_all_of_it_spread_out(tiny_tokenize
     memory.options = replace(memory.options, context_tokens=8192)  # a budget the chapter fits in
     pieces = memory.retrieve("What happens in Chapter VII?", 10_000, scope)
     assert len(pieces) == 1 and pieces[0].text == ALICE[start:end].strip()
+
+
+def test_a_place_is_ranked_without_its_own_name(tiny_tokenizer, embedder):
+    assert unplaced("In Act II, Scene 7, what does Jaques say?") == "In  ,  , what does Jaques say?"
+    assert unplaced("Chapter 3?") == "Chapter 3?"  # nothing else to rank by
+    memory = build_memory("text", MemoryContext(tokenizer=tiny_tokenizer, embedder=embedder), {"locate": True, "margin": 2.0})
+    ingest(memory, tiny_tokenizer, "a", ALICE)
+    scope = Scope(None, {"a": plain_text(ALICE).layout})
+    for question, heading in (
+        ("What does the Duchess throw in Chapter VI?", "CHAPTER VI"),
+        ("What riddle does the Hatter ask in Chapter VII?", "CHAPTER VII"),
+    ):
+        start = ALICE.index(heading)
+        pieces = memory.retrieve(question, 1500, scope)
+        # the chunk holding the chapter's heading matched the chapter's name best and came back as
+        # the heading and a line (alone, for the Duchess: it stood out by more than the margin)
+        assert len(pieces) >= 3 and all(p.item.char_start > ALICE.index("\n\n\n", start) for p in pieces)

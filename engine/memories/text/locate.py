@@ -74,6 +74,14 @@ def asks_whole(question: str) -> bool:
     return all(word in GENERAL for word in words)
 
 
+def unplaced(question: str) -> str:
+    """The question without the place it names ("In Act II, Scene 7, what does Jaques say?": "In ,
+    , what does Jaques say?"), to rank the place's chunks by: every chunk there lies in that place,
+    and its words would only favour the chunk holding the heading."""
+    rest = LAST.sub(" ", REFERENCE.sub(" ", question))
+    return rest if rest.strip(" ,.?!;:") else question
+
+
 def places(
     question: str, documents: list[tuple[str, str]], layouts: Mapping[str, Layout], allowed: frozenset[str] | None
 ) -> list[Place]:

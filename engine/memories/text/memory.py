@@ -18,7 +18,7 @@ from engine.interface import CacheInfo, Retrieval, RetrievedItem
 from engine.memories.base import AnswerRequest, ContextPiece, Memory, MemoryContext, Scope, Segment, SummaryTask
 from engine.memories.text.excerpts import Excerpts
 from engine.memories.text.gather import Sentence, gather, merged
-from engine.memories.text.locate import Place, asks_whole, places
+from engine.memories.text.locate import Place, asks_whole, places, unplaced
 from engine.memories.text.options import TextOptions
 from engine.memories.text.ranking import Ranking
 from engine.memories.text.rerank import QUESTION_TOKENS, frame_tokens, pass_bytes
@@ -217,7 +217,7 @@ class TextMemory(Memory):
         if asks_whole(query):  # "What happens in Act III, Scene 3?": no part of the place before another
             body = self._spread(inside & ~self._covered(tails), max_tokens - used)
         else:
-            body = self._ranked_pieces(query, max_tokens - used, inside)
+            body = self._ranked_pieces(unplaced(query), max_tokens - used, inside)
         pieces = self._clipped(merged(tails, body, self.store.documents), found)
         # chunks taken within the place (ranked or spread): marked, so the strategy shows
         return [
