@@ -8,7 +8,7 @@ from engine.documents.parsers import plain_text
 from engine.interface import Layout, Section
 from engine.memories import MemoryContext, Scope, build_memory
 from engine.memories.text.locate import asks_whole, is_ending, number, places, unplaced
-from tests.engine.test_memories import ingest
+from tests.engine.test_memories import ingest, text_memory
 from tests.helpers import FIXTURES
 
 ALICE = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")
@@ -132,7 +132,7 @@ def test_a_question_about_a_whole_place_reads_all_of_it_spread_out(tiny_tokenize
     assert not asks_whole("In Chapter III, how do the creatures get dry?") and not asks_whole("How does Chapter VIII end?")
     context, scope = MemoryContext(tokenizer=tiny_tokenizer, embedder=embedder), Scope(None, {"a": plain_text(ALICE).layout})
     start, end = ALICE.index("CHAPTER VII"), ALICE.index("CHAPTER VIII")
-    memory = build_memory("text", context, {"locate": True, "margin": 2.0, "context_tokens": 768})
+    memory = text_memory(context, {"locate": True, "margin": 2.0, "context_tokens": 768})
     ingest(memory, tiny_tokenizer, "a", ALICE)
     pieces = memory.retrieve("What happens in Chapter VII?", 1500, scope)
     spans = [(p.item.char_start, p.item.char_end) for p in pieces]
