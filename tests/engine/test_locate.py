@@ -4,14 +4,32 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from engine.documents.parsers import plain_text
 from engine.interface import Layout, Section
-from engine.memories import MemoryContext, Scope, build_memory
+from engine.memories import MemoryContext, Scope
 from engine.memories.text.locate import asks_whole, is_ending, number, places, unplaced
+from engine.memories.text.memory import TextMemory
+from engine.memories.text.options import TextOptions
 from tests.engine.test_memories import ingest, text_memory
 from tests.helpers import FIXTURES
 
 ALICE = (FIXTURES / "alice29.txt").read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def alice_memory(tiny_tokenizer, embedder) -> TextMemory:
+    """Alice ingested once for the module's retrieval tests; each sets the options it reads with (`_with`)."""
+    memory = text_memory(MemoryContext(tokenizer=tiny_tokenizer, embedder=embedder), {"locate": True})
+    ingest(memory, tiny_tokenizer, "a", ALICE)
+    return memory
+
+
+def _with(memory: TextMemory, **options) -> TextMemory:
+    """`memory` reading with `locate` and these options (none change what ingestion stored)."""
+    memory.options = replace(TextOptions(locate=True), **options)
+    return memory
 
 
 def test_numbers_arabic_and_roman():
@@ -110,9 +128,8 @@ def test_sections_inside_others_in_nested_and_flat_outlines():
     assert ALICE[first.start :].startswith("CHAPTER I\n") and ALICE[last.start :].startswith("CHAPTER XII")
 
 
-def test_a_located_question_reads_its_place_and_an_ending_its_tail(tiny_tokenizer, embedder):
-    memory = build_memory("text", MemoryContext(tokenizer=tiny_tokenizer, embedder=embedder), {"locate": True})
-    ingest(memory, tiny_tokenizer, "a", ALICE)
+def test_a_located_question_reads_its_place_and_an_ending_its_tail(alice_memory):
+    memory = _with(alice_memory)
     scope = Scope(None, {"a": plain_text(ALICE).layout})
     start, end = ALICE.index("CHAPTER VIII"), ALICE.index("CHAPTER IX")
     pieces = memory.retrieve("How does Chapter VIII end? What are the King and the Queen doing?", 1500, scope)
@@ -127,13 +144,12 @@ def test_a_located_question_reads_its_place_and_an_ending_its_tail(tiny_tokenize
     assert plain == memory.retrieve("Who is the Cheshire Cat?", 1500) and not any(p.item.gathered for p in plain)
 
 
-def test_a_question_about_a_whole_place_reads_all_of_it_spread_out(tiny_tokenizer, embedder):
+def test_a_question_about_a_whole_place_reads_all_of_it_spread_out(alice_memory):
     assert asks_whole("What happens in Act III, Scene 3?") and asks_whole("Summarize the last chapter.")
     assert not asks_whole("In Chapter III, how do the creatures get dry?") and not asks_whole("How does Chapter VIII end?")
-    context, scope = MemoryContext(tokenizer=tiny_tokenizer, embedder=embedder), Scope(None, {"a": plain_text(ALICE).layout})
+    scope = Scope(None, {"a": plain_text(ALICE).layout})
     start, end = ALICE.index("CHAPTER VII"), ALICE.index("CHAPTER VIII")
-    memory = text_memory(context, {"locate": True, "margin": 2.0, "context_tokens": 768})
-    ingest(memory, tiny_tokenizer, "a", ALICE)
+    memory = _with(alice_memory, margin=2.0, context_tokens=768)
     pieces = memory.retrieve("What happens in Chapter VII?", 1500, scope)
     spans = [(p.item.char_start, p.item.char_end) for p in pieces]
     assert len(pieces) > 4 and spans == sorted(spans) and all(start <= a and b <= end for a, b in spans)
@@ -144,11 +160,10 @@ def test_a_question_about_a_whole_place_reads_all_of_it_spread_out(tiny_tokenize
     assert len(pieces) == 1 and pieces[0].text == ALICE[start:end].strip()
 
 
-def test_a_place_is_ranked_without_its_own_name(tiny_tokenizer, embedder):
+def test_a_place_is_ranked_without_its_own_name(alice_memory):
     assert unplaced("In Act II, Scene 7, what does Jaques say?") == "In  ,  , what does Jaques say?"
     assert unplaced("Chapter 3?") == "Chapter 3?"  # nothing else to rank by
-    memory = build_memory("text", MemoryContext(tokenizer=tiny_tokenizer, embedder=embedder), {"locate": True, "margin": 2.0})
-    ingest(memory, tiny_tokenizer, "a", ALICE)
+    memory = _with(alice_memory, margin=2.0)
     scope = Scope(None, {"a": plain_text(ALICE).layout})
     for question, heading in (
         ("What does the Duchess throw in Chapter VI?", "CHAPTER VI"),
