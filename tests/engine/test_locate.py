@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 
 from engine.documents.parsers import plain_text
-from engine.interface import Layout, RetrievedItem, Section
-from engine.memories import ContextPiece, MemoryContext, Scope
-from engine.memories.text.locate import Place, asks_whole, is_ending, number, places, unplaced
+from engine.interface import Layout, Section
+from engine.memories import MemoryContext, Scope
+from engine.memories.text.locate import asks_whole, is_ending, number, places, unplaced
 from engine.memories.text.memory import TextMemory
 from engine.memories.text.options import TextOptions
 from tests.engine.test_memories import ingest, text_memory
@@ -154,10 +154,6 @@ def test_a_question_about_a_whole_place_reads_all_of_it_spread_out(alice_memory)
     spans = [(p.item.char_start, p.item.char_end) for p in pieces]
     assert len(pieces) > 4 and spans == sorted(spans) and all(start <= a and b <= end for a, b in spans)
     assert spans[0][0] - start < 200 and end - spans[-1][1] < 1000  # from its start to its end, with gaps between
-    # not the chunk that runs into the chapter, cut to its heading and a line (read as the answer)
-    assert all(len(p.text) > 200 for p in pieces)
-    cut = memory._clipped(pieces_at(memory, (start - 300, start + 80), (start - 100, start + 400)), [Place(0, start, end, False)])
-    assert [(p.item.char_start, p.item.char_end) for p in cut] == [(start, start + 400)]  # the heading alone is dropped
     assert sum(memory.excerpts.token_count(p.text) for p in pieces) <= 768
     memory.options = replace(memory.options, context_tokens=8192)  # a budget the chapter fits in
     pieces = memory.retrieve("What happens in Chapter VII?", 10_000, scope)
@@ -178,12 +174,3 @@ def test_a_place_is_ranked_without_its_own_name(alice_memory):
         # the chunk holding the chapter's heading matched the chapter's name best and came back as
         # the heading and a line (alone, for the Duchess: it stood out by more than the margin)
         assert len(pieces) >= 3 and all(p.item.char_start > ALICE.index("\n\n\n", start) for p in pieces)
-
-
-def pieces_at(memory: TextMemory, *spans: tuple[int, int]) -> list[ContextPiece]:
-    """Excerpts of the memory's first document at these (start, end) spans."""
-    document_id, text = memory.store.documents[0]
-    return [
-        ContextPiece(text[a:b], RetrievedItem(chunk_id=0, document_id=document_id, char_start=a, char_end=b, score=0.0))
-        for a, b in spans
-    ]

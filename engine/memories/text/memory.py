@@ -215,7 +215,7 @@ class TextMemory(Memory):
         if not inside.any():
             return merged(tails, self._ranked_pieces(query, max_tokens - used, allowed), self.store.documents)
         if asks_whole(query):  # "What happens in Act III, Scene 3?": no part of the place before another
-            body = self._spread(inside & ~self._covered(tails), max_tokens - used, found)
+            body = self._spread(inside & ~self._covered(tails), max_tokens - used)
         else:
             body = self._ranked_pieces(unplaced(query), max_tokens - used, inside)
         pieces = self._clipped(merged(tails, body, self.store.documents), found)
@@ -225,14 +225,11 @@ class TextMemory(Memory):
             for piece in pieces
         ]
 
-    def _spread(self, inside: np.ndarray, max_tokens: int, found: list[Place]) -> list[ContextPiece]:
-        """The chunks `inside` the places, spread evenly over them in document order, as many as the
-        budget holds: all of them when they fit, else of those lying at least half in a place (the
-        chunk that runs into a chapter would be cut to its heading alone: `_heading_only`)."""
+    def _spread(self, inside: np.ndarray, max_tokens: int) -> list[ContextPiece]:
+        """The chunks `inside` a place, spread evenly over it in document order, as many as the
+        budget holds (all of them when the place fits), as excerpts."""
         rows, tokens = np.nonzero(inside)[0], self.store.chunks.tokens
         budget = min(max_tokens, self.options.context_tokens)
-        if int(tokens[rows].sum()) > budget:
-            rows = rows[self._mostly_in(rows, found)]
         if not len(rows):
             return []
         count = min(len(rows), budget // max(1, int(tokens[rows].min())))
@@ -242,16 +239,6 @@ class TextMemory(Memory):
                 return self.excerpts.whole_chunks({int(row): 0.0 for row in picked}, budget - taken)
             count -= 1
         return []
-
-    def _mostly_in(self, rows: np.ndarray, found: list[Place]) -> np.ndarray:
-        """Which of the chunks `rows` have at least half their characters inside one of the places."""
-        chunks = self.store.chunks
-        starts, ends = chunks.spans[rows, 0], chunks.spans[rows, 1]
-        mostly = np.zeros(len(rows), bool)
-        for place in found:
-            overlap = np.minimum(ends, place.end) - np.maximum(starts, place.start)
-            mostly |= (chunks.documents[rows] == place.document) & (2 * overlap >= ends - starts)
-        return mostly
 
     def _covered(self, pieces: list[ContextPiece]) -> np.ndarray:
         """Which chunks overlap one of `pieces` (a mask over the chunks)."""
@@ -282,16 +269,9 @@ class TextMemory(Memory):
             start, end = max(item.char_start, min(a for a, _ in spans)), min(item.char_end, max(b for _, b in spans))
             text = self.store.documents[number][1][start:end]
             start, end = start + len(text) - len(text.lstrip()), end - (len(text) - len(text.rstrip()))
-            if end > start and not self._heading_only(item, start, end):
+            if end > start:
                 out.append(ContextPiece(text.strip(), replace(item, char_start=start, char_end=end)))
         return out
-
-    @staticmethod
-    def _heading_only(item: RetrievedItem, start: int, end: int) -> bool:
-        """Whether an excerpt cut to start at its place keeps less than half of itself: the end of a
-        chunk that runs into the place, its heading and a line. Handed over alone, it was read as the
-        answer ("What happens in Chapter VII?": "A Mad Tea-Party", the chapter's title)."""
-        return start > item.char_start and 2 * (end - start) < item.char_end - item.char_start
 
     def _allowed_chunks(self, documents: frozenset[str] | None) -> np.ndarray | None:
         """Which chunks belong to `documents` (a mask over the chunks); None: every chunk."""
