@@ -194,10 +194,7 @@ class TextMemory(Memory):
 
     def _located(self, query: str, max_tokens: int, found: list[Place], allowed: np.ndarray | None) -> list[ContextPiece]:
         """Ranked chunks of the places only; for an ending, the places' last `tail_tokens` too."""
-        chunks = self.store.chunks
-        inside = np.zeros(len(chunks), bool)
-        for place in found:
-            inside |= (chunks.documents == place.document) & (chunks.spans[:, 0] < place.end) & (chunks.spans[:, 1] > place.start)
+        inside = self._overlapping([(place.document, place.start, place.end) for place in found])
         if allowed is not None:
             inside &= allowed
         endings = [place for place in found if place.ending]
@@ -242,15 +239,15 @@ class TextMemory(Memory):
 
     def _covered(self, pieces: list[ContextPiece]) -> np.ndarray:
         """Which chunks overlap one of `pieces` (a mask over the chunks)."""
-        chunks, numbers = self.store.chunks, {document_id: n for n, (document_id, _) in enumerate(self.store.documents)}
+        numbers = {document_id: n for n, (document_id, _) in enumerate(self.store.documents)}
+        return self._overlapping([(numbers[p.item.document_id], p.item.char_start, p.item.char_end) for p in pieces])
+
+    def _overlapping(self, spans: list[tuple[int, int, int]]) -> np.ndarray:
+        """Which chunks overlap one of `spans` ((document number, start, end) each; a mask over the chunks)."""
+        chunks = self.store.chunks
         mask = np.zeros(len(chunks), bool)
-        for piece in pieces:
-            item = piece.item
-            mask |= (
-                (chunks.documents == numbers[item.document_id])
-                & (chunks.spans[:, 0] < item.char_end)
-                & (chunks.spans[:, 1] > item.char_start)
-            )
+        for document, start, end in spans:
+            mask |= (chunks.documents == document) & (chunks.spans[:, 0] < end) & (chunks.spans[:, 1] > start)
         return mask
 
     def _clipped(self, pieces: list[ContextPiece], found: list[Place]) -> list[ContextPiece]:
