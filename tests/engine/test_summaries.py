@@ -14,7 +14,7 @@ from engine.memories.text.summary import SummaryTree, framed, level_sizes, part_
 from tests.helpers import new_session, session_of
 
 SUMMARIZE = {"summarize": True, "summary_part_tokens": 128, "summary_fanout": 2}
-STORY = " ".join(f"On day {n} the keeper of Velmora lit lamp number {n} and wrote it in the log." for n in range(1, 200))
+STORY = " ".join(f"On day {n} the keeper of Velmora lit lamp number {n} and wrote it in the log." for n in range(1, 80))
 
 
 def test_parts_cover_every_chunk_in_order_within_the_budget():
