@@ -130,10 +130,11 @@ def test_gather_chunks_bounds_the_ranked_chunks_beside_every_mention(tiny_tokeni
 
     context = MemoryContext(tokenizer=tiny_tokenizer, embedder=embedder)
     text, dockings, question = _docking_record()
-    beside = {}
+    memory = text_memory(context, {"gather": True})
+    ingest(memory, tiny_tokenizer, "record", text)  # once: no option here changes what ingestion stores
+    base, beside = memory.options, {}
     for name, options in {"0": {"gather_chunks": 0}, "1": {"gather_chunks": 1}, "top_k": {}, "top_k 2": {"top_k": 2}}.items():
-        memory = text_memory(context, {"gather": True, **options})
-        ingest(memory, tiny_tokenizer, "record", text)
+        memory.options = replace(base, **options)
         pieces = memory.retrieve(question, max_tokens=4096)
         for docking in dockings:  # every mention, whatever the chunks: gathered, or inside a ranked chunk
             at = text.index(docking)
@@ -143,10 +144,10 @@ def test_gather_chunks_bounds_the_ranked_chunks_beside_every_mention(tiny_tokeni
     # unset, the ranked chunks beside a gathering are top_k's (4 by default), as before the option
     assert beside["0"] == 0 and beside["1"] == 1 and 2 < beside["top_k"] <= 4 and 1 <= beside["top_k 2"] <= 2
     # a local question is ranked as always: gather_chunks bounds only what sits beside a gathering
-    none, unset = (text_memory(context, {"gather": True, "gather_chunks": n}) for n in (0, None))
-    for memory in (none, unset):
-        ingest(memory, tiny_tokenizer, "record", text)
-    assert none.retrieve("what is the weather like?", 4096) == unset.retrieve("what is the weather like?", 4096)
+    memory.options = replace(base, gather_chunks=0)
+    none = memory.retrieve("what is the weather like?", 4096)
+    memory.options = base
+    assert none == memory.retrieve("what is the weather like?", 4096)
 
 
 def test_gather_options_are_checked():
