@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -133,7 +134,13 @@ def test_gather_chunks_bounds_the_ranked_chunks_beside_every_mention(tiny_tokeni
     memory = text_memory(context, {"gather": True})
     ingest(memory, tiny_tokenizer, "record", text)  # once: no option here changes what ingestion stores
     base, beside = memory.options, {}
-    for name, options in {"0": {"gather_chunks": 0}, "1": {"gather_chunks": 1}, "top_k": {}, "top_k 2": {"top_k": 2}}.items():
+    variants: dict[str, dict[str, Any]] = {
+        "0": {"gather_chunks": 0},
+        "1": {"gather_chunks": 1},
+        "top_k": {},
+        "top_k 2": {"top_k": 2},
+    }
+    for name, options in variants.items():
         memory.options = replace(base, **options)
         pieces = memory.retrieve(question, max_tokens=4096)
         for docking in dockings:  # every mention, whatever the chunks: gathered, or inside a ranked chunk
