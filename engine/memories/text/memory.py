@@ -239,7 +239,7 @@ class TextMemory(Memory):
 
     def _covered(self, pieces: list[ContextPiece]) -> np.ndarray:
         """Which chunks overlap one of `pieces` (a mask over the chunks)."""
-        numbers = {document_id: n for n, (document_id, _) in enumerate(self.store.documents)}
+        numbers = self.store.numbers()
         return self._overlapping([(numbers[p.item.document_id], p.item.char_start, p.item.char_end) for p in pieces])
 
     def _overlapping(self, spans: list[tuple[int, int, int]]) -> np.ndarray:
@@ -253,7 +253,7 @@ class TextMemory(Memory):
     def _clipped(self, pieces: list[ContextPiece], found: list[Place]) -> list[ContextPiece]:
         """Excerpts cut to the places they overlap: a chunk ranked inside a chapter that begins in the
         chapter before starts at the heading, so the reader reads only the place asked about."""
-        numbers = {document_id: number for number, (document_id, _) in enumerate(self.store.documents)}
+        numbers = self.store.numbers()
         out = []
         for piece in pieces:
             item, number = piece.item, numbers[piece.item.document_id]
@@ -274,7 +274,7 @@ class TextMemory(Memory):
         """Which chunks belong to `documents` (a mask over the chunks); None: every chunk."""
         if documents is None:
             return None
-        numbers = [number for number, (id_, _) in enumerate(self.store.documents) if id_ in documents]
+        numbers = [number for id_, number in self.store.numbers().items() if id_ in documents]
         return np.isin(self.store.chunks.documents, numbers)
 
     def _ranked_pieces(

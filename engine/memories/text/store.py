@@ -239,6 +239,10 @@ class TextStore:
     def abort(self) -> None:
         self.staged = None
 
+    def numbers(self) -> dict[str, int]:
+        """Each committed document's position among them (what `Chunks.documents` holds), by its id."""
+        return {document_id: number for number, (document_id, _) in enumerate(self.documents)}
+
     def chunk_texts(self, rows: list[int] | None = None) -> list[str]:
         """The texts of chunks `rows` (every chunk's by default)."""
         chosen: slice | list[int] = slice(None) if rows is None else rows
