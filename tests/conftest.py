@@ -100,6 +100,15 @@ def client(make_client) -> Iterator[TestClient]:
 
 
 @pytest.fixture(scope="module")
+def shared_client(tiny_dir: Path) -> Iterator[TestClient]:
+    """One app for a module's tests whose requests leave nothing another of them reads (refusals,
+    sessions no test lists): an app started once rather than once a test."""
+    with TestClient(create_app(tiny_settings(tiny_dir))) as client:
+        wait_ready(client)
+        yield client
+
+
+@pytest.fixture(scope="module")
 def adapter_dir(tmp_path_factory, tiny_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
     torch.manual_seed(0)  # before the adapter's layers are made: the same adapter whatever ran before

@@ -14,7 +14,8 @@ from engine.memories.text.summary import SummaryTree, framed, level_sizes, part_
 from tests.helpers import new_session, session_of
 
 SUMMARIZE = {"summarize": True, "summary_part_tokens": 128, "summary_fanout": 2}
-STORY = " ".join(f"On day {n} the keeper of Velmora lit lamp number {n} and wrote it in the log." for n in range(1, 80))
+# 918 tokens of the tiny model: 8 parts, 15 summaries in all
+STORY = " ".join(f"On day {n} the keeper of Velmora lit lamp number {n} and wrote it in the log." for n in range(1, 40))
 
 
 def test_parts_cover_every_chunk_in_order_within_the_budget():
@@ -164,6 +165,6 @@ def test_a_summary_the_budget_cannot_hold_stops_the_build_and_keeps_nothing(clie
 
 
 @pytest.mark.parametrize("options", [{"summarize": 1}, {"summarize": True, "summary_part_tokens": 64}, {"summary_fanout": 1}])
-def test_bad_summary_options_are_refused(client, options):
-    response = client.post("/v1/sessions", json={"memory": "text", "options": options})
+def test_bad_summary_options_are_refused(shared_client, options):
+    response = shared_client.post("/v1/sessions", json={"memory": "text", "options": options})
     assert response.status_code == 400, response.text

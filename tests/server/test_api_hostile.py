@@ -37,11 +37,11 @@ def test_tiny_temperature_and_top_p_answer_as_greedy(client):
         assert client.post(CHAT, json=chat(**fields)).status_code == 200
 
 
-def test_seeds_are_bounded(client):
-    assert client.post(CHAT, json=chat(temperature=1.0, seed=2**64 - 1)).status_code == 200
-    assert client.post(CHAT, json=chat(temperature=1.0, seed=-1)).status_code == 200
-    assert_error(client.post(CHAT, json=chat(seed=2**64)), 422, "validation_error")
-    assert_error(client.post(CHAT, json=chat(seed=-(2**63) - 1)), 422)
+def test_seeds_are_bounded(shared_client):
+    assert shared_client.post(CHAT, json=chat(temperature=1.0, seed=2**64 - 1)).status_code == 200
+    assert shared_client.post(CHAT, json=chat(temperature=1.0, seed=-1)).status_code == 200
+    assert_error(shared_client.post(CHAT, json=chat(seed=2**64)), 422, "validation_error")
+    assert_error(shared_client.post(CHAT, json=chat(seed=-(2**63) - 1)), 422)
 
 
 def test_lone_surrogates_are_422_everywhere(client):
@@ -82,26 +82,28 @@ def test_lone_surrogates_are_422_everywhere(client):
         {"ignore_eos": 1},
     ],
 )
-def test_strict_scalars(client, fields):
-    assert_error(client.post(CHAT, json=chat(**fields)), 422, "validation_error")
-    session_id = new_session(client, memory="text")
-    assert_error(client.post(ask_url(session_id), json={"question": "q", **fields}), 422)
+def test_strict_scalars(shared_client, fields):
+    assert_error(shared_client.post(CHAT, json=chat(**fields)), 422, "validation_error")
+    session_id = new_session(shared_client, memory="text")
+    assert_error(shared_client.post(ask_url(session_id), json={"question": "q", **fields}), 422)
 
 
-def test_non_finite_floats_are_422(client):
+def test_non_finite_floats_are_422(shared_client):
     for value in ("NaN", "Infinity", "-Infinity", "1e999"):
         body = '{"messages": [{"role": "user", "content": "hi"}], "temperature": VALUE}'.replace("VALUE", value)
-        assert_error(client.post(CHAT, content=body, headers={"content-type": "application/json"}), 422)
+        assert_error(shared_client.post(CHAT, content=body, headers={"content-type": "application/json"}), 422)
 
 
-def test_wrongly_typed_memory_options_get_a_plain_message(client):
+def test_wrongly_typed_memory_options_get_a_plain_message(shared_client):
     for options, needle in (
         ({"top_k": 1.5}, "top_k: Input should be a valid integer"),
         ({"top_k": "x"}, "top_k: Input should be a valid integer"),
         ({"top_k": True}, "top_k"),
         ({"chunk_tokens": None}, "chunk_tokens"),
     ):
-        error = assert_error(client.post("/v1/sessions", json={"memory": "text", "options": options}), 400, "invalid_request")
+        error = assert_error(
+            shared_client.post("/v1/sessions", json={"memory": "text", "options": options}), 400, "invalid_request"
+        )
         assert needle in error["message"] and "TypeError" not in error["message"] and "__init__" not in error["message"]
 
 
@@ -196,15 +198,15 @@ def test_text_plain_charset_is_honoured(client):
     assert_error(client.post(url, content=b"x", headers={"content-type": "text/plain; charset=klingon"}), 415)
 
 
-def test_405_lists_every_method(client):
-    session_id = new_session(client, memory="text")
-    response = client.post(f"/v1/sessions/{session_id}")
+def test_405_lists_every_method(shared_client):
+    session_id = new_session(shared_client, memory="text")
+    response = shared_client.post(f"/v1/sessions/{session_id}")
     assert_error(response, 405, "method_not_allowed")
     assert response.headers["Allow"] == "DELETE, GET"
 
 
-def test_documents_route_declares_its_bodies(client):
-    body = client.get("/openapi.json").json()["paths"]["/v1/sessions/{session_id}/documents"]["post"]["requestBody"]
+def test_documents_route_declares_its_bodies(shared_client):
+    body = shared_client.get("/openapi.json").json()["paths"]["/v1/sessions/{session_id}/documents"]["post"]["requestBody"]
     files = {"application/pdf", "application/epub+zip", "text/html", "text/markdown", "application/octet-stream"}
     assert {"application/json", "multipart/form-data", "text/plain"} | files <= set(body["content"])
     assert json.dumps(body).count('"text"') >= 1

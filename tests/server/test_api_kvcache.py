@@ -55,8 +55,8 @@ def test_answers_come_from_selected_segments_and_leave_the_store_as_it_was(clien
         ({"reselect_every": -1}, "reselect_every"),
     ],
 )
-def test_bad_options_are_400(client, options, message):
-    response = client.post("/v1/sessions", json={"memory": "kvcache", "options": options})
+def test_bad_options_are_400(shared_client, options, message):
+    response = shared_client.post("/v1/sessions", json={"memory": "kvcache", "options": options})
     assert message in assert_error(response, 400)["message"]
 
 
