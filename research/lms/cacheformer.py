@@ -35,8 +35,8 @@ class CacheFormerAttention(LongShortAttention):
         B, H, Tp, hd = q.shape
         p, G = cfg.group_size, Tp // cfg.group_size
         S, r = k_bar.shape[2], k_bar.shape[3]
-        flat = (q @ k_bar.reshape(B, H, S * r, hd).transpose(-1, -2)).abs() * hd**-0.5  # B, H, Tp, S*r
-        row_scores = flat.view(B, H, Tp, S, r).mean(-1)  # B, H, Tp, S: magnitude of each segment's r scores
+        flat = (q @ k_bar.reshape(B, H, S * r, hd).transpose(-1, -2)).abs()  # B, H, Tp, S*r
+        row_scores = flat.view(B, H, Tp, S, r).mean(-1) * hd**-0.5  # B, H, Tp, S: magnitude of each segment's r scores
         visible = ends.view(1, -1) < torch.arange(Tp, device=q.device).view(-1, 1)  # Tp, S
         scores = group_scores(row_scores * visible, p)  # B, H, G, S
         starts = torch.arange(G, device=q.device) * p
@@ -75,8 +75,8 @@ class CacheFormerAttention(LongShortAttention):
             ov_ends = ends.repeat_interleave(r)
             return flex.attend(q, k_ov, v_ov, lambda b, h, q_idx, kv_idx: (ov_ends[kv_idx] < q_idx).to(torch.int32), hd**-0.5)
         visible = ends_before_rows(ends.repeat_interleave(r), 1, Tp)[0]  # Tp, S'*r
-        scores = (q @ k_ov.transpose(-1, -2)) * hd**-0.5  # B, H, Tp, S'*r
-        weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+        scores = (q * hd**-0.5) @ k_ov.transpose(-1, -2)  # B, H, Tp, S'*r
+        weights = torch.softmax(scores.masked_fill_(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
         return weights @ v_ov  # rows with nothing visible add zero
 
 

@@ -87,17 +87,17 @@ class LongShortAttention(nn.Module):
         cfg = self.config
         B, H, Tp, hd = q.shape
         p, G, r = cfg.group_size, Tp // cfg.group_size, cfg.compressed_per_segment
-        scale = hd**-0.5
-        queries = q.view(B, H, G, p, hd)
+        scaled = q * hd**-0.5  # the scores come out scaled: no pass over them to scale
+        queries = scaled.view(B, H, G, p, hd)
         k_span, v_span = window_span(k_win, cfg.window, p), window_span(v_win, cfg.window, p)  # B, H, G, p+w-1, hd
-        s_window = (queries @ k_span.transpose(-1, -2)) * scale  # B, H, G, p, p+w-1
-        s_window = s_window.masked_fill(~window_mask(G, p, cfg.window, q.device), float("-inf"))
+        s_window = queries @ k_span.transpose(-1, -2)  # B, H, G, p, p+w-1
+        s_window = s_window.masked_fill_(~window_mask(G, p, cfg.window, q.device), float("-inf"))
         S = k_bar.shape[2]
         k_flat, v_flat = k_bar.reshape(B, H, S * r, hd), v_bar.reshape(B, H, S * r, hd)
-        s_long = ((q @ k_flat.transpose(-1, -2)) * scale).view(B, H, G, p, S * r)  # B, H, G, p, S*r
-        s_long = s_long.masked_fill(~ends_before_rows(ends.repeat_interleave(r), G, p), float("-inf"))
+        s_long = (scaled @ k_flat.transpose(-1, -2)).view(B, H, G, p, S * r)  # B, H, G, p, S*r
+        s_long = s_long.masked_fill_(~ends_before_rows(ends.repeat_interleave(r), G, p), float("-inf"))
         extra = self.cached_keys(q, k_win, v_win, k_bar, ends)  # [(keys, values, mask) per group]
-        s_extra = [((queries @ k.transpose(-1, -2)) * scale).masked_fill(~m, float("-inf")) for k, _, m in extra]
+        s_extra = [(queries @ k.transpose(-1, -2)).masked_fill_(~m, float("-inf")) for k, _, m in extra]
         sizes = [s_window.shape[-1], S * r, *(s.shape[-1] for s in s_extra)]
         weights = torch.softmax(torch.cat([s_window, s_long, *s_extra], dim=-1), dim=-1).split(sizes, dim=-1)
         out = weights[0] @ v_span  # B, H, G, p, hd
