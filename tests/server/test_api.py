@@ -12,10 +12,10 @@ from server.schemas import AskRequest, ChatCompletionRequest
 from tests.helpers import TEXT, events_of, make_tiny_llama, new_session
 
 
-def test_health_and_models(client, tiny_dir):
-    assert client.get("/healthz").json() == {"status": "ok"}
-    assert client.get("/readyz").json() == {"status": "ready"}
-    models = client.get("/v1/models").json()
+def test_health_and_models(shared_client, tiny_dir):
+    assert shared_client.get("/healthz").json() == {"status": "ok"}
+    assert shared_client.get("/readyz").json() == {"status": "ready"}
+    models = shared_client.get("/v1/models").json()
     assert models["object"] == "list"
     assert [m["id"] for m in models["data"]] == [tiny_dir.name]
     assert models["data"][0]["context_length"] == 4096
@@ -43,32 +43,32 @@ def test_session_lifecycle(client):
     assert client.get(f"/v1/sessions/{session_id}").status_code == 404
 
 
-def test_document_json_multipart_and_plain_text(client):
-    session_id = new_session(client, memory="text")
+def test_document_json_multipart_and_plain_text(shared_client):
+    session_id = new_session(shared_client, memory="text")
     url = f"/v1/sessions/{session_id}/documents"
-    first = client.post(url, json={"text": TEXT, "name": "alice"})
+    first = shared_client.post(url, json={"text": TEXT, "name": "alice"})
     assert first.status_code == 201, first.text
     doc = first.json()
     assert doc["name"] == "alice" and doc["chars"] == len(TEXT) and doc["tokens"] > 4000
     assert doc["segments"] == -(-doc["tokens"] // 64)
-    second = client.post(url, files={"file": ("part.txt", b"A second document.", "text/plain")})
+    second = shared_client.post(url, files={"file": ("part.txt", b"A second document.", "text/plain")})
     assert second.status_code == 201 and second.json()["name"] == "part.txt"
-    third = client.post(url, content="Plain text body.", headers={"content-type": "text/plain"})
+    third = shared_client.post(url, content="Plain text body.", headers={"content-type": "text/plain"})
     assert third.status_code == 201
-    listed = client.get(url).json()["data"]
+    listed = shared_client.get(url).json()["data"]
     assert [d["id"] for d in listed] == [doc["id"], second.json()["id"], third.json()["id"]]
-    detail = client.get(f"{url}/{doc['id']}").json()
+    detail = shared_client.get(f"{url}/{doc['id']}").json()
     assert {k: v for k, v in detail.items() if k not in ("outline", "pages")} == doc and detail["pages"] == []
     assert doc["format"] == "text" and doc["page_count"] == 0  # plain text: no pages, its chapter lines as sections
     assert [s["title"] for s in detail["outline"]] == ["CHAPTER I", "CHAPTER II"]
     assert doc["section_count"] == 2 and all(TEXT[s["char_start"] :].startswith(s["title"]) for s in detail["outline"])
-    cache = client.get(f"/v1/sessions/{session_id}/cache").json()
+    cache = shared_client.get(f"/v1/sessions/{session_id}/cache").json()
     assert cache["documents"] == 3 and cache["entries"] > 0 and cache["bytes"] > len(TEXT)
 
 
-def test_ingestion_progress_stream(client):
-    session_id = new_session(client, memory="text")
-    response = client.post(f"/v1/sessions/{session_id}/documents?stream=true", json={"text": TEXT[:5000]})
+def test_ingestion_progress_stream(shared_client):
+    session_id = new_session(shared_client, memory="text")
+    response = shared_client.post(f"/v1/sessions/{session_id}/documents?stream=true", json={"text": TEXT[:5000]})
     events = events_of(response)
     progress = [e.data for e in events if e.event == "progress"]
     assert [p["segments_done"] for p in progress] == list(range(1, len(progress) + 1))
@@ -76,11 +76,11 @@ def test_ingestion_progress_stream(client):
     assert events[-1].event == "done" and events[-1].data["tokens"] == progress[-1]["tokens_total"]
 
 
-def test_ask_streams_retrieval_deltas_done_and_matches_non_streamed(client):
-    session_id = new_session(client, memory="text")
-    client.post(f"/v1/sessions/{session_id}/documents", json={"text": TEXT})
+def test_ask_streams_retrieval_deltas_done_and_matches_non_streamed(shared_client):
+    session_id = new_session(shared_client, memory="text")
+    shared_client.post(f"/v1/sessions/{session_id}/documents", json={"text": TEXT})
     body = {"question": "Who did Alice follow down the hole?", "max_tokens": 12}
-    events = events_of(client.post(f"/v1/sessions/{session_id}/ask", json={**body, "stream": True}))
+    events = events_of(shared_client.post(f"/v1/sessions/{session_id}/ask", json={**body, "stream": True}))
     names = [e.event for e in events]
     assert names[0] == "retrieval" and names[-1] == "done" and set(names[1:-1]) <= {"delta"}
     items = events[0].data["items"]
@@ -88,42 +88,42 @@ def test_ask_streams_retrieval_deltas_done_and_matches_non_streamed(client):
     streamed = "".join(e.data["text"] for e in events if e.event == "delta")
     done = events[-1].data
     assert done["usage"]["completion_tokens"] <= 12 and done["timings"]["ttft_seconds"] > 0
-    plain = client.post(f"/v1/sessions/{session_id}/ask", json=body).json()
+    plain = shared_client.post(f"/v1/sessions/{session_id}/ask", json=body).json()
     assert plain["answer"] == streamed  # greedy decoding is deterministic
     assert plain["retrieval"]["items"] == items
     assert plain["retrieval"]["strategy"] == events[0].data["strategy"] == "ranked"  # no gathering asked for
     assert plain["usage"] == done["usage"]
 
 
-def test_ask_with_stop_string(client):
-    session_id = new_session(client, memory="truncate")
-    client.post(f"/v1/sessions/{session_id}/documents", json={"text": TEXT[:3000]})
-    full = client.post(f"/v1/sessions/{session_id}/ask", json={"question": "q?", "max_tokens": 16}).json()["answer"]
+def test_ask_with_stop_string(shared_client):
+    session_id = new_session(shared_client, memory="truncate")
+    shared_client.post(f"/v1/sessions/{session_id}/documents", json={"text": TEXT[:3000]})
+    full = shared_client.post(f"/v1/sessions/{session_id}/ask", json={"question": "q?", "max_tokens": 16}).json()["answer"]
     assert len(full) > 4
     stop = full[2:4]
-    cut = client.post(f"/v1/sessions/{session_id}/ask", json={"question": "q?", "max_tokens": 16, "stop": stop}).json()
+    cut = shared_client.post(f"/v1/sessions/{session_id}/ask", json={"question": "q?", "max_tokens": 16, "stop": stop}).json()
     assert cut["finish_reason"] == "stop" and stop not in cut["answer"] and full.startswith(cut["answer"])
 
 
-def test_clear_cache(client):
-    session_id = new_session(client, memory="text")
-    client.post(f"/v1/sessions/{session_id}/documents", json={"text": TEXT[:3000]})
-    cleared = client.delete(f"/v1/sessions/{session_id}/cache").json()
+def test_clear_cache(shared_client):
+    session_id = new_session(shared_client, memory="text")
+    shared_client.post(f"/v1/sessions/{session_id}/documents", json={"text": TEXT[:3000]})
+    cleared = shared_client.delete(f"/v1/sessions/{session_id}/cache").json()
     assert cleared["entries"] == 0 and cleared["documents"] == 0
-    assert client.get(f"/v1/sessions/{session_id}").json()["documents"] == []
+    assert shared_client.get(f"/v1/sessions/{session_id}").json()["documents"] == []
 
 
-def test_chat_completions_plain_and_with_session(client):
+def test_chat_completions_plain_and_with_session(shared_client):
     body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6, "temperature": 0}
-    plain = client.post("/v1/chat/completions", json=body).json()
+    plain = shared_client.post("/v1/chat/completions", json=body).json()
     assert plain["object"] == "chat.completion"
     assert plain["choices"][0]["message"]["role"] == "assistant"
     assert plain["usage"]["completion_tokens"] <= 6
-    session_id = new_session(client, memory="text")
-    client.post(f"/v1/sessions/{session_id}/documents", json={"text": TEXT[:4000]})
-    with_session = client.post("/v1/chat/completions", json={**body, "session_id": session_id}).json()
+    session_id = new_session(shared_client, memory="text")
+    shared_client.post(f"/v1/sessions/{session_id}/documents", json={"text": TEXT[:4000]})
+    with_session = shared_client.post("/v1/chat/completions", json={**body, "session_id": session_id}).json()
     assert with_session["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 100
-    stream = client.post("/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    stream = shared_client.post("/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
     lines = [line for line in stream.text.splitlines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
@@ -133,9 +133,9 @@ def test_chat_completions_plain_and_with_session(client):
     assert text == plain["choices"][0]["message"]["content"]
 
 
-def test_openai_sdk_works_as_a_client(client):
+def test_openai_sdk_works_as_a_client(shared_client):
     openai = pytest.importorskip("openai")
-    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client)
+    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=shared_client)
     assert [m.id for m in sdk.models.list().data]
     messages = [{"role": "user", "content": "Say something."}]
     reply = sdk.chat.completions.create(model=sdk.models.list().data[0].id, messages=messages, max_tokens=5, temperature=0)

@@ -18,31 +18,31 @@ def book():
     return book_pdf(PARAGRAPHS, title="Alice in Tests", columns=2, seed=3)
 
 
-def test_a_pdf_body_is_parsed_with_its_pages_and_outline(client, book):
-    session_id = new_session(client, memory="text")
+def test_a_pdf_body_is_parsed_with_its_pages_and_outline(shared_client, book):
+    session_id = new_session(shared_client, memory="text")
     url = f"/v1/sessions/{session_id}/documents"
-    response = client.post(f"{url}?name=alice.pdf", content=book.pdf, headers={"content-type": PDF_TYPE})
+    response = shared_client.post(f"{url}?name=alice.pdf", content=book.pdf, headers={"content-type": PDF_TYPE})
     assert response.status_code == 201, response.text
     document = response.json()
     pages = book.pdf.count(b"/Type /Page ")
     assert document["name"] == "alice.pdf" and document["format"] == "pdf" and document["page_count"] == pages
     assert document["section_count"] == len(book.outline)
-    detail = client.get(f"{url}/{document['id']}").json()
+    detail = shared_client.get(f"{url}/{document['id']}").json()
     assert [(s["title"], s["page"]) for s in detail["outline"]] == [(t, p + 1) for t, p in book.outline]
     assert len(detail["pages"]) == pages and detail["pages"][0] == 0
-    multipart = client.post(url, files={"file": ("again.pdf", book.pdf, "application/octet-stream")})
+    multipart = shared_client.post(url, files={"file": ("again.pdf", book.pdf, "application/octet-stream")})
     assert multipart.status_code == 201 and multipart.json()["format"] == "pdf"
     assert multipart.json()["chars"] == document["chars"]
 
 
-def test_passages_cite_their_document_page_and_section(client, book):
-    session_id = new_session(client, memory="text")
+def test_passages_cite_their_document_page_and_section(shared_client, book):
+    session_id = new_session(shared_client, memory="text")
     url = f"/v1/sessions/{session_id}/documents"
-    document = client.post(f"{url}?name=alice.pdf", content=book.pdf, headers={"content-type": PDF_TYPE}).json()
+    document = shared_client.post(f"{url}?name=alice.pdf", content=book.pdf, headers={"content-type": PDF_TYPE}).json()
     body = {"question": "What did the Caterpillar say to Alice about her size?", "max_tokens": 4, "stream": True}
-    items = events_of(client.post(f"/v1/sessions/{session_id}/ask", json=body))[0].data["items"]
+    items = events_of(shared_client.post(f"/v1/sessions/{session_id}/ask", json=body))[0].data["items"]
     assert items
-    detail = client.get(f"{url}/{document['id']}").json()
+    detail = shared_client.get(f"{url}/{document['id']}").json()
     starts = detail["pages"]
     for item in items:
         assert item["document_name"] == "alice.pdf"
@@ -50,12 +50,14 @@ def test_passages_cite_their_document_page_and_section(client, book):
         assert item["page_start"] == page and item["page_end"] >= page
         sections = [s for s in detail["outline"] if s["char_start"] <= item["char_start"]]
         assert item["section"] == (sections[-1]["title"] if sections else None)
-    plain = client.post(f"/v1/sessions/{session_id}/documents", content=BOOK[:2000], headers={"content-type": "text/plain"})
+    plain = shared_client.post(
+        f"/v1/sessions/{session_id}/documents", content=BOOK[:2000], headers={"content-type": "text/plain"}
+    )
     assert plain.json()["format"] == "text" and plain.json()["page_count"] == 0
 
 
-def test_each_format_by_its_type_and_by_its_bytes(client):
-    session_id = new_session(client, memory="text")
+def test_each_format_by_its_type_and_by_its_bytes(shared_client):
+    session_id = new_session(shared_client, memory="text")
     url = f"/v1/sessions/{session_id}/documents"
     files = {
         "docx": (make_docx([("Heading1", "Findings"), ("", "Sales rose in May.")]), "application/octet-stream"),
@@ -64,10 +66,10 @@ def test_each_format_by_its_type_and_by_its_bytes(client):
         "markdown": (b"# Notes\n\nA line.\n", "text/markdown"),
     }
     for format, (data, media) in files.items():
-        response = client.post(url, content=data, headers={"content-type": media})
+        response = shared_client.post(url, content=data, headers={"content-type": media})
         assert response.status_code == 201, (format, response.text)
         assert response.json()["format"] == format and response.json()["section_count"] >= 1
-    html = client.get(f"{url}/{client.get(url).json()['data'][2]['id']}").json()
+    html = shared_client.get(f"{url}/{shared_client.get(url).json()['data'][2]['id']}").json()
     assert html["chars"] == len("Guide\n\nRun it.") and html["outline"][0]["title"] == "Guide"
 
 
@@ -81,11 +83,11 @@ def _encrypted_mimetype() -> bytes:
     return bytes(data)
 
 
-def test_json_text_is_taken_as_written(client):
-    session_id = new_session(client, memory="text")
+def test_json_text_is_taken_as_written(shared_client):
+    session_id = new_session(shared_client, memory="text")
     url = f"/v1/sessions/{session_id}/documents"
     for text in ("%PDF-1.7 is how every PDF starts.", "<!DOCTYPE html><p>markup, kept as text</p>"):
-        response = client.post(url, json={"text": text})
+        response = shared_client.post(url, json={"text": text})
         assert response.status_code == 201 and response.json()["chars"] == len(text) and response.json()["format"] == "text"
 
 

@@ -12,45 +12,46 @@ from server.app import create_app
 from tests.helpers import assert_error, new_session, tiny_settings, wait_ready
 
 
-def test_400_bad_requests(client):
-    assert_error(client.post("/v1/sessions", json={"memory": "nope"}), 400, "invalid_request")
-    assert_error(client.post("/v1/sessions", json={"memory": "text", "options": {"top_k": 0}}), 400)
-    session_id = new_session(client)
+def test_400_bad_requests(shared_client):
+    assert_error(shared_client.post("/v1/sessions", json={"memory": "nope"}), 400, "invalid_request")
+    assert_error(shared_client.post("/v1/sessions", json={"memory": "text", "options": {"top_k": 0}}), 400)
+    session_id = new_session(shared_client)
     too_long = {"question": "q", "max_tokens": 100_000}
-    assert_error(client.post(f"/v1/sessions/{session_id}/ask", json=too_long), 400, "invalid_request")
+    assert_error(shared_client.post(f"/v1/sessions/{session_id}/ask", json=too_long), 400, "invalid_request")
     last_not_user = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
-    assert_error(client.post("/v1/chat/completions", json=last_not_user), 400)
+    assert_error(shared_client.post("/v1/chat/completions", json=last_not_user), 400)
     huge_prompt = {"messages": [{"role": "user", "content": "word " * 5000}], "max_tokens": 10}
-    assert "context" in assert_error(client.post("/v1/chat/completions", json=huge_prompt), 400)["message"]
-    empty = client.post(f"/v1/sessions/{session_id}/documents", content="   ", headers={"content-type": "text/plain"})
+    assert "context" in assert_error(shared_client.post("/v1/chat/completions", json=huge_prompt), 400)["message"]
+    empty = shared_client.post(f"/v1/sessions/{session_id}/documents", content="   ", headers={"content-type": "text/plain"})
     assert_error(empty, 400)
 
 
-def test_422_malformed(client):
-    session_id = new_session(client)
-    assert_error(client.post("/v1/sessions", content="{not json", headers={"content-type": "application/json"}), 422)
-    assert_error(client.post(f"/v1/sessions/{session_id}/ask", json={"max_tokens": 3}), 422, "validation_error")
-    assert_error(client.post(f"/v1/sessions/{session_id}/ask", json={"question": "q", "temperature": -1}), 422)
-    assert_error(client.post(f"/v1/sessions/{session_id}/documents", json={"name": "no text"}), 422)
+def test_422_malformed(shared_client):
+    session_id = new_session(shared_client)
+    assert_error(shared_client.post("/v1/sessions", content="{not json", headers={"content-type": "application/json"}), 422)
+    assert_error(shared_client.post(f"/v1/sessions/{session_id}/ask", json={"max_tokens": 3}), 422, "validation_error")
+    assert_error(shared_client.post(f"/v1/sessions/{session_id}/ask", json={"question": "q", "temperature": -1}), 422)
+    assert_error(shared_client.post(f"/v1/sessions/{session_id}/documents", json={"name": "no text"}), 422)
     assert_error(
-        client.post(f"/v1/sessions/{session_id}/documents", content=b"{", headers={"content-type": "application/json"}), 422
+        shared_client.post(f"/v1/sessions/{session_id}/documents", content=b"{", headers={"content-type": "application/json"}),
+        422,
     )
     two = {"messages": [{"role": "user", "content": "a"}], "n": 2}
-    assert_error(client.post("/v1/chat/completions", json=two), 422)
+    assert_error(shared_client.post("/v1/chat/completions", json=two), 422)
 
 
-def test_404_unknown_things(client):
-    assert_error(client.get("/v1/sessions/s-missing"), 404, "not_found")
-    assert_error(client.delete("/v1/sessions/s-missing"), 404)
-    assert_error(client.post("/v1/sessions/s-missing/ask", json={"question": "q"}), 404)
-    assert_error(client.post("/v1/sessions/s-missing/documents", json={"text": "t"}), 404)
-    assert_error(client.get("/v1/sessions/s-missing/cache"), 404)
-    session_id = new_session(client)
-    assert_error(client.get(f"/v1/sessions/{session_id}/documents/d-missing"), 404)
-    assert_error(client.post("/v1/sessions", json={"model": "no-such-model"}), 404)
+def test_404_unknown_things(shared_client):
+    assert_error(shared_client.get("/v1/sessions/s-missing"), 404, "not_found")
+    assert_error(shared_client.delete("/v1/sessions/s-missing"), 404)
+    assert_error(shared_client.post("/v1/sessions/s-missing/ask", json={"question": "q"}), 404)
+    assert_error(shared_client.post("/v1/sessions/s-missing/documents", json={"text": "t"}), 404)
+    assert_error(shared_client.get("/v1/sessions/s-missing/cache"), 404)
+    session_id = new_session(shared_client)
+    assert_error(shared_client.get(f"/v1/sessions/{session_id}/documents/d-missing"), 404)
+    assert_error(shared_client.post("/v1/sessions", json={"model": "no-such-model"}), 404)
     chat = {"messages": [{"role": "user", "content": "hi"}], "session_id": "s-missing"}
-    assert_error(client.post("/v1/chat/completions", json=chat), 404)
-    assert_error(client.get("/v1/nothing-here"), 404)
+    assert_error(shared_client.post("/v1/chat/completions", json=chat), 404)
+    assert_error(shared_client.get("/v1/nothing-here"), 404)
 
 
 def test_413_document_too_large(make_client):
@@ -64,14 +65,16 @@ def test_413_document_too_large(make_client):
     assert client.post(url, json={"text": "small enough"}).status_code == 201
 
 
-def test_415_media_type_and_bad_bytes(client):
-    session_id = new_session(client)
+def test_415_media_type_and_bad_bytes(shared_client):
+    session_id = new_session(shared_client)
     url = f"/v1/sessions/{session_id}/documents"
-    assert_error(client.post(url, content="<a/>", headers={"content-type": "application/xml"}), 415, "unsupported_media_type")
+    assert_error(
+        shared_client.post(url, content="<a/>", headers={"content-type": "application/xml"}), 415, "unsupported_media_type"
+    )
     latin1 = "café".encode("latin-1")
-    assert_error(client.post(url, content=latin1, headers={"content-type": "text/plain"}), 415)
-    assert_error(client.post(url, files={"file": ("bad.txt", b"\xff\xfe\xfa", "text/plain")}), 415)
-    assert client.get(f"/v1/sessions/{session_id}").json()["documents"] == []
+    assert_error(shared_client.post(url, content=latin1, headers={"content-type": "text/plain"}), 415)
+    assert_error(shared_client.post(url, files={"file": ("bad.txt", b"\xff\xfe\xfa", "text/plain")}), 415)
+    assert shared_client.get(f"/v1/sessions/{session_id}").json()["documents"] == []
 
 
 def test_401_api_key(make_client):
