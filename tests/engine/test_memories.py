@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Generator
+from dataclasses import replace
 from itertools import pairwise
 from typing import Any
 
@@ -264,9 +265,11 @@ def test_score_fusion_at_either_end_weight_is_that_ranking_alone(context, tiny_t
         "as dense": {"dense_weight": 1.0},
         "as lexical": {"dense_weight": 0.0},
     }
+    memory = text_memory(context, {"chunk_tokens": 16, "top_k": 4, "context_tokens": 64})
+    ingest(memory, tiny_tokenizer, "book", text)  # once: these options change how it ranks, not what it stores
+    base = memory.options
     for name, options in settings.items():
-        memory = build_memory("text", context, {"chunk_tokens": 16, "top_k": 4, "context_tokens": 64, **options})
-        ingest(memory, tiny_tokenizer, "book", text)
+        memory.options = replace(base, **options)
         chosen[name] = [p.item.chunk_id for p in sorted(memory.retrieve(question, 1000), key=lambda p: -(p.item.score or 0.0))]
     assert chosen["as dense"] == chosen["dense"]
     assert chosen["as lexical"][: len(chosen["lexical"])] == chosen["lexical"]
@@ -407,14 +410,14 @@ def test_margin_takes_only_chunks_scored_near_the_best(context, tiny_tokenizer):
     scores = [score for _, _, _, score in ranked]
     assert scores[1] > scores[2]
     margin = scores[0] - (scores[1] + scores[2]) / 2  # between the second's gap and the third's
-    near = text_memory(context, {**options, "margin": margin})
-    ingest(near, tiny_tokenizer, "book", text)
-    pieces = near.retrieve(question, 1000)
+    base = plain.options
+    taken = plain.retrieve(question, 1000)
+    plain.options = replace(base, margin=margin)  # a margin changes how it reads, not what it stores
+    pieces = plain.retrieve(question, 1000)
     assert sum(p.item.char_end - p.item.char_start for p in pieces) <= sum(b - a for _, a, b, _ in ranked[:2]) + 2
     assert all(any(p.item.char_start <= a and b <= p.item.char_end for p in pieces) for _, a, b, _ in ranked[:2])
-    wide = text_memory(context, {**options, "margin": 100.0})
-    ingest(wide, tiny_tokenizer, "book", text)
-    assert wide.retrieve(question, 1000) == plain.retrieve(question, 1000)
+    plain.options = replace(base, margin=100.0)
+    assert plain.retrieve(question, 1000) == taken
 
 
 @pytest.mark.parametrize("options", [{"fusion": "rank"}, {"retrieval": "dense"}, {"retrieval": "lexical"}])
@@ -423,10 +426,11 @@ def test_margin_is_inert_where_scores_are_not_fused_z_scores(context, tiny_token
     changes nothing there rather than refusing the session."""
     text = filler(60) + " " + FACT + " " + filler(60) + " " + RARE + " " + filler(60)
     question = "Who was handed the Z80 bootloader, and what colour is the Velmora lighthouse?"
+    memory = text_memory(context, {"chunk_tokens": 16, "top_k": 6, "sentence_tokens": 0, **options})
+    ingest(memory, tiny_tokenizer, "book", text)
     taken = []
     for margin in (0.0, 1e-9):
-        memory = text_memory(context, {"chunk_tokens": 16, "top_k": 6, "sentence_tokens": 0, "margin": margin, **options})
-        ingest(memory, tiny_tokenizer, "book", text)
+        memory.options = replace(memory.options, margin=margin)
         taken.append(memory.retrieve(question, 1000))
     assert len(taken[0]) > 1 and taken[0] == taken[1]
 
