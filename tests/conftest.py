@@ -101,8 +101,9 @@ def client(make_client) -> Iterator[TestClient]:
 
 @pytest.fixture(scope="module")
 def shared_client(tiny_dir: Path) -> Iterator[TestClient]:
-    """One app for a module's tests whose requests leave nothing another of them reads (refusals,
-    sessions no test lists): an app started once rather than once a test."""
+    """One app for a module's tests that read only what they make themselves (their own sessions,
+    refusals, stateless routes), never the server's lists, metrics or settings: an app started
+    once rather than once a test."""
     with TestClient(create_app(tiny_settings(tiny_dir))) as client:
         wait_ready(client)
         yield client

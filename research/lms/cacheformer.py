@@ -35,8 +35,8 @@ class CacheFormerAttention(LongShortAttention):
         B, H, Tp, hd = q.shape
         p, G = cfg.group_size, Tp // cfg.group_size
         S, r = k_bar.shape[2], k_bar.shape[3]
-        flat = (q @ k_bar.reshape(B, H, S * r, hd).transpose(-1, -2)).abs()  # B, H, Tp, S*r
-        row_scores = flat.view(B, H, Tp, S, r).mean(-1) * hd**-0.5  # B, H, Tp, S: magnitude of each segment's r scores
+        flat = (q @ k_bar.reshape(B, H, S * r, hd).transpose(-1, -2)).abs() * hd**-0.5  # B, H, Tp, S*r
+        row_scores = flat.view(B, H, Tp, S, r).mean(-1)  # B, H, Tp, S: magnitude of each segment's r scores
         visible = ends.view(1, -1) < torch.arange(Tp, device=q.device).view(-1, 1)  # Tp, S
         scores = group_scores(row_scores * visible, p)  # B, H, G, S
         starts = torch.arange(G, device=q.device) * p

@@ -1,6 +1,6 @@
 """End to end on SmolLM2-135M, the small model: a server subprocess on a free loopback port, a 39k-token
 public-domain book ingested in text mode, a question about its middle answered by REST streaming,
-the openai SDK, and the `longdoc` command line; a session in the default memory answering about a
+the openai SDK, and the `longdoc` command line (on the chapter the question is about); a session in the default memory answering about a
 132K-token book; and a pass key answered from a Neurocache session with the shipped adapter."""
 
 from __future__ import annotations

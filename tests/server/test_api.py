@@ -181,7 +181,7 @@ def test_the_same_document_and_question_give_the_same_excerpts_and_greedy_answer
         client = make_client()
         for _ in range(2):
             session_id = new_session(client, memory="text")
-            client.post(f"/v1/sessions/{session_id}/documents", json={"text": TEXT[:8_000]})  # 17 chunks to rank
+            client.post(f"/v1/sessions/{session_id}/documents", json={"text": TEXT[:8_000]})  # 33 chunks to rank
             body = client.post(
                 f"/v1/sessions/{session_id}/ask",
                 json={"question": "What did the White Rabbit take out of its waistcoat-pocket?", "max_tokens": 12},
