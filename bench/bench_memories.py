@@ -64,6 +64,8 @@ def start_server(port: int, model: str = SMALL_MODEL) -> subprocess.Popen:
     process = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
+        if process.poll() is not None:  # it failed to start (an import, a bad setting): no use waiting out the deadline
+            raise RuntimeError(f"the server exited with status {process.returncode} before it was ready")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
                 return process

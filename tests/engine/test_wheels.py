@@ -181,3 +181,20 @@ def test_serve_pull_pulls_the_served_models_before_the_server_starts(monkeypatch
     monkeypatch.delenv("LONGDOC_PULL")
     assert CliRunner().invoke(cli.app, ["serve", "--model", SMALL_MODEL]).exit_code == 0
     assert [kind for kind, _ in calls] == ["app", "run"]
+
+
+def test_the_gpu_staging_carries_every_runtime_dependency_the_gpu_image_lacks():
+    """scripts/gpu/wheels.txt pins what the GPU machine's image lacks; a dependency in neither (pypdfium2 on
+    2026-11-29) stops the server there at its first import."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+
+    def name(requirement: str) -> str:
+        return re.split(r"[<>=\[ ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+    lines = (root / "scripts" / "gpu" / "wheels.txt").read_text().splitlines()
+    (image,) = [line.removeprefix("# image:").split() for line in lines if line.startswith("# image:")]
+    pinned = {name(line) for line in lines if line and not line.startswith("#")}
+    dependencies = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert {name(d) for d in dependencies} - set(image) - pinned == set()

