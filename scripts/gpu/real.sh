@@ -7,7 +7,7 @@
 #   device, per part k, carrying .gpu/pk:   mkdir -p /tmp/stage && cp .gpu/pk/* /tmp/stage/
 #   device, the last part's run adds:      && bash scripts/gpu/real.sh bench    (then, still warm: real.sh qa)
 # bench: the serving table (bench.bench_memories) of truncate, text and kvcache; qa: the QA benchmark's oracle and
-# text rows (QA_LIMIT questions of each held-out text); wholedoc: the whole-document benchmark's held-out questions
+# text rows (QA_MEMORIES: other --memory flags; QA_LIMIT questions of each held-out text); wholedoc: the whole-document benchmark's held-out questions
 # at 128K tokens, `text` (issue 61's first token). Logs and tables go to $OUT. The evals convert the model again
 # (about 20 s), into ~/.cache/longdoc: they do not read LONGDOC_CACHE_DIR.
 set -uo pipefail
@@ -53,7 +53,7 @@ case "${1:-bench}" in
     ;;
   qa)
     timeout "${QA_TIMEOUT:-200}" python3 -c "import sys; sys.argv[0] = 'longdoc'; from clients.cli import app; from research.cli import mount; mount(app); app()" \
-      eval qa --device cuda --model "$MODEL" --memory oracle --memory text --limit "${QA_LIMIT:-22}" --write "$OUT/qa.md" 2>&1 \
+      eval qa --device cuda --model "$MODEL" ${QA_MEMORIES:---memory oracle --memory text} --limit "${QA_LIMIT:-22}" --write "$OUT/qa.md" 2>&1 \
       | grep -v -e FutureWarning -e 'return forward_call' -e 'Loading weights' | tee "$OUT/qa.log"
     ;;
   wholedoc)
