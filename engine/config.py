@@ -21,6 +21,15 @@ DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 # of the speed benchmarks measured before the default changed (2026-11-25)
 SMALL_MODEL = "smollm2-135m-instruct"
 DEFAULT_CACHE_DIR = Path("~/.cache/longdoc").expanduser()  # converted models; sessions under it by default
+CACHE_DIR_VARIABLE = "LONGDOC_CACHE_DIR"  # the server's `cache_dir` (server/settings.py reads every LONGDOC_*)
+
+
+def operator_cache_dir() -> Path:
+    """The cache directory an operator set (`LONGDOC_CACHE_DIR`, as the server reads it), else the
+    default: for what runs beside the server (evals, training, built kernels) and finds its models."""
+    return Path(os.environ.get(CACHE_DIR_VARIABLE) or DEFAULT_CACHE_DIR).expanduser()
+
+
 SHIPPED_ADAPTERS = Path(__file__).resolve().parent / "adapters"
 # the text memory's MiniLM adapted to questions about old books (research/training/retriever_train.py)
 SHIPPED_EMBEDDER_ADAPTER = SHIPPED_ADAPTERS / "all-minilm-l6-v2"

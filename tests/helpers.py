@@ -26,7 +26,7 @@ from transformers import (
 )
 
 from clients.client import events_of as parse_events
-from engine.config import DEFAULT_CACHE_DIR
+from engine.config import operator_cache_dir
 from engine.memories.neurocache.adapter import CacheAttention, LoRALinear, Neurocache, NeurocacheConfig
 from research.lms.byte_tokenizer import ByteTokenizer
 from research.lms.feeders import feeder_for
@@ -35,7 +35,7 @@ from server.settings import Settings
 # --- paths and the test device ---
 
 FIXTURES = Path(__file__).parent / "fixtures"
-CACHE_DIR = Path(os.environ.get("LONGDOC_CACHE_DIR", DEFAULT_CACHE_DIR)).expanduser()
+CACHE_DIR = operator_cache_dir()
 # `LONGDOC_TEST_DEVICE=cuda pytest` runs the suite with CUDA as the default device of every test and
 # of the test servers' engines (scripts/gpu/check.sh); CI leaves it unset, on CPU.
 TEST_DEVICE = os.environ.get("LONGDOC_TEST_DEVICE", "cpu")

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import DEFAULT_CACHE_DIR
+from engine.config import operator_cache_dir
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("weight_only.h", "weight_only.c", "decode_step.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
@@ -66,8 +66,7 @@ def _build(target: Path) -> None:
 def kernel_dir() -> Path:
     """Where built kernels are kept: `LONGDOC_KERNEL_DIR`, else kernels/ in the cache directory
     (`LONGDOC_CACHE_DIR`, as the server's settings read it, else its default)."""
-    cache = Path(os.environ.get("LONGDOC_CACHE_DIR") or DEFAULT_CACHE_DIR).expanduser()
-    return Path(os.environ.get("LONGDOC_KERNEL_DIR") or cache / "kernels").expanduser()
+    return Path(os.environ.get("LONGDOC_KERNEL_DIR") or operator_cache_dir() / "kernels").expanduser()
 
 
 @functools.cache

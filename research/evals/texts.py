@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.config import DEFAULT_CACHE_DIR
+from engine.config import operator_cache_dir
 from research.training.corpus import DEFAULT_DIR, HELD_OUT, fetch
 
 QA_DIR = Path("data/qa")
@@ -103,7 +103,7 @@ if __name__ == "__main__":
 
     from engine.models.loader import small_model_dir
 
-    tokenizer = AutoTokenizer.from_pretrained(small_model_dir(DEFAULT_CACHE_DIR))
+    tokenizer = AutoTokenizer.from_pretrained(small_model_dir(operator_cache_dir()))
     for spec in TEXTS:
         text = load(spec.name)
         print(f"{spec.name:14} {spec.genre:24} {len(text):>8} chars {len(tokenizer(text)['input_ids']):>7} tokens")

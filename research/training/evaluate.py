@@ -14,7 +14,7 @@ import math
 import random
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from engine.config import DEFAULT_CACHE_DIR, SHIPPED_ADAPTERS, SHIPPED_EMBEDDER_ADAPTER, SMALL_MODEL, EngineConfig, ModelSpec
+from engine.config import SHIPPED_ADAPTERS, SHIPPED_EMBEDDER_ADAPTER, SMALL_MODEL, EngineConfig, ModelSpec, operator_cache_dir
 from engine.engine import Engine
 from engine.interface import GenerationParams, Retrieval, RetrievedItem, TokenDelta
 from engine.memories.neurocache.adapter_io import load_adapter
@@ -37,7 +37,7 @@ class EvalSetup:
     model: str = SMALL_MODEL
     adapter: Path | None = None  # folder with adapter.json; None: the shipped adapter if any
     corpus_dir: Path = DEFAULT_DIR
-    cache_dir: Path = DEFAULT_CACHE_DIR
+    cache_dir: Path = field(default_factory=operator_cache_dir)  # LONGDOC_CACHE_DIR, as the server's
     device: str = "auto"
     quantize: str = "auto"  # weight-only, as longdoc serve --quantize (engine/models/quantize.py)
     embedder_adapter: Path | None = SHIPPED_EMBEDDER_ADAPTER  # the text memory's MiniLM adapter; None: none

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from engine.config import DEFAULT_CACHE_DIR, SMALL_MODEL
+from engine.config import SMALL_MODEL, operator_cache_dir
 from engine.memories.neurocache.adapter import CacheAttention, Neurocache, NeurocacheConfig
 from engine.memories.neurocache.adapter_io import load_adapter, read_meta, save_adapter
 from engine.memories.neurocache.state_cache import StateCache
@@ -36,7 +36,7 @@ class TrainConfig:
     model: str = SMALL_MODEL
     out: Path = Path("runs/neurocache")
     corpus_dir: Path = DEFAULT_DIR
-    cache_dir: Path = DEFAULT_CACHE_DIR
+    cache_dir: Path = field(default_factory=operator_cache_dir)  # LONGDOC_CACHE_DIR, as the server's
     device: str = "auto"
     steps: int = 200  # optimizer steps
     batch_size: int = 2

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from engine.config import DEFAULT_MODEL, operator_cache_dir
 from engine.models.loader import load_model
 from engine.prompts import render
 from research.evals.texts import DEV_TEXTS
@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip", type=int, default=0, help="passages of the draw to pass over (written by an earlier run)")
     args = parser.parse_args()
-    loaded = load_model(args.model, cache_dir=DEFAULT_CACHE_DIR, device="cpu")
+    loaded = load_model(args.model, cache_dir=operator_cache_dir(), device="cpu")
     model, tokenizer = loaded.model, loaded.tokenizer
     tokenizer.padding_side = "left"
     excluded = {spec.source for spec in DEV_TEXTS}

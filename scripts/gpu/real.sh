@@ -6,10 +6,10 @@
 #                               # safetensors moved out of the tree for the loan, as on 2026-11-29: none is read here)
 #   device, per part k, carrying .gpu/pk:   mkdir -p /tmp/stage && cp .gpu/pk/* /tmp/stage/
 #   device, the last part's run adds:      && bash scripts/gpu/real.sh bench    (then, still warm: real.sh qa)
-# bench: the serving table (bench.bench_memories) of truncate, text and kvcache; qa: the QA benchmark's oracle and
-# text rows (QA_MEMORIES: other --memory flags, no JSON options; QA_LIMIT questions of each held-out text); wholedoc: the whole-document benchmark's held-out questions
-# at 128K tokens, `text` (issue 61's first token). Logs and tables go to $OUT. The evals convert the model again
-# (about 20 s), into ~/.cache/longdoc: they do not read LONGDOC_CACHE_DIR.
+# bench: the serving table (bench.bench_memories) of truncate, text and kvcache. qa: the QA benchmark's oracle and
+# text rows (QA_MEMORIES: other --memory flags, no JSON options; QA_LIMIT questions of each held-out text).
+# wholedoc: the whole-document benchmark's held-out questions at 128K tokens, `text` (issue 61's first token).
+# Logs and tables go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}

