@@ -190,11 +190,13 @@ def test_the_gpu_staging_carries_every_runtime_dependency_the_gpu_image_lacks():
 
     root = Path(__file__).resolve().parents[2]
 
-    def name(requirement: str) -> str:
-        return re.split(r"[<>=\[ ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+    def name(requirement: str) -> str:  # the distribution's normalized name (PEP 503), versions and markers dropped
+        return re.sub(r"[-_.]+", "-", re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0]).lower()
 
     lines = (root / "scripts" / "gpu" / "wheels.txt").read_text().splitlines()
-    (image,) = [line.removeprefix("# image:").split() for line in lines if line.startswith("# image:")]
+    (image,) = [{name(n) for n in line.removeprefix("# image:").split()} for line in lines if line.startswith("# image:")]
     pinned = {name(line) for line in lines if line and not line.startswith("#")}
     dependencies = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
-    assert {name(d) for d in dependencies} - set(image) - pinned == set()
+    assert {name(d) for d in dependencies} - image - pinned == set()
+    assert name("PyStemmer>=3.1; python_version >= '3.10'") == "pystemmer"
+    assert name("typing_extensions~=4.0") == "typing-extensions"
