@@ -21,7 +21,8 @@ DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 # of the speed benchmarks measured before the default changed (2026-11-25)
 SMALL_MODEL = "smollm2-135m-instruct"
 DEFAULT_CACHE_DIR = Path("~/.cache/longdoc").expanduser()  # converted models; sessions under it by default
-CACHE_DIR_VARIABLE = "LONGDOC_CACHE_DIR"  # the server's `cache_dir` (server/settings.py reads every LONGDOC_*)
+ENV_PREFIX = "LONGDOC_"  # an operator's settings as environment variables (server/settings.py reads them all)
+CACHE_DIR_VARIABLE = f"{ENV_PREFIX}CACHE_DIR"  # the server's `cache_dir`
 
 
 def operator_cache_dir() -> Path:

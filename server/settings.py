@@ -10,6 +10,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.config import (
     DEFAULT_MODEL,
+    ENV_PREFIX,
     SHIPPED_ADAPTERS,
     EngineConfig,
     default_server_memory_bytes,
@@ -33,7 +34,7 @@ class Settings(BaseSettings):
     """HTTP-only settings carry their defaults and bounds here; the engine's come from its table
     (`engine_setting`)."""
 
-    model_config = SettingsConfigDict(env_prefix="LONGDOC_", cli_kebab_case=True, cli_implicit_flags=True)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, cli_kebab_case=True, cli_implicit_flags=True)
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
