@@ -308,6 +308,12 @@ def eval_wholedoc(
     length: Annotated[list[int], typer.Option(help="document length in tokens (about); repeat")] = [32768],
     dev: Annotated[bool, typer.Option(help="the development seeds and filler, to choose settings on")] = False,
     seeds: Annotated[int | None, typer.Option(help="only the first N seeds")] = None,
+    seed: Annotated[
+        list[int], typer.Option(help="these seeds instead (repeat; with the held-out filler unless --dev): fresh records")
+    ] = [],
+    phrasing: Annotated[
+        str, typer.Option(help='the questions\' words: "shipped", "reworded" (to choose on) or "unseen" (held out only)')
+    ] = "shipped",
     device: str = "auto",
     quantize: QuantizeOption = "auto",
     embedder_adapter: EmbedderAdapterOption = "shipped",
@@ -316,9 +322,15 @@ def eval_wholedoc(
     over generated records in book-length filler: per memory and per kind, beside the oracle."""
     from research.evals import wholedoc
 
-    chosen = wholedoc.DEV_SEEDS if dev else wholedoc.HELD_OUT_SEEDS
+    if set(seed) & set(wholedoc.DEV_SEEDS) and not dev:
+        raise typer.BadParameter(f"seeds {wholedoc.DEV_SEEDS} are the development ones: pass --dev with them")
+    if phrasing not in ("shipped", *wholedoc.PHRASINGS):
+        raise typer.BadParameter(f"phrasing: shipped or one of {sorted(wholedoc.PHRASINGS)}")
+    if phrasing == "unseen" and dev:
+        raise typer.BadParameter("the unseen phrasings are for held-out figures only: choose settings on --phrasing reworded")
+    chosen = tuple(seed) or (wholedoc.DEV_SEEDS if dev else wholedoc.HELD_OUT_SEEDS)
     fillers = wholedoc.DEV_FILLER if dev else wholedoc.HELD_OUT_FILLER
-    docs = wholedoc.documents(chosen[:seeds] if seeds else chosen, tuple(length), fillers)
+    docs = wholedoc.documents(chosen[:seeds] if seeds else chosen, tuple(length), fillers, phrasing=phrasing)
     rows = wholedoc.bench(_setup(model, None, device, quantize, embedder_adapter), _memory_runs(memory), docs)
     _echo_rows(rows)
 

@@ -22,7 +22,11 @@ Each kind's facts stand in record order (counts, successions and meetings run fo
 places of their own, so the kinds interleave through the document.
 
 Several phrasings per kind, chosen by the seed; seeds DEV_SEEDS for choosing settings, HELD_OUT_SEEDS
-for the figures, and the filler of each from different books.
+for the figures, and the filler of each from different books. Two more sets of phrasings
+(`PHRASINGS`, written 2026-11-30 after the gathering rules, in words a reader might use and mostly
+without the words those rules look for) ask the same records' questions otherwise, to see whether
+the figures hold beyond the wordings the rules were built on: "reworded" to choose settings on,
+with the development seeds, and "unseen" for held-out figures only.
 """
 
 from __future__ import annotations
@@ -75,6 +79,70 @@ _BEQUESTS = (
 _FIGURES = ("Archivist", "Ferryman", "Cartographer", "Lamplighter", "Beekeeper", "Falconer")
 _CARGO = ("salt", "timber", "wool", "wine", "iron", "grain", "hides", "amber")
 
+# The records' questions in other words (the module's docstring); each template takes the fields
+# its kind records (`_Record.ask`).
+PHRASINGS: dict[str, dict[str, tuple[str, ...]]] = {
+    "reworded": {
+        "count": (
+            "What is the number of times the {ship} docked at {port}?",
+            "Tally the occasions on which the {ship} put in at {port}.",
+            "The {ship} docked at {port} more than once. On how many occasions?",
+        ),
+        "list": (
+            "Which towns did the envoy {envoy} sail to?",
+            "Where did {envoy} travel as envoy? Give the towns.",
+            "What towns did the envoy {envoy} reach by sea?",
+        ),
+        "first": (
+            "Who became harbourmaster of {port} before any other?",
+            "Who held the office of harbourmaster of {port} earliest?",
+        ),
+        "last": ("Who was the most recent harbourmaster appointed at {port}?", "Who was made harbourmaster of {port} latest?"),
+        "compare": (
+            "Was the {a} or the {b} the more frequent visitor to {port}?",
+            "Between the {a} and the {b}, which entered the harbour of {port} on more occasions?",
+        ),
+        "two_hop": ("What did {child}'s mother do for a living?", "{child}'s mother had a trade. What was it?"),
+        "order": (
+            "{traveller} met the {a}, the {b} and the {c}. Which of them came first, second and third?",
+            "Arrange the {a}, the {b} and the {c} by when {traveller} met them.",
+        ),
+        "lookalike": (
+            "What bequest to the parish came from {first} {initial}. {surname}, the {trade} of {street}?",
+            "{first} {initial}. {surname} ({trade}, {street}) left something to the parish. What?",
+        ),
+    },
+    "unseen": {
+        "count": (
+            "Over the whole record, how frequently did the {ship} come to dock at {port}? State a number.",
+            "Give me the number of the {ship}'s dockings at {port}.",
+        ),
+        "list": (
+            "Tell me the towns the envoy {envoy} visited.",
+            "The envoy {envoy} made several voyages. To what towns?",
+            "Give the complete set of towns {envoy} reached as envoy.",
+        ),
+        "first": ("Who was {port}'s original harbourmaster?", "Name the initial holder of the post of harbourmaster of {port}."),
+        "last": (
+            "Who was named harbourmaster of {port} after all the others?",
+            "Name the final holder of the post of harbourmaster of {port}.",
+        ),
+        "compare": (
+            "Which of the two ships, the {a} or the {b}, called at {port} the greater number of times?",
+            "Did {port} see the {a} more, or the {b}?",
+        ),
+        "two_hop": ("By what trade did the mother of {child} earn her bread?", "Which occupation did {child}'s mother follow?"),
+        "order": (
+            "Give the sequence in which {traveller} encountered the {a}, the {b} and the {c}.",
+            "Of the {a}, the {b} and the {c}, whom did {traveller} meet first, whom next, and whom last?",
+        ),
+        "lookalike": (
+            "Tell me what the {trade} {first} {initial}. {surname} of {street} gave the parish.",
+            "What was left to the parish by {first} {initial}. {surname}, {trade}, of {street}?",
+        ),
+    },
+}
+
 
 @dataclass(frozen=True)
 class Question:
@@ -124,10 +192,21 @@ class _Record:
     # (id, kind, question, answers, candidates, distractors)
     kinds: list[str] = field(default_factory=list)  # each fact's kind, which `kind` names while it is written
     kind: str = ""
+    phrasing: str = "shipped"  # or a set of PHRASINGS: the questions in other words
 
     def fact(self, text: str, *served: str) -> None:
         self.facts.append((text, served))
         self.kinds.append(self.kind)
+
+    def ask(self, template: str, question: tuple[Any, ...], **fields: str) -> None:
+        """Record `question` (id, kind, text, answers, candidates, distractors); with another
+        phrasing its text is one of that set's `template`s in its words (`fields`), chosen by the
+        id, so the record and the document stay as they are."""
+        if self.phrasing != "shipped":
+            qid = question[0]
+            text = random.Random(f"{qid}/{self.phrasing}").choice(PHRASINGS[self.phrasing][template]).format(**fields)
+            question = (qid, question[1], text, *question[3:])
+        self.questions.append(question)
 
 
 def _count(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
@@ -150,7 +229,7 @@ def _count(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
             f"Count the times the {ship} docked at {port}.",
         )
     )
-    rec.questions.append((qid, "count", question, (str(count), _NUMBERS[count]), (), ()))
+    rec.ask("count", (qid, "count", question, (str(count), _NUMBERS[count]), (), ()), ship=ship, port=port)
 
 
 def _list(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
@@ -173,7 +252,7 @@ def _list(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
             f"To which towns did the envoy {envoy} sail? Name them all.",
         )
     )
-    rec.questions.append((qid, "list", question, tuple(towns), (), tuple(elsewhere)))
+    rec.ask("list", (qid, "list", question, tuple(towns), (), tuple(elsewhere)), envoy=envoy)
 
 
 def _first_last(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
@@ -198,7 +277,7 @@ def _first_last(rec: _Record, rng: random.Random, names: _Names, qid: str) -> No
         )
     )
     answer = holders[0] if first else holders[-1]
-    rec.questions.append((qid, "first_last", question, (answer,), tuple(holders), ()))
+    rec.ask(word, (qid, "first_last", question, (answer,), tuple(holders), ()), port=port)
 
 
 def _compare(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
@@ -219,7 +298,7 @@ def _compare(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
             f"Did the {a} or the {b} visit {port} more times?",
         )
     )
-    rec.questions.append((qid, "compare", question, (a if times_a > times_b else b,), (a, b), ()))
+    rec.ask("compare", (qid, "compare", question, (a if times_a > times_b else b,), (a, b), ()), a=a, b=b, port=port)
 
 
 def _two_hop(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
@@ -236,7 +315,7 @@ def _two_hop(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
         rec.fact(rng.choice(("{m} worked all her life as a {t}.", "By trade {m} was a {t}.")).format(m=mother, t=trade), *served)
     child, _, trade = families[0]
     question = rng.choice((f"What was the trade of {child}'s mother?", f"What work did the mother of {child} do?"))
-    rec.questions.append((qid, "two_hop", question, (trade,), (), (families[1][2],)))
+    rec.ask("two_hop", (qid, "two_hop", question, (trade,), (), (families[1][2],)), child=child)
 
 
 def _order(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
@@ -258,7 +337,7 @@ def _order(rec: _Record, rng: random.Random, names: _Names, qid: str) -> None:
             f"{traveller} met the {asked[0]}, the {asked[1]} and the {asked[2]}. In which order?",
         )
     )
-    rec.questions.append((qid, "order", question, tuple(figures), (), ()))
+    rec.ask("order", (qid, "order", question, tuple(figures), (), ()), traveller=traveller, a=asked[0], b=asked[1], c=asked[2])
 
 
 def _lookalike(rec: _Record, rng: random.Random, names: _Names, qids: tuple[str, str]) -> None:
@@ -288,7 +367,8 @@ def _lookalike(rec: _Record, rng: random.Random, names: _Names, qids: tuple[str,
             )
         )
         others = tuple(b for b in bequests if b != bequests[index])
-        rec.questions.append((qid, "lookalike", question, (bequests[index],), (), others))
+        fields = {"first": f, "initial": i, "surname": s, "trade": t, "street": st}
+        rec.ask("lookalike", (qid, "lookalike", question, (bequests[index],), (), others), **fields)
 
 
 def _filler(name: str, corpus_dir: Path) -> str:
@@ -297,16 +377,16 @@ def _filler(name: str, corpus_dir: Path) -> str:
     return (corpus_dir / name).read_text(encoding="utf-8", errors="replace")
 
 
-def generate(seed: int, tokens: int, filler_name: str, corpus_dir: Path = DEFAULT_DIR) -> Document:
+def generate(seed: int, tokens: int, filler_name: str, corpus_dir: Path = DEFAULT_DIR, phrasing: str = "shipped") -> Document:
     """A document of about `tokens` tokens: filler from `filler_name` (repeated if short) with one
-    record's facts at random paragraph breaks, and its questions."""
+    record's facts at random paragraph breaks, and its questions (in `phrasing`'s words)."""
     rng = random.Random(seed)
     source = _filler(filler_name, corpus_dir)
     paragraphs = [p.strip() for p in re.split(r"\n\s*\n", source) if p.strip()]
     if len(paragraphs) < 200:  # a text without blank lines between its paragraphs: its lines
         paragraphs = [line.strip() for line in source.splitlines() if line.strip()]
     names = _Names(rng, source)
-    rec = _Record([], [])
+    rec = _Record([], [], phrasing=phrasing)
     name = f"record-{seed}-{tokens // 1024}k"
     for kind, write in (("count", _count), ("list", _list), ("first_last", _first_last), ("compare", _compare)):
         rec.kind = kind
@@ -484,10 +564,18 @@ async def _ask(engine: Engine, row: KindRow, document: Document, question: Quest
 
 
 def documents(
-    seeds: tuple[int, ...], lengths: tuple[int, ...], fillers: tuple[str, ...], corpus_dir: Path = DEFAULT_DIR
+    seeds: tuple[int, ...],
+    lengths: tuple[int, ...],
+    fillers: tuple[str, ...],
+    corpus_dir: Path = DEFAULT_DIR,
+    phrasing: str = "shipped",
 ) -> list[Document]:
     """One document per (length, seed), the seed's filler taken in turn from `fillers`."""
-    return [generate(seed, length, fillers[i % len(fillers)], corpus_dir) for length in lengths for i, seed in enumerate(seeds)]
+    return [
+        generate(seed, length, fillers[i % len(fillers)], corpus_dir, phrasing)
+        for length in lengths
+        for i, seed in enumerate(seeds)
+    ]
 
 
 def bench(setup: EvalSetup, runs: list[tuple[str, dict[str, Any]]], docs: list[Document]) -> list[KindRow]:

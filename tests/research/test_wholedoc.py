@@ -3,8 +3,11 @@ memory's gathering on what it generates."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
+
 from engine.memories.text.gather import gather
-from research.evals.wholedoc import KINDS, Question, generate, grade
+from research.evals.wholedoc import KINDS, PHRASINGS, Question, generate, grade
 from tests.helpers import FIXTURES
 
 
@@ -32,6 +35,20 @@ def test_generated_records_are_gathered_whole_and_alike_twice():
             assert set(question.facts) <= got, question.id
 
 
+def test_reworded_questions_are_gathered_whole_where_their_names_recur():
+    missed = 0
+    for seed in (1, 2, 3):
+        document = generate(seed, 8192, "alice29.txt", FIXTURES, "reworded")
+        for question in document.questions:
+            strategy, sentences = gather([document.text], question.question, 768, 256, recurring=True)
+            assert (strategy, sentences) == gather([document.text], question.question, 768, 256, recurring=True)
+            assert set(question.facts) <= {(s.start, s.end) for s in sentences}, question.question
+            assert [s.start for s in sentences] == sorted(s.start for s in sentences)
+            _, without = gather([document.text], question.question, 768, 256)
+            missed += not set(question.facts) <= {(s.start, s.end) for s in without}
+    assert missed >= 3  # by their words alone, some of these are local questions and lose their facts
+
+
 def test_the_kinds_interleave_and_two_hops_stand_far_apart():
     for seed in (1, 2, 3, 101):
         document = generate(seed, 32768, "alice29.txt", FIXTURES)
@@ -48,6 +65,23 @@ def test_the_kinds_interleave_and_two_hops_stand_far_apart():
         order = next(q for q in document.questions if q.kind == "order")
         asked = sorted(order.answers, key=order.question.index)
         assert tuple(asked) != order.answers, seed  # repeating the question is no answer
+
+
+def test_other_phrasings_ask_the_same_records_in_other_words():
+    for seed in (1, 101):
+        shipped = generate(seed, 8192, "alice29.txt", FIXTURES)
+        for phrasing in PHRASINGS:
+            other = generate(seed, 8192, "alice29.txt", FIXTURES, phrasing)
+            assert other.text == shipped.text and other == generate(seed, 8192, "alice29.txt", FIXTURES, phrasing)
+            for mine, theirs in zip(other.questions, shipped.questions, strict=True):
+                assert mine.question != theirs.question and replace(mine, question=theirs.question) == theirs
+                if mine.kind in ("order", "lookalike", "compare"):  # the same names as the shipped wording gives
+                    names = set(re.findall(r"\b[A-Z][a-z]+\b", theirs.question)) - {"In", "What", "Which", "Did"}
+                    assert names <= set(re.findall(r"\b[A-Z][a-z]+\b", mine.question)), (phrasing, mine.question)
+    # every template of every set is filled by the fields its kind records
+    for seed in range(1, 9):
+        for phrasing in PHRASINGS:
+            assert all("{" not in q.question for q in generate(seed, 8192, "alice29.txt", FIXTURES, phrasing).questions)
 
 
 def question(

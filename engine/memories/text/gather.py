@@ -168,29 +168,36 @@ def _hop_names(documents: list[str], best: list[Sentence], given: list[str], com
     return rare
 
 
-def gather(documents: list[str], question: str, whole_tokens: int, lookup_tokens: int) -> tuple[str, list[Sentence]]:
+def gather(
+    documents: list[str], question: str, whole_tokens: int, lookup_tokens: int, recurring: bool = False
+) -> tuple[str, list[Sentence]]:
     """(strategy, sentences in document order): "whole" (every mention of the question's names,
     within `whole_tokens`); "exact" (a sentence holds every name the question gives: the sentences
     that do, and one hop from them, within `lookup_tokens`; nothing else is needed); "lookup" (the
     sentences naming most of the question, and one hop, within `lookup_tokens`, before the ranked
-    chunks); or "none" (nothing to gather: the ranked chunks answer alone). What a question scans
-    is bounded: at most MAX_NAMES names, and a scan stops once it has more sentences than it can use."""
+    chunks); or "none" (nothing to gather: the ranked chunks answer alone). A question is a
+    whole-document one by its words (`is_whole_document`), or, with `recurring`, where its names
+    stand in more sentences than a lookup takes (more than HOP_SENTENCES, or more than
+    LOOKUP_SENTENCES that match it equally well) or the best of them leave some of its names out:
+    then every mention, when they fit. What a
+    question scans is bounded: at most MAX_NAMES names, and a scan stops once it has more
+    sentences than it can use."""
     common = common_words(documents)
     names = question_names(question, common)[:MAX_NAMES]
     if is_whole_document(question):
-        budget = whole_tokens * _CHARS_PER_TOKEN
-        first = mentions(documents, names, budget // MIN_SENTENCE_CHARS)
-        if not first or len(first) > budget // MIN_SENTENCE_CHARS or sum(s.end - s.start for s in first) > budget:
-            return "none", []  # not every mention fits: no exhaustive answer to give, the ranked chunks answer
-        return "whole", first
+        return _every_mention(documents, names, whole_tokens)
     first = mentions(documents, names, HOP_SENTENCES)
-    if not first or len(first) > HOP_SENTENCES:
-        return "none", []  # nothing named, or names the document uses often (a book's main characters)
+    if not first:
+        return "none", []  # nothing named
+    if len(first) > HOP_SENTENCES:  # names the document repeats; a book's main characters do not fit
+        return _every_mention(documents, names, whole_tokens) if recurring else ("none", [])
     weight = {(s.document, s.start): sum(len(name) for name in s.names) for s in first}
     top = max(weight.values())
     best = [s for s in first if weight[(s.document, s.start)] == top]  # the fullest match of the question
     if len(best) > LOOKUP_SENTENCES:
-        return "none", []
+        return ("whole", first) if recurring else ("none", [])  # all of them: fewer than HOP_SENTENCES
+    if recurring and not frozenset().union(*(s.names for s in first)) <= frozenset().union(*(s.names for s in best)):
+        return "whole", first  # the question's names stand in several sentences, none holding most of them
     taken = {(s.document, s.start) for s in best}
     hop = [s for s in mentions(documents, _hop_names(documents, best, names, common)) if (s.document, s.start) not in taken]
     kept = _within(
@@ -204,6 +211,15 @@ def gather(documents: list[str], question: str, whole_tokens: int, lookup_tokens
     # initial: the question picks one of look-alikes, and ranked chunks would bring the others back
     exact = top == sum(len(name) for name in names) and (len(names) > 1 or re.search(r"\b[A-Z]\.", names[0]) is not None)
     return "exact" if exact else "lookup", kept
+
+
+def _every_mention(documents: list[str], names: list[str], whole_tokens: int) -> tuple[str, list[Sentence]]:
+    """("whole", every sentence naming one of `names`) when they fit `whole_tokens`; else ("none", [])."""
+    budget = whole_tokens * _CHARS_PER_TOKEN
+    found = mentions(documents, names, budget // MIN_SENTENCE_CHARS)
+    if not found or len(found) > budget // MIN_SENTENCE_CHARS or sum(s.end - s.start for s in found) > budget:
+        return "none", []  # not every mention fits: no exhaustive answer to give, the ranked chunks answer
+    return "whole", found
 
 
 def merged(gathered: list[ContextPiece], ranked: list[ContextPiece], documents: list[tuple[str, str]]) -> list[ContextPiece]:

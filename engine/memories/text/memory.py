@@ -95,7 +95,7 @@ class TextMemory(Memory):
             return self._ranked_pieces(query, max_tokens, allowed)
         texts = [text if documents is None or id_ in documents else "" for id_, text in self.store.documents]
         whole = min(max_tokens, self.options.gather_tokens)
-        strategy, sentences = gather(texts, query, whole, min(whole, self.options.lookup_tokens))
+        strategy, sentences = gather(texts, query, whole, min(whole, self.options.lookup_tokens), self.options.gather_recurring)
         vector: np.ndarray | None = None  # an exact gathering that fits needs no ranking
         order: list[tuple[int, float]] | None = None
         if strategy != "exact":

@@ -27,6 +27,9 @@ class TextOptions:
     gather_tokens: int = 2048  # at most this many tokens of them; a local question's exact matches at most lookup_tokens
     lookup_tokens: int = 256
     gather_chunks: int | None = None  # beside a whole-document gathering, at most this many ranked chunks (None: top_k)
+    # a question whose names the documents repeat (more sentences than a lookup takes) is a whole-document
+    # one, whatever its words, when every mention fits gather_tokens (gather.py)
+    gather_recurring: bool = False
     # a question about a named chapter (book, part...) or the ending ranks only the chunks there, and
     # an ending gets the place's last tail_tokens too (locate.py)
     locate: bool = False
@@ -66,8 +69,8 @@ class TextOptions:
             raise ValueError("margin must be between 0 (off) and 100")
         if not 0.0 <= self.sentence_share <= 1.0:
             raise ValueError("sentence_share must be between 0 and 1")
-        if not isinstance(self.gather, bool):
-            raise ValueError("gather must be true or false")
+        if not isinstance(self.gather, bool) or not isinstance(self.gather_recurring, bool):
+            raise ValueError("gather and gather_recurring must be true or false")
         if not (1 <= self.gather_tokens <= 32_768 and 1 <= self.lookup_tokens <= 32_768):
             raise ValueError("gather_tokens and lookup_tokens must be between 1 and 32768")
         if self.gather_chunks is not None and not 0 <= self.gather_chunks <= 64:
