@@ -324,6 +324,8 @@ def eval_wholedoc(
 
     if set(seed) & set(wholedoc.DEV_SEEDS) and not dev:
         raise typer.BadParameter(f"seeds {wholedoc.DEV_SEEDS} are the development ones: pass --dev with them")
+    if set(seed) & set(wholedoc.HELD_OUT_SEEDS) and dev:
+        raise typer.BadParameter(f"seeds {wholedoc.HELD_OUT_SEEDS} are held out: not with --dev")
     if phrasing not in ("shipped", *wholedoc.PHRASINGS):
         raise typer.BadParameter(f"phrasing: shipped or one of {sorted(wholedoc.PHRASINGS)}")
     if phrasing == "unseen" and dev:

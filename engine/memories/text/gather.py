@@ -15,7 +15,9 @@ names it uses often (a book's main characters), the ranked chunks answer as with
 other question, the sentences naming the most of the question (the longest names, summed) are
 taken (exact-match awareness: among look-alikes, the one with the initial, trade and street the
 question gives), and the names they add are followed one hop (two-hop questions: a person's
-mother, then her trade).
+mother, then her trade). With `recurring` (the option `gather_recurring`, off by default), a
+question is also a whole-document one where its names recur more than a lookup takes, or stand in
+several sentences none of which holds most of them, whatever its words.
 """
 
 from __future__ import annotations
@@ -195,9 +197,9 @@ def gather(
     top = max(weight.values())
     best = [s for s in first if weight[(s.document, s.start)] == top]  # the fullest match of the question
     if len(best) > LOOKUP_SENTENCES:
-        return ("whole", first) if recurring else ("none", [])  # all of them: fewer than HOP_SENTENCES
+        return _every_mention(documents, names, whole_tokens) if recurring else ("none", [])
     if recurring and not frozenset().union(*(s.names for s in first)) <= frozenset().union(*(s.names for s in best)):
-        return "whole", first  # the question's names stand in several sentences, none holding most of them
+        return _every_mention(documents, names, whole_tokens)  # its names in several sentences, none holding most
     taken = {(s.document, s.start) for s in best}
     hop = [s for s in mentions(documents, _hop_names(documents, best, names, common)) if (s.document, s.start) not in taken]
     kept = _within(

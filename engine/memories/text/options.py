@@ -27,8 +27,9 @@ class TextOptions:
     gather_tokens: int = 2048  # at most this many tokens of them; a local question's exact matches at most lookup_tokens
     lookup_tokens: int = 256
     gather_chunks: int | None = None  # beside a whole-document gathering, at most this many ranked chunks (None: top_k)
-    # a question whose names the documents repeat (more sentences than a lookup takes) is a whole-document
-    # one, whatever its words, when every mention fits gather_tokens (gather.py)
+    # a question whose names the documents repeat (more sentences than a lookup takes), or whose best sentences
+    # leave some of its names out, is a whole-document one, whatever its words, when every mention fits
+    # gather_tokens (gather.py)
     gather_recurring: bool = False
     # a question about a named chapter (book, part...) or the ending ranks only the chunks there, and
     # an ending gets the place's last tail_tokens too (locate.py)
