@@ -181,9 +181,8 @@ def gather(
     whole-document one by its words (`is_whole_document`), or, with `recurring`, where its names
     stand in more sentences than a lookup takes (more than HOP_SENTENCES, or more than
     LOOKUP_SENTENCES that match it equally well) or the best of them leave some of its names out:
-    then every mention, when they fit. What a
-    question scans is bounded: at most MAX_NAMES names, and a scan stops once it has more
-    sentences than it can use."""
+    then every mention, when they fit. What a question scans is bounded: at most MAX_NAMES names,
+    and a scan stops once it has more sentences than it can use."""
     common = common_words(documents)
     names = question_names(question, common)[:MAX_NAMES]
     if is_whole_document(question):
@@ -196,10 +195,11 @@ def gather(
     weight = {(s.document, s.start): sum(len(name) for name in s.names) for s in first}
     top = max(weight.values())
     best = [s for s in first if weight[(s.document, s.start)] == top]  # the fullest match of the question
+    # below, `first` already holds every mention (no more than HOP_SENTENCES): no second scan
     if len(best) > LOOKUP_SENTENCES:
-        return _every_mention(documents, names, whole_tokens) if recurring else ("none", [])
+        return _whole_if_fits(first, whole_tokens) if recurring else ("none", [])
     if recurring and not frozenset().union(*(s.names for s in first)) <= frozenset().union(*(s.names for s in best)):
-        return _every_mention(documents, names, whole_tokens)  # its names in several sentences, none holding most
+        return _whole_if_fits(first, whole_tokens)  # its names in several sentences, none holding most
     taken = {(s.document, s.start) for s in best}
     hop = [s for s in mentions(documents, _hop_names(documents, best, names, common)) if (s.document, s.start) not in taken]
     kept = _within(
@@ -217,8 +217,12 @@ def gather(
 
 def _every_mention(documents: list[str], names: list[str], whole_tokens: int) -> tuple[str, list[Sentence]]:
     """("whole", every sentence naming one of `names`) when they fit `whole_tokens`; else ("none", [])."""
+    return _whole_if_fits(mentions(documents, names, whole_tokens * _CHARS_PER_TOKEN // MIN_SENTENCE_CHARS), whole_tokens)
+
+
+def _whole_if_fits(found: list[Sentence], whole_tokens: int) -> tuple[str, list[Sentence]]:
+    """("whole", `found`: every mention, or one past a scan's limit) when they fit `whole_tokens`; else ("none", [])."""
     budget = whole_tokens * _CHARS_PER_TOKEN
-    found = mentions(documents, names, budget // MIN_SENTENCE_CHARS)
     if not found or len(found) > budget // MIN_SENTENCE_CHARS or sum(s.end - s.start for s in found) > budget:
         return "none", []  # not every mention fits: no exhaustive answer to give, the ranked chunks answer
     return "whole", found
