@@ -6,6 +6,9 @@
     .venv/bin/python -m bench.peers --model qwen2.5-coder-1.5b-instruct   # the default model (a split GGUF, joined)
 
 longdoc is measured once per `--quantize` mode given (a server each, one after the other).
+`--alternate N` measures only one-stream decode after a 512-token prompt, with every server up at
+once and their requests taken in turns, N rounds: on a machine whose speed drifts (a VM's
+neighbours), the ratios of one run of the full table can move by a third, and turns share the drift.
 
 Per system: prefill tok/s for prompts of about 512, 2K and 8K tokens (prompt tokens / time to the
 first token), decode tok/s of one stream after a 512- and a 2K-token prompt, and, through each
@@ -258,6 +261,33 @@ def table(results: dict[str, Measures]) -> str:
     return "\n".join(lines)
 
 
+def alternate(args: argparse.Namespace, prompts: Prompts, count_tokens: Callable[[str], int]) -> None:
+    """One-stream decode after 512-token prompts, the servers' requests in turns (`--alternate`)."""
+    servers = {longdoc_name(q): Server(["--model", args.model, "--device", "cpu", "--quantize", q]) for q in args.quantize}
+    rates: dict[str, list[float]] = {name: [] for name in [*servers, "llama.cpp"]}
+    with tempfile.TemporaryDirectory(prefix="longdoc-peers-") as scratch:
+        process, llama_url = llama_server(args.peers_python, gguf_file(args.model, Path(scratch)))
+        try:
+            urls = {name: server.start().url for name, server in servers.items()} | {"llama.cpp": llama_url}
+            for url in urls.values():
+                stream_chat(url, args.model, prompts.make(128))  # warm-up
+            for round_ in range(args.alternate):
+                for name, url in urls.items():
+                    answer = stream_chat(url, args.model, prompts.make(512))
+                    rates[name].append((count_tokens(answer.text) - 1) / (answer.total - answer.ttft))
+                print(f"round {round_ + 1}:", {name: round(r[-1], 2) for name, r in rates.items()}, flush=True)
+        finally:
+            process.kill()
+            for server in servers.values():
+                if server.process is not None:  # started
+                    server.stop()
+    theirs = median(rates["llama.cpp"])
+    print(f"\ndecode tok/s, one stream, 512-token context, medians of {args.alternate} rounds in turns; `{' '.join(sys.argv)}`\n")
+    print("| system | decode tok/s | / llama.cpp |\n|---|---|---|")
+    for name, found in rates.items():
+        print(f"| {name} | {median(found):.2f} | {median(found) / theirs:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers-python", default=".venv-peers/bin/python", help="a Python with llama-cpp-python[server]")
@@ -266,6 +296,7 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3, help="runs of each measure; the median is reported")
     parser.add_argument("--model", default=SMALL_MODEL, choices=list(WHEEL_MODELS), help="a model from PyPI wheels")
+    parser.add_argument("--alternate", type=int, default=0, help="only one-stream decode, the servers in turns, this many rounds")
     args = parser.parse_args()
     model = args.model
     loaded = load_model(model, cache_dir=DEFAULT_CACHE_DIR, device="cpu")
@@ -276,6 +307,9 @@ def main() -> None:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     print(f"torch threads {torch.get_num_threads()}, {model} as {loaded.dtype}", flush=True)
+    if args.alternate:
+        alternate(args, Prompts(tokenizer, book_ids), count_tokens)
+        return
     results: dict[str, Measures] = {}
     for quantize in args.quantize:
         server = Server(["--model", model, "--device", "cpu", "--quantize", quantize]).start()
