@@ -595,47 +595,60 @@ BLOCK_VNNI(4, prefetch)
 BLOCK_VNNI(2, prefetch_l2)
 BLOCK_VNNI(1, prefetch_l2)
 
-/* One row against weight row a alone: block_vnni_1's sums for a, in the same order, so the same
-   bits. A lone row streams its weights one row at a time (on 2 Zen 4 cores 1.2-1.3x as fast as in
-   pairs, docs/studies/quantize.md); more rows share each pair's unpacked codes. */
-VNNI static inline void one_vnni(const int8_t *q, const float *ls, const float *sums, long k, const uint8_t *a,
-                                 const uint16_t *ga, const uint8_t *next, float *out) {
-    long groups = k / 32;
-    __m512 sa = _mm512_setzero_ps();
-    const __m512i quarters = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    const __m512i high16 = _mm512_set1_epi32((int)0xFFFF0000);
-    for (long g0 = 0; g0 < groups; g0 += 16) {
-        long count = groups - g0 < 16 ? groups - g0 : 16;
-        __mmask16 mask = (__mmask16)((1u << count) - 1);
-        __m512i pa = _mm512_maskz_loadu_epi32(mask, ga + 2 * g0);
-        __m512 scale_a = _mm512_castsi512_ps(_mm512_slli_epi32(pa, 16));
-        sa = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(pa, high16)), _mm512_maskz_loadu_ps(mask, sums + g0), sa);
-        for (long g = 0; g < count; g += 4) {
-            long m = (g0 + g) / 4, at = (g0 + g) * 16;
-            prefetch_l2(next + at, 64);
-            __m512i la, ha;
-            unpack_quad(a + at, count - g, &la, &ha);
-            __m512 ska = _mm512_permutexvar_ps(_mm512_add_epi32(quarters, _mm512_set1_epi32((int)g)), scale_a);
-            const int8_t *xq = q + m * 128;
-            __m512i xl = _mm512_loadu_si512((const void *)xq), xh = _mm512_loadu_si512((const void *)(xq + 64));
-            __m512 xs = _mm512_loadu_ps(ls + m * 16);
-            __m512i ia = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), la, xl), ha, xh);
-            sa = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ia), xs), ska, sa);
-        }
+/* ROWS (1 or 2) rows against weight row a alone: block_vnni_ROWS's sums for a, in the same order,
+   so the same bits. One or two rows stream the weights a row at a time (on 2 Zen 4 cores 1.2-1.3x
+   as fast as in pairs for one row, about 1.1x for two: docs/studies/quantize.md); more rows share
+   each pair's unpacked codes. */
+#define ONE_VNNI(ROWS)                                                                                   \
+    VNNI static inline void one_vnni_##ROWS(const int8_t *q, const float *ls, const float *sums, long k, \
+                                            const uint8_t *a, const uint16_t *ga, const uint8_t *next, float *out) { \
+        long groups = k / 32, quads = (groups + 3) / 4;                                                 \
+        __m512 sa[ROWS];                                                                                \
+        for (int r = 0; r < ROWS; r++) sa[r] = _mm512_setzero_ps();                                     \
+        const __m512i quarters = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);     \
+        const __m512i high16 = _mm512_set1_epi32((int)0xFFFF0000);                                      \
+        for (long g0 = 0; g0 < groups; g0 += 16) {                                                      \
+            long count = groups - g0 < 16 ? groups - g0 : 16;                                           \
+            __mmask16 mask = (__mmask16)((1u << count) - 1);                                            \
+            __m512i pa = _mm512_maskz_loadu_epi32(mask, ga + 2 * g0);                                   \
+            __m512 scale_a = _mm512_castsi512_ps(_mm512_slli_epi32(pa, 16));                            \
+            __m512 min_a = _mm512_castsi512_ps(_mm512_and_si512(pa, high16));                           \
+            for (int r = 0; r < ROWS; r++)                                                              \
+                sa[r] = _mm512_fmadd_ps(min_a, _mm512_maskz_loadu_ps(mask, sums + r * groups + g0), sa[r]); \
+            for (long g = 0; g < count; g += 4) {                                                       \
+                long m = (g0 + g) / 4, at = (g0 + g) * 16;                                              \
+                prefetch_l2(next + at, 64);                                                             \
+                __m512i la, ha;                                                                         \
+                unpack_quad(a + at, count - g, &la, &ha);                                               \
+                __m512 ska = _mm512_permutexvar_ps(_mm512_add_epi32(quarters, _mm512_set1_epi32((int)g)), scale_a); \
+                for (int r = 0; r < ROWS; r++) {                                                        \
+                    const int8_t *xq = q + (r * quads + m) * 128;                                       \
+                    __m512i xl = _mm512_loadu_si512((const void *)xq), xh = _mm512_loadu_si512((const void *)(xq + 64)); \
+                    __m512 xs = _mm512_loadu_ps(ls + (r * quads + m) * 16);                             \
+                    __m512i ia = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), la, xl), ha, xh); \
+                    sa[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ia), xs), ska, sa[r]);     \
+                }                                                                                       \
+            }                                                                                           \
+        }                                                                                               \
+        for (int r = 0; r < ROWS; r++) out[r] = _mm512_reduce_add_ps(sa[r]);                            \
     }
-    *out = _mm512_reduce_add_ps(sa);
-}
+ONE_VNNI(1)
+ONE_VNNI(2)
 
 VNNI static void int4_matmul_vnni(const float *x, const float *sums, long rows, long k, const uint8_t *w,
                                   const uint16_t *groups, long n, float *out) {
     /* a weight row's bytes, bfloat16 (scale, minimum) values, groups and quads of groups */
     long bytes = k / 2, values = k / 16, count = k / 32, quads = (count + 3) / 4;
     Rounded in = rounded(quantize_inputs, x, rows, k);
-    if (rows == 1) {
+    if (rows <= 2) {
         _Pragma("omp parallel for schedule(static)")
-        for (long j = 0; j < n; j++)
-            one_vnni(in.quantized, in.lane_scales, sums, k, w + j * bytes, groups + j * values,
-                     w + (j + 2 < n ? j + 2 : j) * bytes, out + j);
+        for (long j = 0; j < n; j++) {
+            const uint8_t *a = w + j * bytes, *next = w + (j + 2 < n ? j + 2 : j) * bytes;
+            float two[2];
+            if (rows == 2) one_vnni_2(in.quantized, in.lane_scales, sums, k, a, groups + j * values, next, two);
+            else one_vnni_1(in.quantized, in.lane_scales, sums, k, a, groups + j * values, next, two);
+            for (long r = 0; r < rows; r++) out[r * n + j] = two[r];
+        }
         free_rounded(in);
         return;
     }
