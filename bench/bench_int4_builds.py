@@ -1,10 +1,10 @@
 """Two builds of the CPU kernels' sources (engine/models/csrc/), the int4 matmul alternating in
 one process: first checks that both give the same bits, then medians of 15 rounds of each for 1, 2,
 4 and 8 rows over random weights of the default model's projection shapes. By default the AVX2
-kernel on int8 inputs over one of each shape (7 MB: read from the cache); `--avx512` the AVX-512
+kernel on int8 inputs over one of each shape (19 MB: read from L3); `--avx512` the AVX-512
 kernels (VNNI where the CPU has it), `--float-inputs` int4 on float32 inputs, `--layers 28` the
 fused projections of 28 layers (0.82 GB, read from memory as a decode step reads them), `--head`
-the int8 output head [151,936 x 1,536] instead.
+the int8 output head [151,936 x 1,536] alone (`--layers` and `--float-inputs` do not apply to it).
 
     mkdir /tmp/old && for f in weight_only.c weight_only.h decode_step.c; do
       git show 3825248:engine/models/csrc/$f > /tmp/old/$f; done
@@ -89,8 +89,7 @@ def random_weights(layers: int, head: bool) -> list[Weight]:
     return [Weight(features, *int4_groups(torch.randn(out, features) * 0.02)) for features, out in shapes]
 
 
-def compare(old: ctypes.CDLL, new: ctypes.CDLL, weights: list[Weight]) -> None:
-    calls = 1 if len(weights) > len(SHAPES) or weights[0].int8 else CALLS  # from memory: each weight once a round
+def compare(old: ctypes.CDLL, new: ctypes.CDLL, weights: list[Weight], calls: int) -> None:
     print("| rows | old ms | new ms | new / old |\n|---|---|---|---|")
     for rows in (1, 2, 4, 8):
         inputs = {w.features: torch.randn(rows, w.features) for w in weights}
@@ -115,8 +114,9 @@ def main() -> None:
     parser.add_argument("new", type=Path, help="the same for the new build")
     parser.add_argument("--avx512", action="store_true", help="the AVX-512 kernels (VNNI where the CPU has it)")
     parser.add_argument("--float-inputs", action="store_true", help="int4 on float32 inputs, not rounded to int8")
-    parser.add_argument("--layers", type=int, default=0, help="the projections of this many layers (0: one of each shape)")
-    parser.add_argument("--head", action="store_true", help="the int8 output head instead")
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--layers", type=int, default=0, help="the projections of this many layers (0: one of each shape)")
+    sizes.add_argument("--head", action="store_true", help="the int8 output head instead")
     args = parser.parse_args()
     setup = Setup(args.avx512, not args.float_inputs)
     weights = random_weights(args.layers, args.head)
@@ -126,7 +126,9 @@ def main() -> None:
     single_threaded_torch()  # the compute thread's OpenMP team owns the cores, as in the server
     with tempfile.TemporaryDirectory() as scratch:
         old, new = build(args.old, Path(scratch) / "old.so", setup), build(args.new, Path(scratch) / "new.so", setup)
-        compute_executor().submit(compare, old, new, weights).result()
+        print(f"int4 rounds its inputs to int8: {bool(new.int4_rounds_inputs())}")
+        calls = 1 if args.layers or args.head else CALLS  # from memory: each weight once a round
+        compute_executor().submit(compare, old, new, weights, calls).result()
 
 
 if __name__ == "__main__":

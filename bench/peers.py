@@ -7,7 +7,7 @@
 
 longdoc is measured once per `--quantize` mode given (a server each, one after the other).
 `--alternate N` measures only one-stream decode after a 512-token prompt, with every server up at
-once and their requests taken in turns, N rounds: on a machine whose speed drifts (a VM's
+once and their requests taken in turns (each round in the other order), N rounds: on a machine whose speed drifts (a VM's
 neighbours), the ratios of one run of the full table can move by a third, and turns share the drift.
 
 Per system: prefill tok/s for prompts of about 512, 2K and 8K tokens (prompt tokens / time to the
@@ -263,7 +263,12 @@ def table(results: dict[str, Measures]) -> str:
 
 def alternate(args: argparse.Namespace, prompts: Prompts, count_tokens: Callable[[str], int]) -> None:
     """One-stream decode after 512-token prompts, the servers' requests in turns (`--alternate`)."""
-    servers = {longdoc_name(q): Server(["--model", args.model, "--device", "cpu", "--quantize", q]) for q in args.quantize}
+    servers = {
+        longdoc_name(q): Server(
+            ["--model", args.model, "--device", "cpu", "--quantize", q], log=Path(f"/tmp/longdoc-peers-{q}.log")
+        )
+        for q in args.quantize
+    }
     rates: dict[str, list[float]] = {name: [] for name in [*servers, "llama.cpp"]}
     with tempfile.TemporaryDirectory(prefix="longdoc-peers-") as scratch:
         process, llama_url = llama_server(args.peers_python, gguf_file(args.model, Path(scratch)))
@@ -272,7 +277,8 @@ def alternate(args: argparse.Namespace, prompts: Prompts, count_tokens: Callable
             for url in urls.values():
                 stream_chat(url, args.model, prompts.make(128))  # warm-up
             for round_ in range(args.alternate):
-                for name, url in urls.items():
+                order = list(urls.items())
+                for name, url in order if round_ % 2 == 0 else order[::-1]:  # each goes first in turn
                     answer = stream_chat(url, args.model, prompts.make(512))
                     rates[name].append((count_tokens(answer.text) - 1) / (answer.total - answer.ttft))
                 print(f"round {round_ + 1}:", {name: round(r[-1], 2) for name, r in rates.items()}, flush=True)
@@ -298,6 +304,8 @@ def main() -> None:
     parser.add_argument("--model", default=SMALL_MODEL, choices=list(WHEEL_MODELS), help="a model from PyPI wheels")
     parser.add_argument("--alternate", type=int, default=0, help="only one-stream decode, the servers in turns, this many rounds")
     args = parser.parse_args()
+    if args.alternate < 0:
+        parser.error("--alternate takes a number of rounds, at least 1")
     model = args.model
     loaded = load_model(model, cache_dir=DEFAULT_CACHE_DIR, device="cpu")
     tokenizer = loaded.tokenizer
