@@ -596,8 +596,8 @@ BLOCK_VNNI(2, prefetch_l2)
 BLOCK_VNNI(1, prefetch_l2)
 
 /* ROWS (1 or 2) rows against weight row a alone: block_vnni_ROWS's sums for a, in the same order,
-   so the same bits. One or two rows stream the weights a row at a time (on 2 Zen 4 cores 1.2-1.3x
-   as fast as in pairs for one row, about 1.1x for two: docs/studies/quantize.md); more rows share
+   so the same bits. One or two rows stream the weights a row at a time (on 2 Zen 4 cores in 0.76-0.82
+   of the time pairs took for one row, 0.85-0.91 for two: docs/studies/quantize.md); more rows share
    each pair's unpacked codes. */
 #define ONE_VNNI(ROWS)                                                                                   \
     VNNI static inline void one_vnni_##ROWS(const int8_t *q, const float *ls, const float *sums, long k, \
