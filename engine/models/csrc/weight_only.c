@@ -404,26 +404,25 @@ MATMUL512(int8_matmul_avx512, int8_t, block_int8, BY_SCALE_AT)
 MATMUL512(bf16_matmul_avx512, uint16_t, block_bf16, AS_IS_AT)
 MATMUL512(f32_matmul_avx512, float, block_f32, AS_IS_AT)
 
-/* The (scale, minimum) pairs of weight rows a and b for the (up to) 16 groups from g0 on, read as
-   one vector each: their scales into `scale_a` and `scale_b`, and the minimums' part of `rows`
-   rows (their inputs' group sums times the minimums) added into `sa` and `sb`. Returns how many
-   groups there are. */
-AVX512 static inline long group_block(const uint16_t *ga, const uint16_t *gb, const float *sums, long groups, long g0,
-                                      int rows, __m512 *sa, __m512 *sb, __m512 *scale_a, __m512 *scale_b) {
+/* The (scale, minimum) pairs of weight row w for the (up to) 16 groups from g0 on, read as one
+   vector: their scales into `scale`, and the minimums' part of `rows` rows (their inputs' group sums
+   times the minimums) added into `acc`. Returns how many groups there are. */
+AVX512 static inline long group_row(const uint16_t *gw, const float *sums, long groups, long g0, int rows, __m512 *acc,
+                                    __m512 *scale) {
     long count = groups - g0 < 16 ? groups - g0 : 16;
     __mmask16 mask = (__mmask16)((1u << count) - 1);
-    const __m512i high16 = _mm512_set1_epi32((int)0xFFFF0000);
-    __m512i pa = _mm512_maskz_loadu_epi32(mask, ga + 2 * g0), pb = _mm512_maskz_loadu_epi32(mask, gb + 2 * g0);
-    *scale_a = _mm512_castsi512_ps(_mm512_slli_epi32(pa, 16));
-    *scale_b = _mm512_castsi512_ps(_mm512_slli_epi32(pb, 16));
-    __m512 min_a = _mm512_castsi512_ps(_mm512_and_si512(pa, high16));
-    __m512 min_b = _mm512_castsi512_ps(_mm512_and_si512(pb, high16));
-    for (int r = 0; r < rows; r++) {
-        __m512 s = _mm512_maskz_loadu_ps(mask, sums + r * groups + g0);
-        sa[r] = _mm512_fmadd_ps(min_a, s, sa[r]);
-        sb[r] = _mm512_fmadd_ps(min_b, s, sb[r]);
-    }
+    __m512i pairs = _mm512_maskz_loadu_epi32(mask, gw + 2 * g0);
+    *scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    __m512 mins = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000)));
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_fmadd_ps(mins, _mm512_maskz_loadu_ps(mask, sums + r * groups + g0), acc[r]);
     return count;
+}
+
+/* The same for weight rows a and b (into `sa`, `scale_a` and `sb`, `scale_b`). */
+AVX512 static inline long group_block(const uint16_t *ga, const uint16_t *gb, const float *sums, long groups, long g0,
+                                      int rows, __m512 *sa, __m512 *sb, __m512 *scale_a, __m512 *scale_b) {
+    group_row(ga, sums, groups, g0, rows, sa, scale_a);
+    return group_row(gb, sums, groups, g0, rows, sb, scale_b);
 }
 
 /* int4 with AVX-512. A weight is scale * code + minimum, so a row's product is, over its groups,
@@ -551,6 +550,15 @@ VNNI static inline void unpack_quad(const uint8_t *codes, long count, __m512i *l
     *high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
 }
 
+/* One quad's part of a row's sum: the codes' low and high nibbles (`low`, `high`) times the row's
+   rounded inputs laid out alike (`xl`, `xh`), each lane's 8 byte products summed exactly in int32,
+   converted once, times the groups' input steps `xs` and code scales `scale`, added into `acc`. */
+VNNI static inline __m512 quad_product(__m512i low, __m512i high, __m512i xl, __m512i xh, __m512 xs, __m512 scale,
+                                       __m512 acc) {
+    __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), low, xl), high, xh);
+    return _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), xs), scale, acc);
+}
+
 /* ROWS rows against weight rows a and b, a quad of groups at a time: each lane's 8 byte products
    summed exactly in int32 (its group's inputs 4i..4i+3 and 16+4i..16+4i+3), converted once, times
    the group's input step and its scale. A row's sums are the same in any block. */
@@ -579,10 +587,8 @@ VNNI static inline void unpack_quad(const uint8_t *codes, long count, __m512i *l
                     const int8_t *xq = q + (r * quads + m) * 128;                                      \
                     __m512i xl = _mm512_loadu_si512((const void *)xq), xh = _mm512_loadu_si512((const void *)(xq + 64)); \
                     __m512 xs = _mm512_loadu_ps(ls + (r * quads + m) * 16);                            \
-                    __m512i ia = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), la, xl), ha, xh); \
-                    __m512i ib = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lb, xl), hb, xh); \
-                    sa[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ia), xs), ska, sa[r]);    \
-                    sb[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ib), xs), skb, sb[r]);    \
+                    sa[r] = quad_product(la, ha, xl, xh, xs, ska, sa[r]);                              \
+                    sb[r] = quad_product(lb, hb, xl, xh, xs, skb, sb[r]);                              \
                 }                                                                                      \
             }                                                                                          \
         }                                                                                              \
@@ -606,15 +612,9 @@ BLOCK_VNNI(1, prefetch_l2)
         __m512 sa[ROWS];                                                                                \
         for (int r = 0; r < ROWS; r++) sa[r] = _mm512_setzero_ps();                                     \
         const __m512i quarters = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);     \
-        const __m512i high16 = _mm512_set1_epi32((int)0xFFFF0000);                                      \
         for (long g0 = 0; g0 < groups; g0 += 16) {                                                      \
-            long count = groups - g0 < 16 ? groups - g0 : 16;                                           \
-            __mmask16 mask = (__mmask16)((1u << count) - 1);                                            \
-            __m512i pa = _mm512_maskz_loadu_epi32(mask, ga + 2 * g0);                                   \
-            __m512 scale_a = _mm512_castsi512_ps(_mm512_slli_epi32(pa, 16));                            \
-            __m512 min_a = _mm512_castsi512_ps(_mm512_and_si512(pa, high16));                           \
-            for (int r = 0; r < ROWS; r++)                                                              \
-                sa[r] = _mm512_fmadd_ps(min_a, _mm512_maskz_loadu_ps(mask, sums + r * groups + g0), sa[r]); \
+            __m512 scale_a;                                                                             \
+            long count = group_row(ga, sums, groups, g0, ROWS, sa, &scale_a);                           \
             for (long g = 0; g < count; g += 4) {                                                       \
                 long m = (g0 + g) / 4, at = (g0 + g) * 16;                                              \
                 prefetch_l2(next + at, 64);                                                             \
@@ -625,8 +625,7 @@ BLOCK_VNNI(1, prefetch_l2)
                     const int8_t *xq = q + (r * quads + m) * 128;                                       \
                     __m512i xl = _mm512_loadu_si512((const void *)xq), xh = _mm512_loadu_si512((const void *)(xq + 64)); \
                     __m512 xs = _mm512_loadu_ps(ls + (r * quads + m) * 16);                             \
-                    __m512i ia = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), la, xl), ha, xh); \
-                    sa[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ia), xs), ska, sa[r]);     \
+                    sa[r] = quad_product(la, ha, xl, xh, xs, ska, sa[r]);                               \
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \
