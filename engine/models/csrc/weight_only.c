@@ -19,6 +19,10 @@
 
 #include "weight_only.h"
 
+/* A loop over a block's rows (a constant count once inlined), unrolled whole so that each row's
+   accumulators stay in registers: without it gcc kept them in memory, storing each one an iteration. */
+#define EACH_ROW _Pragma("GCC unroll 16")
+
 static inline __m256 int8_to_float(const int8_t *w) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
 }
@@ -138,7 +142,7 @@ static inline void dot_int4(const float *x, const float *sums, long rows, const 
         __m256i pairs = _mm256_maskload_epi32((const int *)(groups + 2 * g0), mask);
         __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
         __m256 mins = _mm256_castsi256_ps(_mm256_and_si256(pairs, high16));
-        for (long r = 0; r < rows; r++)
+        EACH_ROW for (long r = 0; r < rows; r++)
             acc[r] = _mm256_fmadd_ps(mins, _mm256_maskload_ps(sums + r * count + g0, mask), acc[r]);
         for (long g = 0; g < c; g++) {
             long i = (g0 + g) * 32;
@@ -147,7 +151,7 @@ static inline void dot_int4(const float *x, const float *sums, long rows, const 
             __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(c0, low4)), q2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4));
             __m256 q1 = _mm256_cvtepi32_ps(_mm256_and_si256(c1, low4)), q3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4));
             __m256 sk = _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32((int)g));
-            for (long r = 0; r < rows; r++) {
+            EACH_ROW for (long r = 0; r < rows; r++) {
                 const float *xr = x + r * k + i;
                 __m256 p = _mm256_mul_ps(_mm256_loadu_ps(xr), q0);
                 p = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), q1, p);
@@ -157,7 +161,7 @@ static inline void dot_int4(const float *x, const float *sums, long rows, const 
             }
         }
     }
-    for (long r = 0; r < rows; r++) out[r] = sum8(acc[r]);
+    EACH_ROW for (long r = 0; r < rows; r++) out[r] = sum8(acc[r]);
 }
 
 static void int4_matmul_avx2(const float *x, const float *sums, long rows, long k, const uint8_t *w, const uint16_t *groups,
@@ -226,7 +230,7 @@ static inline long group_block_avx2(const uint16_t *gw, const float *sums, long 
         __m256i pairs = _mm256_maskload_epi32((const int *)(gw + 2 * (g0 + 8 * h)), mask);
         scale[h] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
         __m256 mins = _mm256_castsi256_ps(_mm256_and_si256(pairs, high16));
-        for (int r = 0; r < rows; r++)
+        EACH_ROW for (int r = 0; r < rows; r++)
             acc[r][h] = _mm256_fmadd_ps(mins, _mm256_maskload_ps(sums + r * groups + g0 + 8 * h, mask), acc[r][h]);
     }
     return count;
@@ -251,7 +255,7 @@ static inline void unpack_pair(const uint8_t *codes, long count, __m256i *low, _
                                               float *out) {                                                  \
         long groups = k / 32, quads = (groups + 3) / 4, xstride = quads * 128, sstride = quads * 16;         \
         __m256 acc[ROWS][2];                                                                                 \
-        for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                          \
+        EACH_ROW for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                 \
         const __m256i ones = _mm256_set1_epi16(1), quarters = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);     \
         for (long g0 = 0; g0 < groups; g0 += 16) {                                                           \
             __m256 scale[2];                                                                                 \
@@ -268,7 +272,7 @@ static inline void unpack_pair(const uint8_t *codes, long count, __m256i *low, _
                                                          _mm256_add_epi32(quarters, _mm256_set1_epi32((int)(first % 8)))); \
                     const int8_t *xq0 = q + m * 128 + 32 * h;                                                \
                     const float *xs0 = ls + m * 16 + 8 * h;                                                  \
-                    for (int r = 0; r < ROWS; r++) {                                                         \
+                    EACH_ROW for (int r = 0; r < ROWS; r++) {                                                \
                         const int8_t *xq = xq0 + r * xstride;                                                \
                         __m256i xl = _mm256_loadu_si256((const __m256i *)xq);                                \
                         __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + 64));                         \
@@ -280,7 +284,7 @@ static inline void unpack_pair(const uint8_t *codes, long count, __m256i *low, _
                 }                                                                                            \
             }                                                                                                \
         }                                                                                                    \
-        for (int r = 0; r < ROWS; r++) out[r] = sum8(_mm256_add_ps(acc[r][1], acc[r][0]));                   \
+        EACH_ROW for (int r = 0; r < ROWS; r++) out[r] = sum8(_mm256_add_ps(acc[r][1], acc[r][0]));          \
     }
 BLOCK_INT8_AVX2(4, _Pragma("GCC unroll 4"))
 BLOCK_INT8_AVX2(2, _Pragma("GCC unroll 4"))
@@ -349,13 +353,13 @@ AVX512 static inline __m512 bf16_to_float16(const uint16_t *w) {
 #define BLOCK(name, type, convert, ROWS)                                                     \
     AVX512 static inline void name##_##ROWS(const float *x, long k, const type *a, const type *b, const type *next, float *out) { \
         __m512 sa[ROWS][2], sb[ROWS][2];                                                    \
-        for (int r = 0; r < ROWS; r++) sa[r][0] = sa[r][1] = sb[r][0] = sb[r][1] = _mm512_setzero_ps(); \
+        EACH_ROW for (int r = 0; r < ROWS; r++) sa[r][0] = sa[r][1] = sb[r][0] = sb[r][1] = _mm512_setzero_ps(); \
         for (long i = 0; i < k; i += 32) {                                                  \
             prefetch_l2(next + i, 32 * sizeof(type));                                        \
             prefetch_l2(next + k + i, 32 * sizeof(type));                                    \
             __m512 a0 = convert(a + i), a1 = convert(a + i + 16);                           \
             __m512 b0 = convert(b + i), b1 = convert(b + i + 16);                           \
-            for (int r = 0; r < ROWS; r++) {                                                \
+            EACH_ROW for (int r = 0; r < ROWS; r++) {                                       \
                 __m512 x0 = _mm512_loadu_ps(x + r * k + i), x1 = _mm512_loadu_ps(x + r * k + i + 16); \
                 sa[r][0] = _mm512_fmadd_ps(x0, a0, sa[r][0]);                               \
                 sa[r][1] = _mm512_fmadd_ps(x1, a1, sa[r][1]);                               \
@@ -363,7 +367,7 @@ AVX512 static inline __m512 bf16_to_float16(const uint16_t *w) {
                 sb[r][1] = _mm512_fmadd_ps(x1, b1, sb[r][1]);                               \
             }                                                                               \
         }                                                                                   \
-        for (int r = 0; r < ROWS; r++) {                                                    \
+        EACH_ROW for (int r = 0; r < ROWS; r++) {                                           \
             out[r] = _mm512_reduce_add_ps(_mm512_add_ps(sa[r][0], sa[r][1]));               \
             out[ROWS + r] = _mm512_reduce_add_ps(_mm512_add_ps(sb[r][0], sb[r][1]));        \
         }                                                                                   \
@@ -414,7 +418,7 @@ AVX512 static inline long group_row(const uint16_t *gw, const float *sums, long 
     __m512i pairs = _mm512_maskz_loadu_epi32(mask, gw + 2 * g0);
     *scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
     __m512 mins = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000)));
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_fmadd_ps(mins, _mm512_maskz_loadu_ps(mask, sums + r * groups + g0), acc[r]);
+    EACH_ROW for (int r = 0; r < rows; r++) acc[r] = _mm512_fmadd_ps(mins, _mm512_maskz_loadu_ps(mask, sums + r * groups + g0), acc[r]);
     return count;
 }
 
@@ -436,7 +440,7 @@ AVX512 static inline long group_block(const uint16_t *ga, const uint16_t *gb, co
                                                 const uint8_t *next, float *out) {                         \
         long groups = k / 32;                                                                        \
         __m512 sa[ROWS], sb[ROWS];                                                                   \
-        for (int r = 0; r < ROWS; r++) sa[r] = sb[r] = _mm512_setzero_ps();                          \
+        EACH_ROW for (int r = 0; r < ROWS; r++) sa[r] = sb[r] = _mm512_setzero_ps();                 \
         const __m512i low4 = _mm512_set1_epi32(15);                                                  \
         for (long g0 = 0; g0 < groups; g0 += 16) {                                                   \
             __m512 scale_a, scale_b;                                                                 \
@@ -456,14 +460,14 @@ AVX512 static inline long group_block(const uint16_t *ga, const uint16_t *gb, co
                 __m512i lane = _mm512_set1_epi32((int)g);                                            \
                 __m512 ska = _mm512_permutexvar_ps(lane, scale_a);                                   \
                 __m512 skb = _mm512_permutexvar_ps(lane, scale_b);                                   \
-                for (int r = 0; r < ROWS; r++) {                                                     \
+                EACH_ROW for (int r = 0; r < ROWS; r++) {                                            \
                     __m512 x0 = _mm512_loadu_ps(x + r * k + i), x1 = _mm512_loadu_ps(x + r * k + i + 16); \
                     sa[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(x1, a1, _mm512_mul_ps(x0, a0)), ska, sa[r]); \
                     sb[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(x1, b1, _mm512_mul_ps(x0, b0)), skb, sb[r]); \
                 }                                                                                    \
             }                                                                                        \
         }                                                                                            \
-        for (int r = 0; r < ROWS; r++) {                                                             \
+        EACH_ROW for (int r = 0; r < ROWS; r++) {                                                    \
             out[r] = _mm512_reduce_add_ps(sa[r]);                                                    \
             out[ROWS + r] = _mm512_reduce_add_ps(sb[r]);                                             \
         }                                                                                            \
@@ -568,7 +572,7 @@ VNNI static inline __m512 quad_product(__m512i low, __m512i high, __m512i xl, __
                                               const uint16_t *gb, const uint8_t *next, float *out) {      \
         long groups = k / 32, quads = (groups + 3) / 4;                                                \
         __m512 sa[ROWS], sb[ROWS];                                                                     \
-        for (int r = 0; r < ROWS; r++) sa[r] = sb[r] = _mm512_setzero_ps();                            \
+        EACH_ROW for (int r = 0; r < ROWS; r++) sa[r] = sb[r] = _mm512_setzero_ps();                   \
         const __m512i quarters = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);    \
         for (long g0 = 0; g0 < groups; g0 += 16) {                                                     \
             __m512 scale_a, scale_b;                                                                   \
@@ -583,7 +587,7 @@ VNNI static inline __m512 quad_product(__m512i low, __m512i high, __m512i xl, __
                 __m512i lanes = _mm512_add_epi32(quarters, _mm512_set1_epi32((int)g));                 \
                 __m512 ska = _mm512_permutexvar_ps(lanes, scale_a);                                    \
                 __m512 skb = _mm512_permutexvar_ps(lanes, scale_b);                                    \
-                for (int r = 0; r < ROWS; r++) {                                                       \
+                EACH_ROW for (int r = 0; r < ROWS; r++) {                                              \
                     const int8_t *xq = q + (r * quads + m) * 128;                                      \
                     __m512i xl = _mm512_loadu_si512((const void *)xq), xh = _mm512_loadu_si512((const void *)(xq + 64)); \
                     __m512 xs = _mm512_loadu_ps(ls + (r * quads + m) * 16);                            \
@@ -592,7 +596,7 @@ VNNI static inline __m512 quad_product(__m512i low, __m512i high, __m512i xl, __
                 }                                                                                      \
             }                                                                                          \
         }                                                                                              \
-        for (int r = 0; r < ROWS; r++) {                                                               \
+        EACH_ROW for (int r = 0; r < ROWS; r++) {                                                      \
             out[r] = _mm512_reduce_add_ps(sa[r]);                                                      \
             out[ROWS + r] = _mm512_reduce_add_ps(sb[r]);                                               \
         }                                                                                              \
@@ -610,7 +614,7 @@ BLOCK_VNNI(1, prefetch_l2)
                                             const uint8_t *a, const uint16_t *ga, const uint8_t *next, float *out) { \
         long groups = k / 32, quads = (groups + 3) / 4;                                                 \
         __m512 sa[ROWS];                                                                                \
-        for (int r = 0; r < ROWS; r++) sa[r] = _mm512_setzero_ps();                                     \
+        EACH_ROW for (int r = 0; r < ROWS; r++) sa[r] = _mm512_setzero_ps();                            \
         const __m512i quarters = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);     \
         for (long g0 = 0; g0 < groups; g0 += 16) {                                                      \
             __m512 scale_a;                                                                             \
@@ -621,7 +625,7 @@ BLOCK_VNNI(1, prefetch_l2)
                 __m512i la, ha;                                                                         \
                 unpack_quad(a + at, count - g, &la, &ha);                                               \
                 __m512 ska = _mm512_permutexvar_ps(_mm512_add_epi32(quarters, _mm512_set1_epi32((int)g)), scale_a); \
-                for (int r = 0; r < ROWS; r++) {                                                        \
+                EACH_ROW for (int r = 0; r < ROWS; r++) {                                               \
                     const int8_t *xq = q + (r * quads + m) * 128;                                       \
                     __m512i xl = _mm512_loadu_si512((const void *)xq), xh = _mm512_loadu_si512((const void *)(xq + 64)); \
                     __m512 xs = _mm512_loadu_ps(ls + (r * quads + m) * 16);                             \
@@ -629,7 +633,7 @@ BLOCK_VNNI(1, prefetch_l2)
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \
-        for (int r = 0; r < ROWS; r++) out[r] = _mm512_reduce_add_ps(sa[r]);                            \
+        EACH_ROW for (int r = 0; r < ROWS; r++) out[r] = _mm512_reduce_add_ps(sa[r]);                   \
     }
 ONE_VNNI(1)
 ONE_VNNI(2)
