@@ -64,6 +64,26 @@ def int4_inputs(x: torch.Tensor) -> torch.Tensor:
     return (rounded.double() * scale.double()).reshape(x.shape)
 
 
+def int8_inputs(x: torch.Tensor) -> torch.Tensor:
+    """The inputs an int8 matmul multiplies its weights by, as float64 [rows, in]: where
+    `cpu_kernels.int8_rounds_inputs()`, in spans of 512, each lane's group (inputs 64v + 4l to
+    64v + 4l + 3 of the span, for each of its vectors v; lane l of 16) rounded to int8 at a step of
+    its largest magnitude / 127 (ties to even) and scaled back; else the inputs as they are."""
+    from engine.models import cpu_kernels
+
+    if not cpu_kernels.int8_rounds_inputs():
+        return x.double()
+    rows, k = x.shape
+    spans = -(-k // 512)
+    padded = torch.zeros(rows, spans * 512)
+    padded[:, :k] = x.float()
+    lanes = padded.view(rows, spans, 8, 16, 4).transpose(2, 3)  # [rows, span, lane, vector, 4]
+    step = lanes.abs().amax(dim=(-2, -1), keepdim=True) / 127.0
+    inverse = torch.where(step > torch.finfo(torch.float32).tiny, 1.0 / step, torch.zeros_like(step))
+    rounded = (lanes * inverse).round().clamp(-127, 127).double() * step.double()
+    return rounded.transpose(2, 3).reshape(rows, -1)[:, :k]
+
+
 def int4_parts(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """An int4 `WeightOnlyLinear`'s weights as float64 [out, in] parts: scale * code, and minimum."""
     groups = layer.scales.double()  # [out, in / 32, 2]

@@ -95,7 +95,8 @@ def library() -> ctypes.CDLL | None:
     lib.int4_dequantize.argtypes, lib.int4_dequantize.restype = [pointer, pointer, size, size, pointer], None
     for switch in (lib.matmul_avx512, lib.matmul_int8_inputs):
         switch.argtypes, switch.restype = [size], size
-    lib.int4_rounds_inputs.argtypes, lib.int4_rounds_inputs.restype = [], size
+    for question in (lib.int4_rounds_inputs, lib.int8_rounds_inputs):
+        question.argtypes, question.restype = [], size
     lib.matmul_avx512(0 if os.environ.get("LONGDOC_CPU_AVX512", "1") == "0" else 1)
     if "LONGDOC_CPU_VNNI" in os.environ:  # its name until 2026-11-28: still honoured where the new one is unset
         ignored = " (ignored: LONGDOC_CPU_INT8_INPUTS is set)" if "LONGDOC_CPU_INT8_INPUTS" in os.environ else ""
@@ -118,8 +119,9 @@ def use_avx512(wanted: bool | None = None) -> bool:
 def use_int8_inputs(wanted: bool | None = None) -> bool:
     """Whether int4 rounds its inputs to int8 and multiplies bytes where it can (the default, unless
     `LONGDOC_CPU_INT8_INPUTS=0`), as `use_avx512`: with the AVX2 kernels, and with the AVX-512 ones
-    on a CPU with VNNI (`int4_rounds_inputs` tells whether it does now). Off, int4 widens its codes
-    to float32 and multiplies the inputs as they are."""
+    on a CPU with VNNI (`int4_rounds_inputs` tells whether it does now); int8 (the int4 model's
+    output head) likewise with the AVX-512 ones on a CPU with VNNI (`int8_rounds_inputs`). Off, both
+    widen their weights to float32 and multiply the inputs as they are."""
     lib = library()
     if lib is None:
         return False
@@ -131,6 +133,13 @@ def int4_rounds_inputs() -> bool:
     that can: the AVX2 one, or the AVX-512 one on a CPU with VNNI)."""
     lib = library()
     return lib is not None and bool(lib.int4_rounds_inputs())
+
+
+def int8_rounds_inputs() -> bool:
+    """Whether int8's matmuls round their inputs to int8 now (`use_int8_inputs`, the AVX-512 kernel
+    set, a CPU with VNNI)."""
+    lib = library()
+    return lib is not None and bool(lib.int8_rounds_inputs())
 
 
 def usable(weight: torch.Tensor, features: int | None = None) -> bool:

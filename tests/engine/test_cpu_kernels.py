@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.models import cpu_kernels, quantize
 from engine.models.quantize import DECODE_ROWS, WeightOnlyLinear
-from tests.helpers import TEST_DEVICE, int4_inputs, int4_parts, int4_product
+from tests.helpers import TEST_DEVICE, int4_inputs, int4_parts, int4_product, int8_inputs
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU kernels")
 BUILDABLE = shutil.which("cc") is not None and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
@@ -42,10 +42,11 @@ def product(layer: WeightOnlyLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def exact(layer: WeightOnlyLinear, x: torch.Tensor) -> torch.Tensor:
-    """The product the kernel computes, in float64 (int4: of the inputs it multiplies), as float32."""
+    """The product the kernel computes, in float64 (int4 and int8: of the inputs it multiplies), as float32."""
     if layer.mode == "int4":
         return int4_product(layer, x).float()
-    return (x.double() @ layer.dequantized().double().T).float()
+    inputs = int8_inputs(x) if layer.mode == "int8" else x.double()
+    return (inputs @ layer.dequantized().double().T).float()
 
 
 @pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")
@@ -103,7 +104,9 @@ def test_int4_over_whole_blocks_of_groups_and_their_tails(in_features, kernel_se
     float inputs) groups at a time: whole
     blocks, blocks and a tail, several blocks; the product, and a row's bits in any company."""
     layer = stored("int4", out_features=33, in_features=in_features, seed=in_features)
-    x = torch.randn(11, in_features, generator=torch.Generator().manual_seed(5))  # rows in blocks of 4, 4, 2 and 1
+    x = torch.randn(
+        11, in_features, generator=torch.Generator().manual_seed(5)
+    )  # rows in blocks of 4, 4, 2 and 1
     want = exact(layer, x)
     got = product(layer, x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -143,6 +146,32 @@ def test_int4_on_int8_inputs_rounds_them(kernel_set):
     coded, _ = int4_parts(layer)
     plain = x.double() @ layer.dequantized().double().T
     assert ((got.double() - plain).abs() <= (rounded - x.double()).abs() @ coded.abs().T + 1e-4).all()
+    cpu_kernels.use_int8_inputs(False)
+    widened = product(layer, x)
+    assert not torch.equal(got, widened)
+    torch.testing.assert_close(widened, plain.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel_set", ["vnni"], indirect=True)
+@pytest.mark.parametrize("in_features", [96, 544, 1536])  # under a span of 512; a span and a half vector; three spans
+def test_int8_on_int8_inputs_rounds_them(in_features, kernel_set):
+    """With the AVX-512 kernels on a CPU with VNNI, int8 (the int4 model's output head) multiplies
+    its weights by the inputs rounded to int8, each lane's group of a span at its own step (shown
+    above): each input within half its group's step, the product within |x - rounded| @ |weight| of
+    the float32 inputs' one and not it; with int8 inputs off, it is that product."""
+    layer = stored("int8", out_features=64, in_features=in_features)
+    x = torch.randn(3, in_features, generator=torch.Generator().manual_seed(7)) * torch.linspace(0.1, 10, in_features)
+    rounded = int8_inputs(x)
+    spans = -(-in_features // 512)
+    lanes = torch.zeros(3, spans * 512)
+    lanes[:, :in_features] = x
+    step = lanes.view(3, spans, 8, 16, 4).abs().amax(dim=(2, 4)) / 127  # [rows, span, lane]
+    per_input = step[:, :, None, :, None].expand(3, spans, 8, 16, 4).reshape(3, -1)[:, :in_features]
+    assert ((rounded - x.double()).abs() <= per_input / 2 * 1.0001).all()
+    got = product(layer, x)
+    weight = layer.dequantized().double()
+    plain = x.double() @ weight.T
+    assert ((got.double() - plain).abs() <= (rounded - x.double()).abs() @ weight.abs().T + 1e-4).all()
     cpu_kernels.use_int8_inputs(False)
     widened = product(layer, x)
     assert not torch.equal(got, widened)

@@ -13,6 +13,7 @@
 
 #include <float.h>
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -112,7 +113,7 @@ DOTS(dot_f32, float, FLOATS)
 
 #define BY_SCALE(v) ((v) * scale[j])
 #define AS_IS(v) (v)
-MATMUL(int8_matmul_avx2, int8_t, dot_int8, BY_SCALE)
+MATMUL(int8_float_matmul_avx2, int8_t, dot_int8, BY_SCALE)
 MATMUL(bf16_matmul_avx2, uint16_t, dot_bf16, AS_IS)
 MATMUL(f32_matmul_avx2, float, dot_f32, AS_IS)
 
@@ -404,7 +405,7 @@ BLOCKS(block_f32, float, FLOATS16)
 
 #define BY_SCALE_AT(v, at) ((v) * scale[at])
 #define AS_IS_AT(v, at) (v)
-MATMUL512(int8_matmul_avx512, int8_t, block_int8, BY_SCALE_AT)
+MATMUL512(int8_float_matmul_avx512, int8_t, block_int8, BY_SCALE_AT)
 MATMUL512(bf16_matmul_avx512, uint16_t, block_bf16, AS_IS_AT)
 MATMUL512(f32_matmul_avx512, float, block_f32, AS_IS_AT)
 
@@ -679,6 +680,112 @@ VNNI static void int4_matmul_vnni(const float *x, const float *sums, long rows, 
     free_rounded(in);
 }
 
+/* int8 weights with AVX-512 VNNI, on inputs rounded to int8 (llama.cpp's Q8 x Q8 way). A row's k
+   inputs go in spans of 512 (8 vectors of 64; the last span may be shorter, its last vector half
+   empty), and within a span a lane's inputs are one group: lane l of its vectors, 4 inputs each
+   (inputs 64v + 4l .. 64v + 4l + 3), up to 32 inputs, rounded at a step of their largest magnitude /
+   127. So vpdpbusd adds a whole group's products into one int32 lane, exactly, and each group is
+   converted and scaled once. vpdpbusd multiplies unsigned bytes by signed ones: the inputs are kept
+   as q + 128 and the weights' sums times 128, which the same instruction computes once a weight row
+   and span, taken back off. A row's numbers never depend on the other rows. */
+
+#define INT8_SPAN 512
+
+/* Row r's inputs rounded as above: `biased` [rows, spans * 512] bytes, q + 128 in the inputs' order
+   (128 past k), `steps` [rows, spans, 16] floats, a lane's group's step (0 where the group is empty
+   or too small to invert, its inputs then 0). Rounding to nearest, ties to even, as int4's. */
+static void quantize_int8_inputs(const float *x, long rows, long k, uint8_t *biased, float *steps) {
+    long spans = (k + INT8_SPAN - 1) / INT8_SPAN;
+    for (long r = 0; r < rows; r++)
+        for (long s = 0; s < spans; s++) {
+            const float *xs = x + r * k + s * INT8_SPAN;
+            uint8_t *bs = biased + (r * spans + s) * INT8_SPAN;
+            long width = k - s * INT8_SPAN < INT8_SPAN ? k - s * INT8_SPAN : INT8_SPAN;
+            for (long i = width; i < INT8_SPAN; i++) bs[i] = 128;
+            for (int l = 0; l < 16; l++) {
+                float biggest = 0.0f;
+                for (long v = 0; v * 64 + 4 * l < width; v++)
+                    for (int t = 0; t < 4; t++) biggest = fmaxf(biggest, fabsf(xs[v * 64 + 4 * l + t]));
+                float d = biggest / 127.0f, inverse = d > FLT_MIN ? 1.0f / d : 0.0f;
+                for (long v = 0; v * 64 + 4 * l < width; v++)
+                    for (int t = 0; t < 4; t++) {
+                        float q = fminf(fmaxf(nearbyintf(xs[v * 64 + 4 * l + t] * inverse), -127.0f), 127.0f);
+                        bs[v * 64 + 4 * l + t] = (uint8_t)(128 + (int)q);
+                    }
+                steps[(r * spans + s) * 16 + l] = inverse > 0.0f ? d : 0.0f;
+            }
+        }
+}
+
+/* ROWS rows against weight rows a and b: out[r] and out[ROWS + r], before the rows' scales. */
+#define BLOCK_INT8_VNNI(ROWS)                                                                                  \
+    VNNI static inline void block_int8_vnni_##ROWS(const uint8_t *u, const float *steps, long k, const int8_t *a, \
+                                                   const int8_t *b, const int8_t *next, float *out) {           \
+        long spans = (k + INT8_SPAN - 1) / INT8_SPAN;                                                         \
+        const __m512i bias = _mm512_set1_epi8((char)128);                                                     \
+        __m512 fa[ROWS], fb[ROWS];                                                                            \
+        EACH_ROW for (int r = 0; r < ROWS; r++) fa[r] = fb[r] = _mm512_setzero_ps();                          \
+        for (long s = 0; s < spans; s++) {                                                                    \
+            __m512i ia[ROWS], ib[ROWS], ca = _mm512_setzero_si512(), cb = _mm512_setzero_si512();            \
+            EACH_ROW for (int r = 0; r < ROWS; r++) ia[r] = ib[r] = _mm512_setzero_si512();                   \
+            for (long i = s * INT8_SPAN; i < k && i < (s + 1) * INT8_SPAN; i += 64) {                         \
+                prefetch_l2(next + i, 64);                                                                    \
+                prefetch_l2(next + k + i, 64);                                                                \
+                __mmask64 mask = k - i >= 64 ? ~0ull : (1ull << (k - i)) - 1;                                 \
+                __m512i wa = _mm512_maskz_loadu_epi8(mask, a + i), wb = _mm512_maskz_loadu_epi8(mask, b + i); \
+                ca = _mm512_dpbusd_epi32(ca, bias, wa);                                                       \
+                cb = _mm512_dpbusd_epi32(cb, bias, wb);                                                       \
+                EACH_ROW for (int r = 0; r < ROWS; r++) {                                                     \
+                    __m512i xu = _mm512_load_si512((const void *)(u + r * spans * INT8_SPAN + i));            \
+                    ia[r] = _mm512_dpbusd_epi32(ia[r], xu, wa);                                               \
+                    ib[r] = _mm512_dpbusd_epi32(ib[r], xu, wb);                                               \
+                }                                                                                             \
+            }                                                                                                 \
+            EACH_ROW for (int r = 0; r < ROWS; r++) {                                                         \
+                __m512 step = _mm512_load_ps(steps + (r * spans + s) * 16);                                   \
+                fa[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ia[r], ca)), step, fa[r]);       \
+                fb[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ib[r], cb)), step, fb[r]);       \
+            }                                                                                                 \
+        }                                                                                                     \
+        EACH_ROW for (int r = 0; r < ROWS; r++) {                                                             \
+            out[r] = _mm512_reduce_add_ps(fa[r]);                                                             \
+            out[ROWS + r] = _mm512_reduce_add_ps(fb[r]);                                                      \
+        }                                                                                                     \
+    }
+BLOCK_INT8_VNNI(4)
+BLOCK_INT8_VNNI(2)
+BLOCK_INT8_VNNI(1)
+
+VNNI static void int8_matmul_vnni(const float *x, long rows, long k, const int8_t *w, const float *scale, long n,
+                                  float *out) {
+    long spans = (k + INT8_SPAN - 1) / INT8_SPAN;
+    uint8_t *u = aligned_alloc(64, (size_t)(rows * spans * INT8_SPAN));
+    float *steps = aligned_alloc(64, (size_t)(rows * spans * 16) * sizeof(float));
+    if (u == NULL || steps == NULL) abort();
+    quantize_int8_inputs(x, rows, k, u, steps);
+    _Pragma("omp parallel for schedule(static)")
+    for (long pair = 0; pair < (n + 1) / 2; pair++) {
+        long j = 2 * pair, second = j + 1 < n ? j + 1 : j;
+        const int8_t *next = w + (j + 3 < n ? j + 2 : j) * k; /* the next pair's rows, read ahead */
+        float sums[8];
+        for (long r = 0; r < rows;) {
+            long take = rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
+            const uint8_t *ur = u + r * spans * INT8_SPAN;
+            const float *sr = steps + r * spans * 16;
+            if (take == 4) block_int8_vnni_4(ur, sr, k, w + j * k, w + second * k, next, sums);
+            else if (take == 2) block_int8_vnni_2(ur, sr, k, w + j * k, w + second * k, next, sums);
+            else block_int8_vnni_1(ur, sr, k, w + j * k, w + second * k, next, sums);
+            for (long t = 0; t < take; t++) {
+                out[(r + t) * n + j] = sums[t] * scale[j];
+                out[(r + t) * n + second] = sums[take + t] * scale[second];
+            }
+            r += take;
+        }
+    }
+    free(u);
+    free(steps);
+}
+
 /* The float32 weight [n, k] an int4 weight stands for (scale * code + minimum, as torch computes
    `quantize.int4_weight`), its rows shared among the threads: a prompt's pass over a float32 model
    multiplies by it. The same bits whether or not the compiler fuses the two into an FMA: a code
@@ -724,14 +831,24 @@ long int4_rounds_inputs(void) {
     return matmul_int8_inputs(-1) && (!matmul_avx512(-1) || __builtin_cpu_supports("avx512vnni"));
 }
 
+long int8_rounds_inputs(void) {
+    return matmul_int8_inputs(-1) && matmul_avx512(-1) && __builtin_cpu_supports("avx512vnni");
+}
+
 #define DISPATCH(name, type)                                                                 \
     void name(const float *x, long rows, long k, const type *w, const float *scale, long n, float *out) { \
         if (matmul_avx512(-1)) name##_avx512(x, rows, k, w, scale, n, out);                 \
         else name##_avx2(x, rows, k, w, scale, n, out);                                     \
     }
-DISPATCH(int8_matmul, int8_t)
+DISPATCH(int8_float_matmul, int8_t)
 DISPATCH(bf16_matmul, uint16_t)
 DISPATCH(f32_matmul, float)
+
+void int8_matmul(const float *x, long rows, long k, const int8_t *w, const float *scale, long n, float *out) {
+    if (rows == 0 || n == 0) return;
+    if (int8_rounds_inputs()) int8_matmul_vnni(x, rows, k, w, scale, n, out);
+    else int8_float_matmul(x, rows, k, w, scale, n, out);
+}
 
 void int4_matmul(const float *x, long rows, long k, const uint8_t *w, const uint16_t *groups, long n, float *out) {
     if (rows == 0 || n == 0) return;

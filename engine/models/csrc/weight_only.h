@@ -42,5 +42,8 @@ long matmul_int8_inputs(long wanted);
 /* Whether int4's matmuls round their inputs now: the switch above on, and the AVX2 kernels or the
    AVX-512 ones on a CPU with VNNI. */
 long int4_rounds_inputs(void);
+/* Whether int8's matmuls round their inputs now (weight_only.c: int8_matmul_vnni): the switch on,
+   the AVX-512 kernels on, on a CPU with VNNI. */
+long int8_rounds_inputs(void);
 /* out [rows, w->out] = x [rows, w->in] times the weight transposed, plus the bias */
 void weight_matmul(const Weight *w, const float *x, long rows, float *out);
