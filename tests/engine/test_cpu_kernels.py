@@ -106,7 +106,7 @@ def test_int4_over_whole_blocks_of_groups_and_their_tails(in_features, kernel_se
     layer = stored("int4", out_features=33, in_features=in_features, seed=in_features)
     x = torch.randn(
         11, in_features, generator=torch.Generator().manual_seed(5)
-    )  # rows in blocks of 4, 4, 2 and 1
+    )  # rows in blocks of 8 (VNNI) or 4 and 4, then 2 and 1
     want = exact(layer, x)
     got = product(layer, x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

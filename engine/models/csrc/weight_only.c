@@ -602,6 +602,7 @@ VNNI static inline __m512 quad_product(__m512i low, __m512i high, __m512i xl, __
             out[ROWS + r] = _mm512_reduce_add_ps(sb[r]);                                               \
         }                                                                                              \
     }
+BLOCK_VNNI(8, prefetch)
 BLOCK_VNNI(4, prefetch)
 BLOCK_VNNI(2, prefetch_l2)
 BLOCK_VNNI(1, prefetch_l2)
@@ -662,17 +663,18 @@ VNNI static void int4_matmul_vnni(const float *x, const float *sums, long rows, 
         const uint8_t *next = w + (j + 3 < n ? j + 2 : j) * bytes; /* the next pair's two rows, both inside w */
         const uint8_t *a = w + j * bytes, *b = w + second * bytes;
         const uint16_t *ga = groups + j * values, *gb = groups + second * values;
-        float out8[8];
+        float out16[16];
         for (long r = 0; r < rows;) {
-            long take = rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
+            long take = rows - r >= 8 ? 8 : rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
             const int8_t *qr = in.quantized + r * quads * 128;
             const float *lr = in.lane_scales + r * quads * 16, *sr = sums + r * count;
-            if (take == 4) block_vnni_4(qr, lr, sr, k, a, ga, b, gb, next, out8);
-            else if (take == 2) block_vnni_2(qr, lr, sr, k, a, ga, b, gb, next, out8);
-            else block_vnni_1(qr, lr, sr, k, a, ga, b, gb, next, out8);
+            if (take == 8) block_vnni_8(qr, lr, sr, k, a, ga, b, gb, next, out16);
+            else if (take == 4) block_vnni_4(qr, lr, sr, k, a, ga, b, gb, next, out16);
+            else if (take == 2) block_vnni_2(qr, lr, sr, k, a, ga, b, gb, next, out16);
+            else block_vnni_1(qr, lr, sr, k, a, ga, b, gb, next, out16);
             for (long t = 0; t < take; t++) {
-                out[(r + t) * n + j] = out8[t];
-                out[(r + t) * n + second] = out8[take + t];
+                out[(r + t) * n + j] = out16[t];
+                out[(r + t) * n + second] = out16[take + t];
             }
             r += take;
         }
