@@ -6,7 +6,11 @@ int4's kernel on float32 inputs against the one on inputs rounded to int8, on th
 `--quantize int4`, with the kernel set the CPU runs by default (AVX-512 with VNNI where it has
 them, else AVX2).
 
-    .venv/bin/python -m bench.bench_step_kernels [--int8-inputs]
+`--eight-against-one`: the default model as served (int4, its kernels as the CPU runs them by
+default), a step of 1 answer and a step of 8 in turns, round after round, so that the machine's
+drift falls on both alike: 8 answers' tokens a second over 1 answer's (issue 62's 3x).
+
+    .venv/bin/python -m bench.bench_step_kernels [--int8-inputs | --eight-against-one]
 """
 
 from __future__ import annotations
@@ -68,10 +72,38 @@ def main(switch: Callable[[bool], None], names: tuple[str, str], model: str, qua
     switch(True)
 
 
+def eight_against_one() -> None:
+    loaded = load_model(DEFAULT_MODEL, cache_dir=DEFAULT_CACHE_DIR, device="cpu", dtype="auto")
+    quantize_linears(loaded.model, "int4")
+    decoder = BatchDecoder(loaded.model)
+    assert decoder.native is not None, "the C step cannot run here"
+    print(f"{DEFAULT_MODEL}, --quantize int4, int4 rounds its inputs: {cpu_kernels.int4_rounds_inputs()}, medians of {REPEATS}\n")
+    print("| context | step ms, 1 answer | step ms, 8 answers | tok/s, 1 | tok/s, 8 | 8 over 1 |\n|---|---|---|---|---|---|")
+    for context in (512, 2048):
+        rows = {count: filled_rows(decoder, loaded.tokenizer, count, context) for count in (1, 8)}
+        times: dict[int, list[float]] = {1: [], 8: []}
+        for _ in range(REPEATS + 1):  # the first round warms up
+            for count in (1, 8):
+                started = time.perf_counter()
+                decoder.step(rows[count])
+                times[count].append(time.perf_counter() - started)
+        one, eight = (statistics.median(times[count][1:]) for count in (1, 8))
+        print(
+            f"| {context} | {one * 1e3:.1f} | {eight * 1e3:.1f} | {1 / one:.1f} | {8 / eight:.1f} | {one * 8 / eight:.2f}x |",
+            flush=True,
+        )
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--int8-inputs", action="store_true", help="int4 on float32 inputs against int8 ones, default model")
+    kinds = parser.add_mutually_exclusive_group()
+    kinds.add_argument("--int8-inputs", action="store_true", help="int4 on float32 inputs against int8 ones, default model")
+    kinds.add_argument("--eight-against-one", action="store_true", help="8 answers' step against 1 answer's, in turns")
     args = parser.parse_args()
+    if args.eight_against_one:
+        single_threaded_torch()
+        compute_executor().submit(eight_against_one).result()
+        raise SystemExit(0)
     if args.int8_inputs:
         kernels = "AVX-512 VNNI" if cpu_kernels.use_avx512() else "AVX2"
         task = (int8_inputs, ("float inputs", f"int8 inputs ({kernels})"), DEFAULT_MODEL, "int4")
