@@ -93,25 +93,26 @@ def random_weights(layers: int, head: bool) -> list[Weight]:
 
 
 def compare(old: ctypes.CDLL, new: ctypes.CDLL, weights: list[Weight], calls: int, other_numbers: bool) -> None:
-    print("| rows | old ms | new ms | new / old |\n|---|---|---|---|")
-    for rows in (1, 2, 4, 8):
-        inputs = {w.features: torch.randn(rows, w.features) for w in weights}
+    counts = (1, 2, 4, 8)
+    inputs = {rows: {w.features: torch.randn(rows, w.features) for w in weights} for rows in counts}
+    for rows in counts:
         for weight in weights[: len(SHAPES)]:
-            x = inputs[weight.features]
+            x = inputs[rows][weight.features]
             a, b = product(old, x, weight), product(new, x, weight)
             if other_numbers:
-                print(
-                    f"rows {rows}, in {x.shape[1]}: largest difference / largest output {float((a - b).abs().max() / a.abs().max()):.2e}"
-                )
+                share = float((a - b).abs().max() / a.abs().max())
+                print(f"rows {rows}, in {x.shape[1]}: largest difference / largest output {share:.2e}")
             else:
                 assert torch.equal(a, b), (rows, x.shape)
+    print("| rows | old ms | new ms | new / old |\n|---|---|---|---|")
+    for rows in counts:
         times: dict[int, list[float]] = {0: [], 1: []}
         for _ in range(ROUNDS + 1):  # the first round warms up
             for index, lib in enumerate((old, new)):
                 started = time.perf_counter()
                 for weight in weights:
                     for _ in range(calls):
-                        product(lib, inputs[weight.features], weight)
+                        product(lib, inputs[rows][weight.features], weight)
                 times[index].append(time.perf_counter() - started)
         before, after = statistics.median(times[0][1:]), statistics.median(times[1][1:])
         print(f"| {rows} | {before * 1e3:.2f} | {after * 1e3:.2f} | {after / before:.3f} |")
@@ -138,7 +139,9 @@ def main() -> None:
     single_threaded_torch()  # the compute thread's OpenMP team owns the cores, as in the server
     with tempfile.TemporaryDirectory() as scratch:
         old, new = build(args.old, Path(scratch) / "old.so", setup), build(args.new, Path(scratch) / "new.so", setup)
-        print(f"int4 rounds its inputs to int8: {bool(new.int4_rounds_inputs())}")
+        int8_rounds = getattr(new, "int8_rounds_inputs", lambda: 0)()  # a build before 621ce5b has none
+        rounds = f"int4 {bool(new.int4_rounds_inputs())}, int8 {bool(int8_rounds)}"
+        print(f"the new build rounds its inputs to int8: {rounds}")
         calls = 1 if args.layers or args.head else CALLS  # from memory: each weight once a round
         compute_executor().submit(compare, old, new, weights, calls, args.other_numbers).result()
 

@@ -77,7 +77,9 @@ def eight_against_one() -> None:
     quantize_linears(loaded.model, "int4")
     decoder = BatchDecoder(loaded.model)
     assert decoder.native is not None, "the C step cannot run here"
-    print(f"{DEFAULT_MODEL}, --quantize int4, int4 rounds its inputs: {cpu_kernels.int4_rounds_inputs()}, medians of {REPEATS}\n")
+    print(
+        f"{DEFAULT_MODEL}, --quantize int4, int4 rounds its inputs: {cpu_kernels.int4_rounds_inputs()}, int8 (the head): {cpu_kernels.int8_rounds_inputs()}, medians of {REPEATS}\n"
+    )
     print("| context | step ms, 1 answer | step ms, 8 answers | tok/s, 1 | tok/s, 8 | 8 over 1 |\n|---|---|---|---|---|---|")
     for context in (512, 2048):
         rows = {count: filled_rows(decoder, loaded.tokenizer, count, context) for count in (1, 8)}

@@ -31,8 +31,8 @@ def _test_device() -> Iterator[None]:
 @pytest.fixture(params=["avx2", "avx2_int8", "avx512", "vnni"])
 def kernel_set(request):
     """The matmuls' AVX2 versions (int4 on float32 inputs), then with int4 on inputs rounded to int8,
-    then their AVX-512 ones (float32 inputs), then those with int4 on int8 inputs (AVX-512 VNNI),
-    where the CPU has each."""
+    then their AVX-512 ones (float32 inputs), then those with int4 and int8 on int8 inputs (AVX-512
+    VNNI), where the CPU has each."""
     if cpu_kernels.library() is None:
         pytest.skip("the CPU kernels cannot be built here")
     before = cpu_kernels.use_avx512(), cpu_kernels.use_int8_inputs()

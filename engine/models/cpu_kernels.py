@@ -17,9 +17,10 @@ move it: the directory follows the environment (`kernel_dir`). Where it cannot b
 the caller uses torch's kernels. On a CPU with AVX-512 the matmuls run their AVX-512 versions
 (chosen at run time, so one build serves both; `LONGDOC_CPU_AVX512=0` keeps the AVX2 ones). int4
 rounds its inputs to int8 and multiplies bytes, as llama.cpp's Q4 x Q8 does, with the AVX2 kernels
-(vpmaddubsw) and with the AVX-512 ones where the CPU has VNNI (`LONGDOC_CPU_INT8_INPUTS=0` keeps
-float32 inputs, as `LONGDOC_CPU_VNNI=0` did before; the VNNI kernel needs gcc 8 or a clang that
-knows `avx512vnni` to build).
+(vpmaddubsw) and with the AVX-512 ones where the CPU has VNNI, and int8 (the int4 model's head;
+every projection under `--quantize int8`) with the AVX-512 ones where the CPU has VNNI
+(`LONGDOC_CPU_INT8_INPUTS=0` keeps float32 inputs for both, as `LONGDOC_CPU_VNNI=0` did before;
+the VNNI kernels need gcc 8 or a clang that knows `avx512vnni` to build).
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def use_int8_inputs(wanted: bool | None = None) -> bool:
     """Whether int4 rounds its inputs to int8 and multiplies bytes where it can (the default, unless
     `LONGDOC_CPU_INT8_INPUTS=0`), as `use_avx512`: with the AVX2 kernels, and with the AVX-512 ones
     on a CPU with VNNI (`int4_rounds_inputs` tells whether it does now); int8 (the int4 model's
-    output head) likewise with the AVX-512 ones on a CPU with VNNI (`int8_rounds_inputs`). Off, both
+    output head, and every projection under `--quantize int8`) likewise with the AVX-512 ones on a
+    CPU with VNNI (`int8_rounds_inputs`). Off, both
     widen their weights to float32 and multiply the inputs as they are."""
     lib = library()
     if lib is None:

@@ -4,7 +4,7 @@ A decode step reads every weight once for one row of activations, so on CPU its 
 to stream the weights from memory: fewer bytes a weight, faster steps. A decode step's matmul (up
 to DECODE_ROWS rows) runs longdoc's own kernel (engine/models/cpu_kernels.py: float32 activations,
 each weight widened to float32 as it is read; int4 by default rounds the activations to int8 and
-multiplies bytes instead) where it could be built, else torch's weight-only kernel (activations
+multiplies bytes instead, and int8 does too with AVX-512 VNNI) where it could be built, else torch's weight-only kernel (activations
 rounded to bfloat16); the result is in the model's dtype. Norms, the
 key/value cache and attention stay in the model's dtype (a float32 model's: CPUs without native
 bfloat16 run float32 attention several times faster than bfloat16; the C decode step computes them

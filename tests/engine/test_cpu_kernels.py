@@ -104,9 +104,8 @@ def test_int4_over_whole_blocks_of_groups_and_their_tails(in_features, kernel_se
     float inputs) groups at a time: whole
     blocks, blocks and a tail, several blocks; the product, and a row's bits in any company."""
     layer = stored("int4", out_features=33, in_features=in_features, seed=in_features)
-    x = torch.randn(
-        11, in_features, generator=torch.Generator().manual_seed(5)
-    )  # rows in blocks of 8 (VNNI) or 4 and 4, then 2 and 1
+    # 15 rows: in blocks of 8 (VNNI) or 4 and 4, then 4, 2 and 1
+    x = torch.randn(15, in_features, generator=torch.Generator().manual_seed(5))
     want = exact(layer, x)
     got = product(layer, x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -160,15 +159,16 @@ def test_int8_on_int8_inputs_rounds_them(in_features, kernel_set):
     above): each input within half its group's step, the product within |x - rounded| @ |weight| of
     the float32 inputs' one and not it; with int8 inputs off, it is that product."""
     layer = stored("int8", out_features=64, in_features=in_features)
-    x = torch.randn(3, in_features, generator=torch.Generator().manual_seed(7)) * torch.linspace(0.1, 10, in_features)
+    x = torch.randn(7, in_features, generator=torch.Generator().manual_seed(7)) * torch.linspace(0.1, 10, in_features)
     rounded = int8_inputs(x)
     spans = -(-in_features // 512)
-    lanes = torch.zeros(3, spans * 512)
+    lanes = torch.zeros(7, spans * 512)
     lanes[:, :in_features] = x
-    step = lanes.view(3, spans, 8, 16, 4).abs().amax(dim=(2, 4)) / 127  # [rows, span, lane]
-    per_input = step[:, :, None, :, None].expand(3, spans, 8, 16, 4).reshape(3, -1)[:, :in_features]
+    step = lanes.view(7, spans, 8, 16, 4).abs().amax(dim=(2, 4)) / 127  # [rows, span, lane]
+    per_input = step[:, :, None, :, None].expand(7, spans, 8, 16, 4).reshape(7, -1)[:, :in_features]
     assert ((rounded - x.double()).abs() <= per_input / 2 * 1.0001).all()
-    got = product(layer, x)
+    got = product(layer, x)  # rows in blocks of 4, 2 and 1
+    torch.testing.assert_close(got, exact(layer, x), rtol=1e-5, atol=1e-5)  # the rounded inputs times the weights
     weight = layer.dequantized().double()
     plain = x.double() @ weight.T
     assert ((got.double() - plain).abs() <= (rounded - x.double()).abs() @ weight.abs().T + 1e-4).all()
@@ -176,6 +176,20 @@ def test_int8_on_int8_inputs_rounds_them(in_features, kernel_set):
     widened = product(layer, x)
     assert not torch.equal(got, widened)
     torch.testing.assert_close(widened, plain.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel_set", ["vnni"], indirect=True)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_int8_on_int8_inputs_carries_a_non_finite_input(bad, kernel_set):
+    """A NaN or an infinite input makes its row's outputs NaN, as the float kernels' would be, not
+    a finite product of the group rounded to zeros; the other rows keep their numbers."""
+    layer = stored("int8", out_features=16, in_features=544)
+    x = torch.randn(3, 544, generator=torch.Generator().manual_seed(2))
+    clean = product(layer, x)
+    x[1, 530] = bad  # in the second span's half vector
+    got = product(layer, x)
+    assert got[1].isnan().all()
+    assert torch.equal(got[[0, 2]], clean[[0, 2]])
 
 
 @pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")
@@ -187,6 +201,7 @@ def test_int8_inputs_can_be_turned_off(fresh, monkeypatch, variable):
     flags = Path("/proc/cpuinfo").read_text().split()
     assert cpu_kernels.use_int8_inputs(True)
     assert cpu_kernels.int4_rounds_inputs() == (not cpu_kernels.use_avx512() or "avx512_vnni" in flags)
+    assert cpu_kernels.int8_rounds_inputs() == (cpu_kernels.use_avx512() and "avx512_vnni" in flags)
 
 
 @pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")

@@ -9,7 +9,9 @@
    shared among OpenMP's threads (the team torch's kernels use). Every output is summed in one
    fixed order whatever the number of rows, so a row's result never depends on its company. int4
    instead rounds each row's inputs to int8 and multiplies bytes by default, with the AVX2 kernels
-   and with the AVX-512 ones where the CPU has VNNI (below: int4_matmul_avx2_int8, int4_matmul_vnni). */
+   and with the AVX-512 ones where the CPU has VNNI (below: int4_matmul_avx2_int8, int4_matmul_vnni,
+   whose blocks take up to 8 rows); int8 likewise with the AVX-512 ones on a VNNI CPU
+   (int8_matmul_vnni). */
 
 #include <float.h>
 #include <immintrin.h>
@@ -47,9 +49,9 @@ static inline void prefetch(const void *at, long bytes) {
 }
 
 /* The same, into the second-level cache, as the AVX-512 kernels for bf16, int8 and float32 weights
-   and the VNNI kernel's blocks of 1 and 2 rows read ahead. On 2 Zen 4 cores it read one row's
-   weights 1.2-1.45x as fast there; the VNNI block of 4 rows, int4 on float inputs and the AVX2
-   kernels ran as fast or faster with `prefetch` (docs/studies/quantize.md). */
+   (and int8 on int8 inputs) and the VNNI kernel's blocks of 1 and 2 rows read ahead. On 2 Zen 4
+   cores it read one row's weights 1.2-1.45x as fast there; the VNNI blocks of 4 (and 8) rows, int4
+   on float inputs and the AVX2 kernels ran as fast or faster with `prefetch` (docs/studies/quantize.md). */
 static inline void prefetch_l2(const void *at, long bytes) {
     for (long b = 0; b < bytes; b += 64) _mm_prefetch((const char *)at + b, _MM_HINT_T1);
 }
@@ -695,7 +697,9 @@ VNNI static void int4_matmul_vnni(const float *x, const float *sums, long rows, 
 
 /* Row r's inputs rounded as above: `biased` [rows, spans * 512] bytes, q + 128 in the inputs' order
    (128 past k), `steps` [rows, spans, 16] floats, a lane's group's step (0 where the group is empty
-   or too small to invert, its inputs then 0). Rounding to nearest, ties to even, as int4's. */
+   or too small to invert, its inputs then 0; NaN where one of its inputs is infinite or NaN, so
+   the row's outputs are NaN, as the float kernels' would be). Rounding to nearest, ties to even, as
+   int4's. */
 static void quantize_int8_inputs(const float *x, long rows, long k, uint8_t *biased, float *steps) {
     long spans = (k + INT8_SPAN - 1) / INT8_SPAN;
     for (long r = 0; r < rows; r++)
@@ -706,15 +710,20 @@ static void quantize_int8_inputs(const float *x, long rows, long k, uint8_t *bia
             for (long i = width; i < INT8_SPAN; i++) bs[i] = 128;
             for (int l = 0; l < 16; l++) {
                 float biggest = 0.0f;
+                int finite = 1;
                 for (long v = 0; v * 64 + 4 * l < width; v++)
-                    for (int t = 0; t < 4; t++) biggest = fmaxf(biggest, fabsf(xs[v * 64 + 4 * l + t]));
-                float d = biggest / 127.0f, inverse = d > FLT_MIN ? 1.0f / d : 0.0f;
+                    for (int t = 0; t < 4; t++) {
+                        float size = fabsf(xs[v * 64 + 4 * l + t]);
+                        finite &= size <= FLT_MAX; /* false for an infinity or a NaN */
+                        biggest = fmaxf(biggest, size);
+                    }
+                float d = biggest / 127.0f, inverse = d > FLT_MIN && finite ? 1.0f / d : 0.0f;
                 for (long v = 0; v * 64 + 4 * l < width; v++)
                     for (int t = 0; t < 4; t++) {
                         float q = fminf(fmaxf(nearbyintf(xs[v * 64 + 4 * l + t] * inverse), -127.0f), 127.0f);
                         bs[v * 64 + 4 * l + t] = (uint8_t)(128 + (int)q);
                     }
-                steps[(r * spans + s) * 16 + l] = inverse > 0.0f ? d : 0.0f;
+                steps[(r * spans + s) * 16 + l] = !finite ? NAN : inverse > 0.0f ? d : 0.0f; /* NaN: carried to the outputs */
             }
         }
 }
@@ -821,7 +830,8 @@ long matmul_avx512(long wanted) {
 }
 
 /* Whether int4 rounds its inputs to int8 where it can (the VNNI kernel with the AVX-512 ones on a
-   CPU with VNNI, the AVX2 int8 kernel with the AVX2 ones); -1: not yet decided. */
+   CPU with VNNI, the AVX2 int8 kernel with the AVX2 ones), and int8 (with the AVX-512 ones on a
+   CPU with VNNI); -1: not yet decided. */
 static long int8_inputs = -1;
 
 long matmul_int8_inputs(long wanted) {

@@ -37,7 +37,7 @@ void int4_dequantize(const uint8_t *w, const uint16_t *groups, long n, long k, f
 /* Whether the matmuls run their AVX-512 kernels: `wanted` 1 where the CPU has AVX-512 (the default),
    0 never (the AVX2 ones), -1 only asks. Returns the choice. */
 long matmul_avx512(long wanted);
-/* Whether int4 rounds its inputs to int8 where it can (the default): `wanted` as above. */
+/* Whether int4 and int8 round their inputs to int8 where they can (the default): `wanted` as above. */
 long matmul_int8_inputs(long wanted);
 /* Whether int4's matmuls round their inputs now: the switch above on, and the AVX2 kernels or the
    AVX-512 ones on a CPU with VNNI. */
