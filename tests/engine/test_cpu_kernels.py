@@ -129,6 +129,14 @@ def test_the_avx512_kernels_run_where_asked(mode, kernel_set):
     assert not torch.equal(mine, other)
 
 
+def off_gives_the_float_product(layer: WeightOnlyLinear, x: torch.Tensor, got: torch.Tensor, plain: torch.Tensor) -> None:
+    """With int8 inputs turned off, the layer's product is the float32 inputs' (`plain`), not `got`."""
+    cpu_kernels.use_int8_inputs(False)
+    widened = product(layer, x)
+    assert not torch.equal(got, widened)
+    torch.testing.assert_close(widened, plain.float(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kernel_set", ["avx2_int8", "vnni"], indirect=True)
 def test_int4_on_int8_inputs_rounds_them(kernel_set):
     """On int8 inputs (the default with the AVX2 kernels, and with the AVX-512 ones where the CPU has
@@ -145,10 +153,7 @@ def test_int4_on_int8_inputs_rounds_them(kernel_set):
     coded, _ = int4_parts(layer)
     plain = x.double() @ layer.dequantized().double().T
     assert ((got.double() - plain).abs() <= (rounded - x.double()).abs() @ coded.abs().T + 1e-4).all()
-    cpu_kernels.use_int8_inputs(False)
-    widened = product(layer, x)
-    assert not torch.equal(got, widened)
-    torch.testing.assert_close(widened, plain.float(), rtol=1e-5, atol=1e-5)
+    off_gives_the_float_product(layer, x, got, plain)
 
 
 @pytest.mark.parametrize("kernel_set", ["vnni"], indirect=True)
@@ -172,10 +177,7 @@ def test_int8_on_int8_inputs_rounds_them(in_features, kernel_set):
     weight = layer.dequantized().double()
     plain = x.double() @ weight.T
     assert ((got.double() - plain).abs() <= (rounded - x.double()).abs() @ weight.abs().T + 1e-4).all()
-    cpu_kernels.use_int8_inputs(False)
-    widened = product(layer, x)
-    assert not torch.equal(got, widened)
-    torch.testing.assert_close(widened, plain.float(), rtol=1e-5, atol=1e-5)
+    off_gives_the_float_product(layer, x, got, plain)
 
 
 @pytest.mark.parametrize("kernel_set", ["vnni"], indirect=True)
