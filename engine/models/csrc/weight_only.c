@@ -293,17 +293,17 @@ BLOCK_INT8_AVX2(4, _Pragma("GCC unroll 4"))
 BLOCK_INT8_AVX2(2, _Pragma("GCC unroll 4"))
 BLOCK_INT8_AVX2(1, )
 
-/* A call's inputs rounded to int8 (`quantize_inputs_avx2` or `quantize_inputs` below) into buffers
-   of their own: the codes [rows, quads, 128] and their steps [rows, quads, 16]. */
+/* A call's inputs rounded to int8 (`quantize_inputs_avx2`, `quantize_inputs` or
+   `quantize_int8_inputs` below) into buffers of their own, 64-byte aligned: `codes` bytes and
+   `steps` floats a row (int4: [quads, 128] and [quads, 16]). */
 typedef void (*Rounding)(const float *x, long rows, long k, int8_t *quantized, float *lane_scales);
 typedef struct {
     int8_t *quantized;
     float *lane_scales;
 } Rounded;
 
-static Rounded rounded(Rounding round, const float *x, long rows, long k) {
-    long quads = (k / 32 + 3) / 4;
-    Rounded r = {aligned_alloc(64, (size_t)(rows * quads * 128)), aligned_alloc(64, (size_t)(rows * quads * 16) * sizeof(float))};
+static Rounded rounded(Rounding round, const float *x, long rows, long k, long codes, long steps) {
+    Rounded r = {aligned_alloc(64, (size_t)(rows * codes)), aligned_alloc(64, (size_t)(rows * steps) * sizeof(float))};
     if (r.quantized == NULL || r.lane_scales == NULL) abort();
     round(x, rows, k, r.quantized, r.lane_scales);
     return r;
@@ -317,7 +317,7 @@ static void free_rounded(Rounded r) {
 static void int4_matmul_avx2_int8(const float *x, const float *sums, long rows, long k, const uint8_t *w,
                                   const uint16_t *groups, long n, float *out) {
     long bytes = k / 2, values = k / 16, count = k / 32, quads = (count + 3) / 4;
-    Rounded in = rounded(quantize_inputs_avx2, x, rows, k);
+    Rounded in = rounded(quantize_inputs_avx2, x, rows, k, quads * 128, quads * 16);
     _Pragma("omp parallel for schedule(static)")
     for (long j = 0; j < n; j++) {
         const uint8_t *row = w + j * bytes, *next = w + (j + 2 < n ? j + 2 : j) * bytes;
@@ -646,7 +646,7 @@ VNNI static void int4_matmul_vnni(const float *x, const float *sums, long rows, 
                                   const uint16_t *groups, long n, float *out) {
     /* a weight row's bytes, bfloat16 (scale, minimum) values, groups and quads of groups */
     long bytes = k / 2, values = k / 16, count = k / 32, quads = (count + 3) / 4;
-    Rounded in = rounded(quantize_inputs, x, rows, k);
+    Rounded in = rounded(quantize_inputs, x, rows, k, quads * 128, quads * 16);
     if (rows <= 2) {
         _Pragma("omp parallel for schedule(static)")
         for (long j = 0; j < n; j++) {
@@ -695,13 +695,14 @@ VNNI static void int4_matmul_vnni(const float *x, const float *sums, long rows, 
 
 #define INT8_SPAN 512
 
-/* Row r's inputs rounded as above: `biased` [rows, spans * 512] bytes, q + 128 in the inputs' order
+/* Row r's inputs rounded as above: `codes` [rows, spans * 512] bytes, q + 128 in the inputs' order
    (128 past k), `steps` [rows, spans, 16] floats, a lane's group's step (0 where the group is empty
    or too small to invert, its inputs then 0; NaN where one of its inputs is infinite or NaN, so
    the row's outputs are NaN, as the float kernels' would be). Rounding to nearest, ties to even, as
    int4's. */
-static void quantize_int8_inputs(const float *x, long rows, long k, uint8_t *biased, float *steps) {
+static void quantize_int8_inputs(const float *x, long rows, long k, int8_t *codes, float *steps) {
     long spans = (k + INT8_SPAN - 1) / INT8_SPAN;
+    uint8_t *biased = (uint8_t *)codes; /* unsigned, as vpdpbusd reads them */
     for (long r = 0; r < rows; r++)
         for (long s = 0; s < spans; s++) {
             const float *xs = x + r * k + s * INT8_SPAN;
@@ -770,10 +771,9 @@ BLOCK_INT8_VNNI(1)
 VNNI static void int8_matmul_vnni(const float *x, long rows, long k, const int8_t *w, const float *scale, long n,
                                   float *out) {
     long spans = (k + INT8_SPAN - 1) / INT8_SPAN;
-    uint8_t *u = aligned_alloc(64, (size_t)(rows * spans * INT8_SPAN));
-    float *steps = aligned_alloc(64, (size_t)(rows * spans * 16) * sizeof(float));
-    if (u == NULL || steps == NULL) abort();
-    quantize_int8_inputs(x, rows, k, u, steps);
+    Rounded in = rounded(quantize_int8_inputs, x, rows, k, spans * INT8_SPAN, spans * 16);
+    const uint8_t *u = (const uint8_t *)in.quantized;
+    const float *steps = in.lane_scales;
     _Pragma("omp parallel for schedule(static)")
     for (long pair = 0; pair < (n + 1) / 2; pair++) {
         long j = 2 * pair, second = j + 1 < n ? j + 1 : j;
@@ -793,8 +793,7 @@ VNNI static void int8_matmul_vnni(const float *x, long rows, long k, const int8_
             r += take;
         }
     }
-    free(u);
-    free(steps);
+    free_rounded(in);
 }
 
 /* The float32 weight [n, k] an int4 weight stands for (scale * code + minimum, as torch computes
