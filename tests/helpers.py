@@ -57,11 +57,15 @@ def int4_inputs(x: torch.Tensor) -> torch.Tensor:
     `int4_rounds_inputs()`; else the inputs as they are."""
     if not int4_rounds_inputs():
         return x.double()
-    groups = x.float().reshape(*x.shape[:-1], -1, 32)
-    scale = groups.abs().amax(-1, keepdim=True) / 127.0
-    inverse = torch.where(scale > torch.finfo(torch.float32).tiny, 1.0 / scale, torch.zeros_like(scale))
-    rounded = (groups * inverse).round().clamp(-127, 127)
-    return (rounded.double() * scale.double()).reshape(x.shape)
+    return rounded_groups(x.float().reshape(*x.shape[:-1], -1, 32)).reshape(x.shape)
+
+
+def rounded_groups(groups: torch.Tensor) -> torch.Tensor:
+    """Float32 groups [..., 32] each rounded to int8 at a step of its largest magnitude / 127 (ties
+    to even; a step too small to invert rounds to zeros) and scaled back, as float64."""
+    step = groups.abs().amax(-1, keepdim=True) / 127.0
+    inverse = torch.where(step > torch.finfo(torch.float32).tiny, 1.0 / step, torch.zeros_like(step))
+    return (groups * inverse).round().clamp(-127, 127).double() * step.double()
 
 
 def int8_inputs(x: torch.Tensor) -> torch.Tensor:
@@ -77,11 +81,9 @@ def int8_inputs(x: torch.Tensor) -> torch.Tensor:
     spans = -(-k // 512)
     padded = torch.zeros(rows, spans * 512)
     padded[:, :k] = x.float()
-    lanes = padded.view(rows, spans, 8, 16, 4).transpose(2, 3)  # [rows, span, lane, vector, 4]
-    step = lanes.abs().amax(dim=(-2, -1), keepdim=True) / 127.0
-    inverse = torch.where(step > torch.finfo(torch.float32).tiny, 1.0 / step, torch.zeros_like(step))
-    rounded = (lanes * inverse).round().clamp(-127, 127).double() * step.double()
-    return rounded.transpose(2, 3).reshape(rows, -1)[:, :k]
+    lanes = padded.view(rows, spans, 8, 16, 4).transpose(2, 3).reshape(rows, spans, 16, 32)  # a lane's group last
+    rounded = rounded_groups(lanes).view(rows, spans, 16, 8, 4).transpose(2, 3)
+    return rounded.reshape(rows, -1)[:, :k]
 
 
 def int4_parts(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
