@@ -150,12 +150,15 @@ def test_gather_chunks_bounds_the_ranked_chunks_beside_every_mention(tiny_tokeni
         beside[name] = sum(p.text not in dockings for p in pieces)
     # unset, the ranked chunks beside a gathering are top_k's (4 by default), as before the option
     assert beside["0"] == 0 and beside["1"] == 1 and 2 < beside["top_k"] <= 4 and 1 <= beside["top_k 2"] <= 2
-    # the same question without a word of counting: with gather_recurring its five sentences still make a gathering
-    reworded = "On what occasions did the Veridian put in at Carrow?"
+    # a question without a word of a list: with gather_recurring its five sentences still make a
+    # gathering, when its form reads as a whole-document one; a local question about them does not
+    reworded, local = "Tell me the harbours the Veridian visited.", "What did the Veridian carry when it docked at Carrow?"
     memory.options = replace(base, gather_chunks=0)
     assert not any(p.item.gathered for p in memory.retrieve(reworded, 4096))
+    without = memory.retrieve(local, 4096)
     memory.options = replace(base, gather_chunks=0, gather_recurring=True)
     assert [p.text for p in memory.retrieve(reworded, 4096)] == dockings
+    assert memory.retrieve(local, 4096) == without and not any(p.item.gathered for p in without)
     # a local question is ranked as always: gather_chunks bounds only what sits beside a gathering
     memory.options = replace(base, gather_chunks=0)
     none = memory.retrieve("what is the weather like?", 4096)
@@ -194,23 +197,35 @@ def test_names_used_often_or_mentions_past_the_budget_gather_nothing():
 
 def test_with_recurring_a_question_whose_names_recur_gets_every_mention_whatever_its_words():
     text = FIXTURES.joinpath("alice29.txt").read_text()
+    asked: list[tuple[str, list[str]]] = []
+
+    def recurring(question: str, names: list[str]) -> bool:  # whether its form reads as a whole-document one
+        asked.append((question, names))
+        return True
+
     # no word of a count, list or order: by its words a local question, which a lookup cannot answer
     question = "What does the story tell of Dinah?"
     assert not is_whole_document(question) and gather([text], question, 2048, 256)[0] == "none"
-    strategy, sentences = gather([text], question, 2048, 256, recurring=True)
+    strategy, sentences = gather([text], question, 2048, 256, recurring=recurring)
     assert strategy == "whole" and sentences == mentions([text], ["Dinah"]) and len(sentences) > 8
+    assert asked == [(question, ["Dinah"])]
+    # a form that reads as a local question: as without `recurring`
+    assert gather([text], question, 2048, 256, recurring=lambda question, names: False)[0] == "none"
     # names in different sentences, none holding most of them: every mention, not the longest name's
     documents = [
         "Ilsa Varn met the Ferryman at dawn. Rain fell. Ilsa Varn met the Archivist later. Then Ilsa Varn met the Cartographer."
     ]
-    asked = "Arrange the Ferryman, the Archivist and the Cartographer by when Ilsa Varn met them."
-    assert gather(documents, asked, 2048, 256)[0] == "lookup"
-    strategy, sentences = gather(documents, asked, 2048, 256, recurring=True)
+    order = "Arrange the Ferryman, the Archivist and the Cartographer by when Ilsa Varn met them."
+    assert gather(documents, order, 2048, 256)[0] == "lookup"
+    strategy, sentences = gather(documents, order, 2048, 256, recurring=recurring)
     assert strategy == "whole" and len(sentences) == 3
-    # one sentence holding every name a local question gives: a lookup as before
-    assert gather(documents, "Where did Ilsa Varn meet the Ferryman?", 2048, 256, recurring=True)[0] == "exact"
+    assert gather(documents, order, 2048, 256, recurring=lambda question, names: False) == gather(documents, order, 2048, 256)
+    # one sentence holding every name a local question gives: a lookup as before, its form not read
+    asked.clear()
+    assert gather(documents, "Where did Ilsa Varn meet the Ferryman?", 2048, 256, recurring=recurring)[0] == "exact"
+    assert not asked
     # a book's main characters still do not fit: the ranked chunks answer
-    assert gather([text], "What does Alice say to the Caterpillar?", 2048, 256, recurring=True) == ("none", [])
+    assert gather([text], "What does Alice say to the Caterpillar?", 2048, 256, recurring=recurring) == ("none", [])
 
 
 def test_a_pronoun_opening_a_sentence_is_no_hop_and_a_scan_is_bounded():

@@ -15,9 +15,10 @@ names it uses often (a book's main characters), the ranked chunks answer as with
 other question, the sentences naming the most of the question (the longest names, summed) are
 taken (exact-match awareness: among look-alikes, the one with the initial, trade and street the
 question gives), and the names they add are followed one hop (two-hop questions: a person's
-mother, then her trade). With `recurring` (the option `gather_recurring`, off by default), a
+mother, then her trade). With `recurring` (the option `gather_recurring`), a
 question is also a whole-document one where its names recur more than a lookup takes, or stand in
-several sentences none of which holds most of them, whatever its words.
+several sentences none of which holds most of them, and its form reads as one (question_form.py),
+whatever its words.
 """
 
 from __future__ import annotations
@@ -58,14 +59,14 @@ def question_names(question: str, common: Callable[[str], bool] = lambda word: F
         words = match.group(0).removesuffix("'s").split()
         while words and words[0] in _QUESTION_WORDS:
             words = words[1:]
-        if words and _opens(question, match.start()) and common(words[0]):
+        if words and opens_sentence(question, match.start()) and common(words[0]):
             words = words[1:]
         if words and not (len(words) == 1 and (len(words[0]) < 3 or common(words[0]))):
             names.add(" ".join(words))
     return sorted(names, key=lambda name: (-len(name), name))
 
 
-def _opens(text: str, at: int) -> bool:
+def opens_sentence(text: str, at: int) -> bool:
     """Whether `at` opens a sentence of `text`: nothing but space and quotes since the last . ! ? or the start."""
     before = text[:at].rstrip(" \t\n\"'([")
     return not before or before[-1] in ".!?:;"
@@ -171,17 +172,21 @@ def _hop_names(documents: list[str], best: list[Sentence], given: list[str], com
 
 
 def gather(
-    documents: list[str], question: str, whole_tokens: int, lookup_tokens: int, recurring: bool = False
+    documents: list[str],
+    question: str,
+    whole_tokens: int,
+    lookup_tokens: int,
+    recurring: Callable[[str, list[str]], bool] | None = None,
 ) -> tuple[str, list[Sentence]]:
     """(strategy, sentences in document order): "whole" (every mention of the question's names,
     within `whole_tokens`); "exact" (a sentence holds every name the question gives: the sentences
     that do, and one hop from them, within `lookup_tokens`; nothing else is needed); "lookup" (the
     sentences naming most of the question, and one hop, within `lookup_tokens`, before the ranked
     chunks); or "none" (nothing to gather: the ranked chunks answer alone). A question is a
-    whole-document one by its words (`is_whole_document`), or, with `recurring`, where its names
-    stand in more sentences than a lookup takes (more than HOP_SENTENCES, or more than
-    LOOKUP_SENTENCES that match it equally well) or the best of them leave some of its names out:
-    then every mention, when they fit. What a question scans is bounded: at most MAX_NAMES names,
+    whole-document one by its words (`is_whole_document`), or where its names stand in more
+    sentences than a lookup takes (more than HOP_SENTENCES, or more than LOOKUP_SENTENCES that
+    match it equally well) or the best of them leave some of its names out, and `recurring(question,
+    names)` says it is one (its form: question_form.py; None: never): then every mention, when they fit. What a question scans is bounded: at most MAX_NAMES names,
     and a scan stops once it has more sentences than it can use."""
     common = common_words(documents)
     names = question_names(question, common)[:MAX_NAMES]
@@ -190,15 +195,19 @@ def gather(
     first = mentions(documents, names, HOP_SENTENCES)
     if not first:
         return "none", []  # nothing named
+
+    def whole() -> bool:
+        return recurring is not None and recurring(question, names)
+
     if len(first) > HOP_SENTENCES:  # names the document repeats; a book's main characters do not fit
-        return _every_mention(documents, names, whole_tokens) if recurring else ("none", [])
+        return _every_mention(documents, names, whole_tokens) if whole() else ("none", [])
     weight = {(s.document, s.start): sum(len(name) for name in s.names) for s in first}
     top = max(weight.values())
     best = [s for s in first if weight[(s.document, s.start)] == top]  # the fullest match of the question
     # below, `first` already holds every mention (no more than HOP_SENTENCES): no second scan
     if len(best) > LOOKUP_SENTENCES:
-        return _whole_if_fits(first, whole_tokens) if recurring else ("none", [])
-    if recurring and not frozenset().union(*(s.names for s in first)) <= frozenset().union(*(s.names for s in best)):
+        return _whole_if_fits(first, whole_tokens) if whole() else ("none", [])
+    if not frozenset().union(*(s.names for s in first)) <= frozenset().union(*(s.names for s in best)) and whole():
         return _whole_if_fits(first, whole_tokens)  # its names in several sentences, none holding most
     taken = {(s.document, s.start) for s in best}
     hop = [s for s in mentions(documents, _hop_names(documents, best, names, common)) if (s.document, s.start) not in taken]

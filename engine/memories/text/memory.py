@@ -20,6 +20,7 @@ from engine.memories.text.excerpts import Excerpts
 from engine.memories.text.gather import Sentence, gather, merged
 from engine.memories.text.locate import Place, asks_whole, places, unplaced
 from engine.memories.text.options import TextOptions
+from engine.memories.text.question_form import QuestionForm
 from engine.memories.text.ranking import Ranking
 from engine.memories.text.rerank import QUESTION_TOKENS, frame_tokens, pass_bytes
 from engine.memories.text.store import TextStore, sentence_start
@@ -43,6 +44,7 @@ class TextMemory(Memory):
         self.ranking = Ranking(self.store, self._model, self._tokenizer)
         self.excerpts = Excerpts(self.store, self.ranking, self._tokenizer)
         self.summaries = SummaryTree(context.embedder.dim, read.summary_part_tokens, read.summary_fanout)
+        self.form = QuestionForm(context.embedder)
         self._parts: dict[str, list[tuple[int, int]]] = {}  # each document's summary parts, planned once
 
     @property
@@ -95,7 +97,8 @@ class TextMemory(Memory):
             return self._ranked_pieces(query, max_tokens, allowed)
         texts = [text if documents is None or id_ in documents else "" for id_, text in self.store.documents]
         whole = min(max_tokens, self.options.gather_tokens)
-        strategy, sentences = gather(texts, query, whole, min(whole, self.options.lookup_tokens), self.options.gather_recurring)
+        recurring = self.form.reads_whole if self.options.gather_recurring else None
+        strategy, sentences = gather(texts, query, whole, min(whole, self.options.lookup_tokens), recurring)
         vector: np.ndarray | None = None  # an exact gathering that fits needs no ranking
         order: list[tuple[int, float]] | None = None
         if strategy != "exact":

@@ -1,0 +1,52 @@
+"""A question's form, its names masked, read against exemplar questions (question_form.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.memories.text.question_form import FORM_MARGIN, LOCAL_EXEMPLARS, WHOLE_EXEMPLARS, QuestionForm, masked
+
+
+def test_names_are_masked_but_a_one_word_name_opening_a_sentence_is_kept():
+    names = ["Gesfound", "Siambous", "Tally"]  # "Tally" opens the question: the gathering's names take it
+    assert masked("Tally the occasions on which the Gesfound put in at Siambous.", names) == (
+        "Tally the occasions on which the someone put in at someone."
+    )
+    assert masked("Ilsa Varn met the Ferryman. Then Ilsa Varn left.", ["Ilsa Varn", "Ferryman"]) == (
+        "someone met the someone. Then someone left."
+    )
+    # a name inside a longer word or after an initial's dot is not that name
+    assert masked("Did Carrowby or Carrow see A.Carrow?", ["Carrow"]) == "Did Carrowby or someone see A.Carrow?"
+
+
+@pytest.mark.parametrize(
+    ("question", "names", "whole"),
+    [
+        (
+            "Arrange the Ferryman, the Archivist and the Cartographer by when Ilsa Varn met them.",
+            ["Ilsa Varn", "Cartographer", "Archivist", "Ferryman"],
+            True,
+        ),
+        ("Which rivers did Marco cross on the road south?", ["Marco"], True),
+        ("Tell me the harbours the Veridian visited.", ["Veridian"], True),
+        ("Where did Ilsa Varn meet the Ferryman?", ["Ilsa Varn", "Ferryman"], False),
+        ("What did Dinah catch in the garden?", ["Dinah"], False),
+        ("Why was the Hatter late for tea?", ["Hatter"], False),
+    ],
+)
+def test_a_question_reads_as_whole_document_or_local_by_its_form(embedder, question, names, whole):
+    form = QuestionForm(embedder)
+    assert form.reads_whole(question, names) is whole
+    assert abs(form.margin(question, names) - FORM_MARGIN) > 0.02  # clear cases, not ones at the threshold
+
+
+def test_the_margin_is_nearest_whole_exemplars_less_nearest_local_ones(embedder):
+    form = QuestionForm(embedder)
+    question, names = "Why was the Hatter late for tea?", ["Hatter"]
+    vector = embedder.encode(["Why was the someone late for tea?"])[0]
+    whole = np.sort(embedder.encode(list(WHOLE_EXEMPLARS)) @ vector)[-3:].mean()
+    local = np.sort(embedder.encode(list(LOCAL_EXEMPLARS)) @ vector)[-3:].mean()
+    assert form.margin(question, names) == pytest.approx(whole - local, abs=1e-6)
+    # an exemplar asked as a question reads as its own set
+    assert form.reads_whole(WHOLE_EXEMPLARS[0], []) and not form.reads_whole(LOCAL_EXEMPLARS[0], [])
