@@ -73,6 +73,15 @@ def embedder():
 
 
 @pytest.fixture(scope="session")
+def served_embedder():
+    """The sentence embedder as the server loads it: MiniLM with the shipped adapter merged."""
+    from engine.config import SHIPPED_EMBEDDER_ADAPTER
+    from engine.models.embedder import Embedder
+
+    return Embedder(adapter=SHIPPED_EMBEDDER_ADAPTER)
+
+
+@pytest.fixture(scope="session")
 def alice() -> str:
     return (FIXTURES / "alice29.txt").read_text(encoding="utf-8")
 

@@ -39,6 +39,7 @@ class Embedder:
         self.name = BASE_NAME if adapter is None else f"{BASE_NAME}+{adapter_name(adapter)}"
         self.batch_size = batch_size
         self.max_length = min(256, int(self.tokenizer.model_max_length))
+        self._fixed: dict[tuple[str, ...], np.ndarray] = {}  # encode_fixed's vectors
 
     @property
     def dim(self) -> int:
@@ -47,6 +48,14 @@ class Embedder:
     def encode(self, texts: list[str]) -> np.ndarray:
         """Embed texts; returns float32 [len(texts), dim], each row of unit length."""
         return self.encode_parts(texts, [[] for _ in texts])[0]
+
+    def encode_fixed(self, texts: tuple[str, ...]) -> np.ndarray:
+        """`encode` of a fixed set of texts (a module's exemplars), computed once for this embedder
+        and shared by every session that asks for it."""
+        vectors = self._fixed.get(texts)
+        if vectors is None:
+            vectors = self._fixed[texts] = self.encode(list(texts))
+        return vectors
 
     @torch.inference_mode()
     def encode_parts(self, texts: list[str], parts: list[list[tuple[int, int]]]) -> tuple[np.ndarray, list[np.ndarray]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.memories.text.question_form import FORM_MARGIN, LOCAL_EXEMPLARS, WHOLE_EXEMPLARS, QuestionForm, masked
+from engine.memories.text.question_form import FORM_MARGIN, LOCAL_EXEMPLARS, NEAREST, WHOLE_EXEMPLARS, QuestionForm, masked
 
 
 def test_names_are_masked_but_a_one_word_name_opening_a_sentence_is_kept():
@@ -16,7 +16,8 @@ def test_names_are_masked_but_a_one_word_name_opening_a_sentence_is_kept():
     assert masked("Ilsa Varn met the Ferryman. Then Ilsa Varn left.", ["Ilsa Varn", "Ferryman"]) == (
         "someone met the someone. Then someone left."
     )
-    # a name inside a longer word or after an initial's dot is not that name
+    # a name inside a longer word or after an initial's dot is not that name; its words apart by any space are
+    assert masked("Did Ilsa\n Varn go?", ["Ilsa Varn"]) == "Did someone go?"
     assert masked("Did Carrowby or Carrow see A.Carrow?", ["Carrow"]) == "Did Carrowby or someone see A.Carrow?"
 
 
@@ -35,18 +36,21 @@ def test_names_are_masked_but_a_one_word_name_opening_a_sentence_is_kept():
         ("Why was the Hatter late for tea?", ["Hatter"], False),
     ],
 )
-def test_a_question_reads_as_whole_document_or_local_by_its_form(embedder, question, names, whole):
-    form = QuestionForm(embedder)
-    assert form.reads_whole(question, names) is whole
-    assert abs(form.margin(question, names) - FORM_MARGIN) > 0.02  # clear cases, not ones at the threshold
+def test_a_question_reads_as_whole_document_or_local_by_its_form(embedder, served_embedder, question, names, whole):
+    for form in (QuestionForm(embedder), QuestionForm(served_embedder)):  # MiniLM, and as served (its adapter)
+        assert form.reads_whole(question, names) is whole
+        assert abs(form.margin(question, names) - FORM_MARGIN) > 0.02  # clear cases, not ones at the threshold
 
 
 def test_the_margin_is_nearest_whole_exemplars_less_nearest_local_ones(embedder):
     form = QuestionForm(embedder)
     question, names = "Why was the Hatter late for tea?", ["Hatter"]
     vector = embedder.encode(["Why was the someone late for tea?"])[0]
-    whole = np.sort(embedder.encode(list(WHOLE_EXEMPLARS)) @ vector)[-3:].mean()
-    local = np.sort(embedder.encode(list(LOCAL_EXEMPLARS)) @ vector)[-3:].mean()
+    whole = np.sort(embedder.encode(list(WHOLE_EXEMPLARS)) @ vector)[-NEAREST:].mean()
+    local = np.sort(embedder.encode(list(LOCAL_EXEMPLARS)) @ vector)[-NEAREST:].mean()
     assert form.margin(question, names) == pytest.approx(whole - local, abs=1e-6)
+    # the exemplars' vectors are computed once an embedder, whichever session reads a form
+    assert embedder.encode_fixed(WHOLE_EXEMPLARS) is embedder.encode_fixed(WHOLE_EXEMPLARS)
+    assert QuestionForm(embedder).margin(question, names) == form.margin(question, names)
     # an exemplar asked as a question reads as its own set
     assert form.reads_whole(WHOLE_EXEMPLARS[0], []) and not form.reads_whole(LOCAL_EXEMPLARS[0], [])

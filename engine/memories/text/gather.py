@@ -109,7 +109,8 @@ def _sentence_spans(text: str) -> Iterator[tuple[int, int]]:
         yield start, len(text)
 
 
-def _pattern(names: list[str]) -> re.Pattern[str]:
+def name_pattern(names: list[str]) -> re.Pattern[str]:
+    """Any of `names`, whole, its words apart by any space."""
     alternatives = "|".join(r"\s+".join(re.escape(word) for word in name.split()) for name in names)
     return re.compile(rf"(?<![\w.])(?:{alternatives})(?!\w)")
 
@@ -119,7 +120,7 @@ def mentions(documents: list[str], names: list[str], limit: int | None = None) -
     or the first `limit` + 1 (one more than `limit` says there are more)."""
     if not names:
         return []
-    pattern, found = _pattern(names[:MAX_NAMES]), []
+    pattern, found = name_pattern(names[:MAX_NAMES]), []
     for number, text in enumerate(documents):
         hits = pattern.finditer(text)
         hit = next(hits, None)
@@ -186,8 +187,9 @@ def gather(
     whole-document one by its words (`is_whole_document`), or where its names stand in more
     sentences than a lookup takes (more than HOP_SENTENCES, or more than LOOKUP_SENTENCES that
     match it equally well) or the best of them leave some of its names out, and `recurring(question,
-    names)` says it is one (its form: question_form.py; None: never): then every mention, when they fit. What a question scans is bounded: at most MAX_NAMES names,
-    and a scan stops once it has more sentences than it can use."""
+    names)` says it is one (its form: question_form.py; None: never): then every mention, when they
+    fit. What a question scans is bounded: at most MAX_NAMES names, and a scan stops once it has
+    more sentences than it can use."""
     common = common_words(documents)
     names = question_names(question, common)[:MAX_NAMES]
     if is_whole_document(question):

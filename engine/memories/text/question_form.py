@@ -20,7 +20,7 @@ import re
 
 import numpy as np
 
-from engine.memories.text.gather import opens_sentence
+from engine.memories.text.gather import name_pattern, opens_sentence
 from engine.models.embedder import Embedder
 
 WHOLE_EXEMPLARS = (
@@ -92,23 +92,24 @@ def _masked_name(question: str, name: str) -> str:
     def put(match: re.Match[str]) -> str:
         return match.group(0) if one_word and opens_sentence(question, match.start()) else MASK
 
-    return re.sub(rf"(?<![\w.]){re.escape(name)}(?!\w)", put, question)
+    return name_pattern([name]).sub(put, question)  # as the gathering finds it
 
 
 class QuestionForm:
-    """Reads questions' forms with `embedder`; the exemplars are embedded once, when first needed."""
+    """Reads questions' forms with `embedder`; the exemplars are embedded once an embedder, when first needed."""
 
     def __init__(self, embedder: Embedder) -> None:
         self.embedder = embedder
-        self._exemplars: tuple[np.ndarray, np.ndarray] | None = None
 
     def margin(self, question: str, names: list[str]) -> float:
         """Mean cosine to the NEAREST closest whole-document exemplars less that to the closest local ones."""
-        if self._exemplars is None:
-            self._exemplars = (self.embedder.encode(list(WHOLE_EXEMPLARS)), self.embedder.encode(list(LOCAL_EXEMPLARS)))
         vector = self.embedder.encode([masked(question, names)])[0]
-        whole, local = (np.sort(exemplars @ vector)[-NEAREST:].mean() for exemplars in self._exemplars)
+        whole, local = (
+            np.sort(self.embedder.encode_fixed(exemplars) @ vector)[-NEAREST:].mean()
+            for exemplars in (WHOLE_EXEMPLARS, LOCAL_EXEMPLARS)
+        )
         return float(whole - local)
 
     def reads_whole(self, question: str, names: list[str]) -> bool:
+        """Whether the question's form reads as a whole-document one: its margin above FORM_MARGIN."""
         return self.margin(question, names) > FORM_MARGIN
