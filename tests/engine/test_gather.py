@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine.memories.text.gather import common_words, gather, is_whole_document, mentions, merged, question_names
+from engine.memories.text.gather import beside_names, common_words, gather, is_whole_document, mentions, merged, question_names
 from tests.helpers import FIXTURES
 
 
@@ -61,6 +61,44 @@ def test_an_initial_does_not_end_a_sentence_and_the_exact_name_wins():
     assert strategy == "exact"
     texts = [documents[0][s.start : s.end] for s in sentences]
     assert texts == ["Aldous K. Ashdown, the cooper of Mill Row, left a chalice to the parish."]
+
+
+LOOKALIKES = [
+    "Aldous K. Ashdown, the cooper of Mill Row, left a chalice to the parish. The tanner Bran Hollis left a bell.\n\n"
+    "To the parish, Aldous K. Ashdown, tanner of Mill Row, bequeathed a font. The parish thanked him."
+]
+
+
+@pytest.mark.parametrize(
+    ("question", "kept"),
+    [
+        ("Tell me what the tanner Aldous K. Ashdown of Mill Row gave the parish.", ["bequeathed a font"]),
+        ("Aldous K. Ashdown (cooper, Mill Row) left something to the parish. What?", ["left a chalice"]),
+        ("What did Aldous K. Ashdown of Mill Row give the parish?", ["left a chalice", "bequeathed a font"]),
+    ],
+)
+def test_among_sentences_naming_the_same_look_alike_the_one_with_the_question_s_other_words_wins(question, kept):
+    """Both sentences hold every name; the trade tells them apart (a word the documents use rarely
+    weighs more than "left" or "parish"); with no word to tell them apart, both are kept."""
+    strategy, sentences = gather(LOOKALIKES, question, 2048, 256)
+    assert strategy == "exact"
+    texts = [LOOKALIKES[0][s.start : s.end] for s in sentences]
+    assert len(texts) == len(kept) and all(part in text for part, text in zip(kept, texts, strict=True))
+
+
+def test_a_near_tie_of_the_question_s_other_words_keeps_both_look_alikes():
+    """"old" (twice in the documents) in one sentence against "cooper" (three times) in the other:
+    the first weighs more, but not twice as much, so both go to the reader, as without the weighing.
+    What the question asks of its names ("leave") is not weighed: only the words set beside them."""
+    documents = [
+        "Aldous K. Ashdown, the old tanner of Mill Row, left a chalice to the parish. A cooper came, then a cooper sang.\n\n"
+        "To the parish, Aldous K. Ashdown, cooper of Mill Row, bequeathed a font. An old man left."
+    ]
+    strategy, sentences = gather(documents, "What did the old cooper Aldous K. Ashdown of Mill Row leave?", 2048, 256)
+    assert strategy == "exact" and len(sentences) == 2
+    assert beside_names("What did the old cooper Aldous K. Ashdown of Mill Row leave?", ["Aldous K. Ashdown", "Mill Row"]) == (
+        "old cooper Aldous K. Ashdown of Mill Row"
+    )
 
 
 def test_two_hops_follow_the_name_the_first_sentences_add():

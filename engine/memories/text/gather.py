@@ -27,6 +27,8 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
+from bm25s.stopwords import STOPWORDS_EN
+
 from engine.memories.base import ContextPiece
 
 WHOLE_DOCUMENT = re.compile(
@@ -46,6 +48,8 @@ LOOKUP_SENTENCES = 4  # a local question's exact-match sentences, at most
 HOP_SENTENCES = 8  # names in more sentences than this are used often: nothing is gathered for them
 MAX_NAMES = 16  # a question's names scanned for, at most (the longest first)
 MAX_HOP_CHARS = 2_000  # of a best sentence, the characters read for the names a hop follows
+_STOPWORDS = frozenset(STOPWORDS_EN)
+_LOWER_WORD = re.compile(r"(?<![\w-])[a-z][a-z'-]{2,}")  # a lower-case word of three letters or more
 MIN_SENTENCE_CHARS = 16  # a whole-document scan stops past budget / this many sentences
 
 
@@ -211,6 +215,11 @@ def gather(
         return _whole_if_fits(first, whole_tokens) if whole() else ("none", [])
     if not frozenset().union(*(s.names for s in first)) <= frozenset().union(*(s.names for s in best)) and whole():
         return _whole_if_fits(first, whole_tokens)  # its names in several sentences, none holding most
+    # every name the question gives, in one sentence, and more than one name or a name with an
+    # initial: the question picks one of look-alikes, and ranked chunks would bring the others back
+    exact = top == sum(len(name) for name in names) and (len(names) > 1 or re.search(r"\b[A-Z]\.", names[0]) is not None)
+    if exact:
+        best = closest(documents, best, question, names)
     taken = {(s.document, s.start) for s in best}
     hop = [s for s in mentions(documents, _hop_names(documents, best, names, common)) if (s.document, s.start) not in taken]
     kept = _within(
@@ -220,10 +229,36 @@ def gather(
     )
     if not {(s.document, s.start) for s in kept} & taken:
         return "none", []  # the best sentences do not fit the budget: the ranked chunks answer
-    # every name the question gives, in one sentence, and more than one name or a name with an
-    # initial: the question picks one of look-alikes, and ranked chunks would bring the others back
-    exact = top == sum(len(name) for name in names) and (len(names) > 1 or re.search(r"\b[A-Z]\.", names[0]) is not None)
     return "exact" if exact else "lookup", kept
+
+
+def closest(documents: list[str], best: list[Sentence], question: str, names: list[str]) -> list[Sentence]:
+    """Of look-alike sentences that hold every name a question gives, those that also hold most of
+    the lower-case words it sets beside its names ("the tanner X of Y", "X (tanner, Y)": not the
+    cooper of the same name and street), each word weighed by how rarely the documents use it (1 /
+    its count there): every one holding at least half the weight the best one holds, so a near tie
+    keeps both."""
+    words = set(_LOWER_WORD.findall(beside_names(question, names))) - _STOPWORDS
+    if len(best) < 2 or not words:
+        return best
+    texts = [documents[s.document][s.start : s.end] for s in best]
+    weights = {}
+    for word in words:
+        pattern = re.compile(rf"(?<![\w-]){re.escape(word)}(?![\w-])")
+        if any(pattern.search(text) for text in texts):
+            weights[word] = (pattern, 1.0 / sum(len(pattern.findall(document)) for document in documents))
+    held = [sum(weight for pattern, weight in weights.values() if pattern.search(text)) for text in texts]
+    return [s for s, weight in zip(best, held, strict=True) if 2 * weight >= max(held)]
+
+
+def beside_names(question: str, names: list[str]) -> str:
+    """The part of `question` from two words before its first name to the end of its last: where it
+    says what its names are ("the tanner X of Y"), not what it asks of them ("... left what?")."""
+    found = list(name_pattern(names).finditer(question)) if names else []
+    if not found:
+        return ""
+    before = question[: found[0].start()].split()
+    return " ".join(before[-2:]) + " " + question[found[0].start() : found[-1].end()]
 
 
 def _every_mention(documents: list[str], names: list[str], whole_tokens: int) -> tuple[str, list[Sentence]]:
