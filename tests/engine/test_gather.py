@@ -87,7 +87,7 @@ def test_among_sentences_naming_the_same_look_alike_the_one_with_the_question_s_
 
 
 def test_a_near_tie_of_the_question_s_other_words_keeps_both_look_alikes():
-    """"old" (twice in the documents) in one sentence against "cooper" (three times) in the other:
+    """The word "old" (twice in the documents) in one sentence against "cooper" (three times) in the other:
     the first weighs more, but not twice as much, so both go to the reader, as without the weighing.
     What the question asks of its names ("leave") is not weighed: only the words set beside them."""
     documents = [
