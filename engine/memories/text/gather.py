@@ -13,8 +13,9 @@ order, when all of them fit the budget (else nothing is gathered: an answer from
 mentions would be stated as if from all). Gathering serves names the document uses rarely; for
 names it uses often (a book's main characters), the ranked chunks answer as without it. For any
 other question, the sentences naming the most of the question (the longest names, summed) are
-taken (exact-match awareness: among look-alikes, the one with the initial, trade and street the
-question gives), and the names they add are followed one hop (two-hop questions: a person's
+taken (exact-match awareness: among look-alikes, the one with the initial and street the question
+gives, and of those holding every name, the ones holding the words it sets beside them, such as a
+trade: `closest`), and the names they add are followed one hop (two-hop questions: a person's
 mother, then her trade). With `recurring` (the option `gather_recurring`), a
 question is also a whole-document one where its names recur more than a lookup takes, or stand in
 several sentences none of which holds most of them, and its form reads as one (question_form.py),
