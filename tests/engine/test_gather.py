@@ -78,8 +78,9 @@ LOOKALIKES = [
     ],
 )
 def test_among_sentences_naming_the_same_look_alike_the_one_with_the_question_s_other_words_wins(question, kept):
-    """Both sentences hold every name; the trade tells them apart (a word the documents use rarely
-    weighs more than "left" or "parish"); with no word to tell them apart, both are kept."""
+    """Both sentences hold every name; the trade the question sets beside them tells them apart
+    (what it asks of them, "gave the parish", "left something", is not weighed); with no such word,
+    both are kept."""
     strategy, sentences = gather(LOOKALIKES, question, 2048, 256)
     assert strategy == "exact"
     texts = [LOOKALIKES[0][s.start : s.end] for s in sentences]
@@ -89,16 +90,30 @@ def test_among_sentences_naming_the_same_look_alike_the_one_with_the_question_s_
 def test_a_near_tie_of_the_question_s_other_words_keeps_both_look_alikes():
     """The word "old" (twice in the documents) in one sentence against "cooper" (three times) in the other:
     the first weighs more, but not twice as much, so both go to the reader, as without the weighing.
-    What the question asks of its names ("leave") is not weighed: only the words set beside them."""
+    What the question asks of its names ("left", twice in the documents, in the first sentence) is
+    not weighed: weighed, it would leave the second sentence under half the first's weight."""
     documents = [
         "Aldous K. Ashdown, the old tanner of Mill Row, left a chalice to the parish. A cooper came, then a cooper sang.\n\n"
         "To the parish, Aldous K. Ashdown, cooper of Mill Row, bequeathed a font. An old man left."
     ]
-    strategy, sentences = gather(documents, "What did the old cooper Aldous K. Ashdown of Mill Row leave?", 2048, 256)
+    question = "The old cooper Aldous K. Ashdown of Mill Row left what?"
+    strategy, sentences = gather(documents, question, 2048, 256)
     assert strategy == "exact" and len(sentences) == 2
-    assert beside_names("What did the old cooper Aldous K. Ashdown of Mill Row leave?", ["Aldous K. Ashdown", "Mill Row"]) == (
-        "old cooper Aldous K. Ashdown of Mill Row"
-    )
+    assert beside_names(question, ["Aldous K. Ashdown", "Mill Row"]) == "old cooper Aldous K. Ashdown of Mill Row"
+
+
+def test_a_word_every_look_alike_holds_tells_none_apart_and_one_left_out_is_no_hop():
+    """The word "old" stands in both sentences, so only "tanner" weighs: were "old" weighed too, the cooper's
+    sentence would hold half the tanner's weight and stay. The cooper's sentence names Brother
+    Cuthwin as the kept one does, yet does not come back as a hop of it."""
+    documents = [
+        "Aldous K. Ashdown, the old cooper of Mill Row, left a bell to Brother Cuthwin. Rain fell.\n\n"
+        "Aldous K. Ashdown, the old tanner of Mill Row, left a font to Brother Cuthwin. The tanner slept."
+    ]
+    strategy, sentences = gather(documents, "What did the old tanner Aldous K. Ashdown of Mill Row leave?", 2048, 256)
+    texts = [documents[0][s.start : s.end] for s in sentences]
+    assert strategy == "exact"
+    assert texts == ["Aldous K. Ashdown, the old tanner of Mill Row, left a font to Brother Cuthwin."]
 
 
 def test_two_hops_follow_the_name_the_first_sentences_add():

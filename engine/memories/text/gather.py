@@ -49,9 +49,10 @@ LOOKUP_SENTENCES = 4  # a local question's exact-match sentences, at most
 HOP_SENTENCES = 8  # names in more sentences than this are used often: nothing is gathered for them
 MAX_NAMES = 16  # a question's names scanned for, at most (the longest first)
 MAX_HOP_CHARS = 2_000  # of a best sentence, the characters read for the names a hop follows
-_STOPWORDS = frozenset(STOPWORDS_EN)
-_LOWER_WORD = re.compile(r"(?<![\w-])[a-z][a-z'-]{2,}")  # a lower-case word of three letters or more
 MIN_SENTENCE_CHARS = 16  # a whole-document scan stops past budget / this many sentences
+MAX_BESIDE_WORDS = 16  # of the words a question sets beside its names, at most this many weighed
+_STOPWORDS = frozenset(STOPWORDS_EN)
+_LOWER_WORD = re.compile(r"(?<![\w'])[a-z]{3,}(?!\w)")  # three letters or more; "tanner's" gives "tanner"
 
 
 def question_names(question: str, common: Callable[[str], bool] = lambda word: False) -> list[str]:
@@ -219,10 +220,11 @@ def gather(
     # every name the question gives, in one sentence, and more than one name or a name with an
     # initial: the question picks one of look-alikes, and ranked chunks would bring the others back
     exact = top == sum(len(name) for name in names) and (len(names) > 1 or re.search(r"\b[A-Z]\.", names[0]) is not None)
+    alike = {(s.document, s.start) for s in best}  # a look-alike left out below does not come back as a hop
     if exact:
         best = closest(documents, best, question, names)
     taken = {(s.document, s.start) for s in best}
-    hop = [s for s in mentions(documents, _hop_names(documents, best, names, common)) if (s.document, s.start) not in taken]
+    hop = [s for s in mentions(documents, _hop_names(documents, best, names, common)) if (s.document, s.start) not in alike]
     kept = _within(
         best + hop[:HOP_SENTENCES],
         lookup_tokens * _CHARS_PER_TOKEN,
@@ -236,20 +238,22 @@ def gather(
 def closest(documents: list[str], best: list[Sentence], question: str, names: list[str]) -> list[Sentence]:
     """Of look-alike sentences that hold every name a question gives, those that also hold most of
     the lower-case words it sets beside its names ("the tanner X of Y", "X (tanner, Y)": not the
-    cooper of the same name and street), each word weighed by how rarely the documents use it (1 /
-    its count there): every one holding at least half the weight the best one holds, so a near tie
-    keeps both."""
-    words = set(_LOWER_WORD.findall(beside_names(question, names))) - _STOPWORDS
-    if len(best) < 2 or not words:
+    cooper of the same name and street). Only the words some of them lack tell them apart; each
+    weighs by how rarely the documents use it (1 / its count there). Every sentence holding at
+    least half the weight of the best one is kept, so a near tie keeps both, and all of them where
+    no such word is found."""
+    if len(best) < 2:
         return best
     texts = [documents[s.document][s.start : s.end] for s in best]
-    weights = {}
+    words = sorted(set(_LOWER_WORD.findall(beside_names(question, names))) - _STOPWORDS)[:MAX_BESIDE_WORDS]
+    weights = []
     for word in words:
-        pattern = re.compile(rf"(?<![\w-]){re.escape(word)}(?![\w-])")
-        if any(pattern.search(text) for text in texts):
-            weights[word] = (pattern, 1.0 / sum(len(pattern.findall(document)) for document in documents))
-    held = [sum(weight for pattern, weight in weights.values() if pattern.search(text)) for text in texts]
-    return [s for s, weight in zip(best, held, strict=True) if 2 * weight >= max(held)]
+        pattern = re.compile(rf"(?<!\w){word}(?!\w)")  # lower-case letters only: nothing to escape
+        holding = sum(1 for text in texts if pattern.search(text))
+        if 0 < holding < len(texts):  # a word every look-alike holds tells none apart
+            weights.append((pattern, 1.0 / sum(len(pattern.findall(document)) for document in documents)))
+    held = [sum(weight for pattern, weight in weights if pattern.search(text)) for text in texts]
+    return [s for s, weight_held in zip(best, held, strict=True) if 2 * weight_held >= max(held)]
 
 
 def beside_names(question: str, names: list[str]) -> str:
