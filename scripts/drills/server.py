@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -17,8 +18,23 @@ import httpx
 
 from engine.config import SMALL_MODEL
 
+FIRST_PORT = 20_000  # above Ray's worker ports (10002-19999 by default)
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
 
 def free_port() -> int:
+    """A free loopback port below the range the OS hands out for port 0 (where there is room above
+    FIRST_PORT), so no process started meanwhile, Ray's among them, takes it before the server
+    binds it; else one the OS hands out."""
+    first_ephemeral = int(EPHEMERAL_RANGE.read_text().split()[0]) if EPHEMERAL_RANGE.exists() else 0
+    below = range(FIRST_PORT, first_ephemeral)  # empty where the OS's range starts lower
+    for port in random.sample(below, min(200, len(below))):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
