@@ -9,7 +9,8 @@ sentence holding all the question's names (the gathering before it).
 By default, retrieval only (seconds): of each look-alike question, whether the gathering hands
 over the one right sentence alone. `--unchanged`: whether `closest` changes what any QA or
 hand-written whole-book question (development and held out) gathers. `--answers`: the default
-model's answers to the look-alike questions alone, both ways (4-5 minutes a way on 2 cores).
+model's answers to the look-alike questions alone, both ways, beside the oracle's (the fact
+sentence alone) from the same run (4-5 minutes a way on 2 cores).
 Development seeds 1..N and filler unless `--held-out` (seeds 101..100+N, held-out filler).
 """
 
@@ -24,10 +25,12 @@ from pathlib import Path
 
 from engine.config import DEFAULT_MODEL
 from engine.memories.text import gather
+from engine.memories.text.options import TextOptions
 from research.evals import texts, wholedoc
 from research.training.evaluate import EvalSetup
 
 QUESTION_FILES = ("qa.jsonl", "qa_dev.jsonl", "wholebook.jsonl", "wholebook_dev.jsonl")
+BUDGETS = (TextOptions.gather_tokens, TextOptions.lookup_tokens)  # the text memory's own defaults
 
 
 @contextmanager
@@ -59,7 +62,7 @@ def one_right_sentence(docs: list[wholedoc.Document]) -> int:
     right = 0
     for doc in docs:
         for question in doc.questions:
-            _, sentences = gather.gather([doc.text], question.question, 2048, 256)
+            _, sentences = gather.gather([doc.text], question.question, *BUDGETS)
             ((a, b),) = question.facts
             right += len(sentences) == 1 and sentences[0].start <= a and b <= sentences[0].end
     return right
@@ -75,7 +78,7 @@ def changed_gatherings() -> tuple[int, int]:
             found = []
             for _, way in WAYS:
                 with closest_as(way):
-                    found.append(gather.gather(text, row["question"], 2048, 256))
+                    found.append(gather.gather(text, row["question"], *BUDGETS))
             changed += found[0] != found[1]
             total += 1
     return changed, total
@@ -98,10 +101,14 @@ def main() -> None:
         return
     docs = look_alikes(args.seeds, args.phrasing, args.held_out, args.length)
     asked = sum(len(d.questions) for d in docs)
+    setup = EvalSetup(model=DEFAULT_MODEL, device="cpu")
+    if args.answers:  # the reader handed each question's fact sentence alone, in the same run
+        (row,) = wholedoc.bench(setup, [(wholedoc.ORACLE, {})], docs)
+        print(f"oracle: answers {row.summary()['accuracy']}", *row.missed, sep="\n  ", flush=True)
     for label, way in WAYS:
         with closest_as(way):
             if args.answers:
-                (row,) = wholedoc.bench(EvalSetup(model=DEFAULT_MODEL, device="cpu"), [("text", {})], docs)
+                (row,) = wholedoc.bench(setup, [("text", {})], docs)
                 print(f"{label}: answers {row.summary()['accuracy']}", *row.missed, sep="\n  ", flush=True)
             else:
                 print(f"{label}: the one right sentence alone for {one_right_sentence(docs)} of {asked}", flush=True)
