@@ -4,6 +4,7 @@ question's names, exhaustive, in document order, deterministic; exact names amon
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -252,7 +253,7 @@ def test_with_recurring_a_question_whose_names_recur_gets_every_mention_whatever
     text = FIXTURES.joinpath("alice29.txt").read_text()
     asked: list[tuple[str, list[str]]] = []
 
-    def recurring(question: str, names: list[str]) -> bool:  # whether its form reads as a whole-document one
+    def recurring(question: str, names: list[str], strict: bool) -> bool:  # whether its form reads as a whole-document one
         asked.append((question, names))
         return True
 
@@ -263,7 +264,7 @@ def test_with_recurring_a_question_whose_names_recur_gets_every_mention_whatever
     assert strategy == "whole" and sentences == mentions([text], ["Dinah"]) and len(sentences) > 8
     assert asked == [(question, ["Dinah"])]
     # a form that reads as a local question: as without `recurring`
-    assert gather([text], question, 2048, 256, recurring=lambda question, names: False)[0] == "none"
+    assert gather([text], question, 2048, 256, recurring=lambda question, names, strict: False)[0] == "none"
     # names in different sentences, none holding most of them: every mention, not the longest name's
     documents = [
         "Ilsa Varn met the Ferryman at dawn. Rain fell. Ilsa Varn met the Archivist later. Then Ilsa Varn met the Cartographer."
@@ -272,13 +273,46 @@ def test_with_recurring_a_question_whose_names_recur_gets_every_mention_whatever
     assert gather(documents, order, 2048, 256)[0] == "lookup"
     strategy, sentences = gather(documents, order, 2048, 256, recurring=recurring)
     assert strategy == "whole" and len(sentences) == 3
-    assert gather(documents, order, 2048, 256, recurring=lambda question, names: False) == gather(documents, order, 2048, 256)
+    assert gather(documents, order, 2048, 256, recurring=lambda question, names, strict: False) == gather(
+        documents, order, 2048, 256
+    )
     # one sentence holding every name a local question gives: a lookup as before, its form not read
     asked.clear()
     assert gather(documents, "Where did Ilsa Varn meet the Ferryman?", 2048, 256, recurring=recurring)[0] == "exact"
     assert not asked
     # a book's main characters still do not fit: the ranked chunks answer
     assert gather([text], "What does Alice say to the Caterpillar?", 2048, 256, recurring=recurring) == ("none", [])
+
+
+def test_a_few_sentences_all_alike_are_every_mention_only_where_the_form_reads_clearly_whole():
+    filler = "The wind came off the sea and the gulls cried over the harbour wall. " * 30
+    voyages = (
+        "Brenna Holt sailed to Quarry Cove.",
+        "Later Brenna Holt sailed to Fennick.",
+        "Brenna Holt reached Osterley at last.",
+    )
+    text = filler.join(voyages) + filler
+    question = "Tell me the towns the envoy Brenna Holt visited."  # no word of a list: by its words a local question
+    asked: list[bool] = []
+
+    def reads(strict: bool) -> Callable[[str, list[str], bool], bool]:
+        def recurring(question: str, names: list[str], clearly: bool) -> bool:
+            asked.append(clearly)
+            return clearly if strict else not clearly  # the form reads whole clearly, or only at the plain margin
+
+        return recurring
+
+    lookup = gather([text], question, 2048, 256)
+    assert lookup[0] == "lookup" and len(lookup[1]) == 3  # every sentence naming her, beside ranked chunks
+    strategy, sentences = gather([text], question, 2048, 256, recurring=reads(True))
+    assert strategy == "whole" and sentences == mentions([text], ["Brenna Holt"]) and asked == [True]
+    asked.clear()  # a form that passes the plain margin only: the lookup, as without `recurring`
+    assert gather([text], question, 2048, 256, recurring=reads(False)) == lookup and asked == [True]
+    # one sentence, or one holding every name the question gives (exact): no form read, as before
+    asked.clear()
+    assert gather([voyages[0] + " " + filler], question, 2048, 256, recurring=reads(True))[0] == "lookup"
+    assert gather([text], "When did Brenna Holt reach Osterley?", 2048, 256, recurring=reads(True))[0] == "exact"
+    assert not asked
 
 
 def test_a_pronoun_opening_a_sentence_is_no_hop_and_a_scan_is_bounded():

@@ -5,7 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.memories.text.question_form import FORM_MARGIN, LOCAL_EXEMPLARS, NEAREST, WHOLE_EXEMPLARS, QuestionForm, masked
+from engine.memories.text.question_form import (
+    FORM_MARGIN,
+    LOCAL_EXEMPLARS,
+    NEAREST,
+    STRICT_MARGIN,
+    WHOLE_EXEMPLARS,
+    QuestionForm,
+    masked,
+)
+from engine.models.embedder import Embedder
 
 
 def test_names_are_masked_but_a_one_word_name_opening_a_sentence_is_kept():
@@ -52,5 +61,21 @@ def test_the_margin_is_nearest_whole_exemplars_less_nearest_local_ones(embedder)
     # the exemplars' vectors are computed once an embedder, whichever session reads a form
     assert embedder.encode_fixed(WHOLE_EXEMPLARS) is embedder.encode_fixed(WHOLE_EXEMPLARS)
     assert QuestionForm(embedder).margin(question, names) == form.margin(question, names)
+    # strict: a margin above STRICT_MARGIN, not FORM_MARGIN's
+    for strict, bar in ((False, FORM_MARGIN), (True, STRICT_MARGIN)):
+        assert Margin(embedder, bar + 0.001).reads_whole(question, names, strict)
+        assert not Margin(embedder, bar).reads_whole(question, names, strict)
+    assert FORM_MARGIN < STRICT_MARGIN
     # an exemplar asked as a question reads as its own set
     assert form.reads_whole(WHOLE_EXEMPLARS[0], []) and not form.reads_whole(LOCAL_EXEMPLARS[0], [])
+
+
+class Margin(QuestionForm):
+    """A form whose every question has the margin `value`."""
+
+    def __init__(self, embedder: Embedder, value: float) -> None:
+        super().__init__(embedder)
+        self.value = value
+
+    def margin(self, question: str, names: list[str]) -> float:
+        return self.value

@@ -42,7 +42,7 @@ def test_reworded_questions_are_gathered_whole_where_their_names_recur():
         document = generate(seed, 8192, "alice29.txt", FIXTURES, "reworded")
         for question in document.questions:
             # every form read as a whole-document one: the rule on recurring names alone
-            _, sentences = gather([document.text], question.question, 768, 256, recurring=lambda asked, names: True)
+            _, sentences = gather([document.text], question.question, 768, 256, recurring=lambda asked, names, strict: True)
             assert set(question.facts) <= {(s.start, s.end) for s in sentences}, question.question
             _, without = gather([document.text], question.question, 768, 256)
             missed += not set(question.facts) <= {(s.start, s.end) for s in without}

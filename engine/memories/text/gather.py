@@ -19,7 +19,10 @@ trade: `closest`), and the names they add are followed one hop (two-hop question
 mother, then her trade). With `recurring` (the option `gather_recurring`), a
 question is also a whole-document one where its names recur more than a lookup takes, or stand in
 several sentences none of which holds most of them, and its form reads as one (question_form.py),
-whatever its words.
+whatever its words; and where its names stand in two to LOOKUP_SENTENCES sentences that all match
+it alike ("Tell me the towns the envoy X visited": every sentence naming X), when its form reads
+clearly as one (`strict`: a lookup would hand over the same sentences, with ranked chunks beside
+them, so only a clear form takes those away).
 """
 
 from __future__ import annotations
@@ -183,7 +186,7 @@ def gather(
     question: str,
     whole_tokens: int,
     lookup_tokens: int,
-    recurring: Callable[[str, list[str]], bool] | None = None,
+    recurring: Callable[[str, list[str], bool], bool] | None = None,
 ) -> tuple[str, list[Sentence]]:
     """(strategy, sentences in document order): "whole" (every mention of the question's names,
     within `whole_tokens`); "exact" (a sentence holds every name the question gives: the sentences
@@ -193,8 +196,9 @@ def gather(
     whole-document one by its words (`is_whole_document`), or where its names stand in more
     sentences than a lookup takes (more than HOP_SENTENCES, or more than LOOKUP_SENTENCES that
     match it equally well) or the best of them leave some of its names out, and `recurring(question,
-    names)` says it is one (its form: question_form.py; None: never): then every mention, when they
-    fit. What a question scans is bounded: at most MAX_NAMES names, and a scan stops once it has
+    names, False)` says it is one (its form: question_form.py; None: never): then every mention, when
+    they fit. Likewise where two to LOOKUP_SENTENCES sentences name the question's names, all alike,
+    and `recurring(question, names, True)` says so (strict: its form reads clearly as one). What a question scans is bounded: at most MAX_NAMES names, and a scan stops once it has
     more sentences than it can use."""
     common = common_words(documents)
     names = question_names(question, common)[:MAX_NAMES]
@@ -204,8 +208,8 @@ def gather(
     if not first:
         return "none", []  # nothing named
 
-    def whole() -> bool:
-        return recurring is not None and recurring(question, names)
+    def whole(strict: bool = False) -> bool:
+        return recurring is not None and recurring(question, names, strict)
 
     if len(first) > HOP_SENTENCES:  # names the document repeats; a book's main characters do not fit
         return _every_mention(documents, names, whole_tokens) if whole() else ("none", [])
@@ -220,6 +224,8 @@ def gather(
     # every name the question gives, in one sentence, and more than one name or a name with an
     # initial: the question picks one of look-alikes, and ranked chunks would bring the others back
     exact = top == sum(len(name) for name in names) and (len(names) > 1 or re.search(r"\b[A-Z]\.", names[0]) is not None)
+    if not exact and 2 <= len(best) == len(first) and whole(strict=True):  # every mention, all alike
+        return _whole_if_fits(first, whole_tokens)
     alike = {(s.document, s.start) for s in best}  # a look-alike left out below does not come back as a hop
     if exact:
         best = closest(documents, best, question, names)
