@@ -251,10 +251,10 @@ def test_names_used_often_or_mentions_past_the_budget_gather_nothing():
 
 def test_with_recurring_a_question_whose_names_recur_gets_every_mention_whatever_its_words():
     text = FIXTURES.joinpath("alice29.txt").read_text()
-    asked: list[tuple[str, list[str]]] = []
+    asked: list[tuple[str, list[str], bool]] = []
 
     def recurring(question: str, names: list[str], strict: bool) -> bool:  # whether its form reads as a whole-document one
-        asked.append((question, names))
+        asked.append((question, names, strict))
         return True
 
     # no word of a count, list or order: by its words a local question, which a lookup cannot answer
@@ -262,7 +262,7 @@ def test_with_recurring_a_question_whose_names_recur_gets_every_mention_whatever
     assert not is_whole_document(question) and gather([text], question, 2048, 256)[0] == "none"
     strategy, sentences = gather([text], question, 2048, 256, recurring=recurring)
     assert strategy == "whole" and sentences == mentions([text], ["Dinah"]) and len(sentences) > 8
-    assert asked == [(question, ["Dinah"])]
+    assert asked == [(question, ["Dinah"], False)]  # the plain margin: names that recur
     # a form that reads as a local question: as without `recurring`
     assert gather([text], question, 2048, 256, recurring=lambda question, names, strict: False)[0] == "none"
     # names in different sentences, none holding most of them: every mention, not the longest name's
@@ -295,10 +295,12 @@ def test_a_few_sentences_all_alike_are_every_mention_only_where_the_form_reads_c
     question = "Tell me the towns the envoy Brenna Holt visited."  # no word of a list: by its words a local question
     asked: list[bool] = []
 
-    def reads(strict: bool) -> Callable[[str, list[str], bool], bool]:
-        def recurring(question: str, names: list[str], clearly: bool) -> bool:
-            asked.append(clearly)
-            return clearly if strict else not clearly  # the form reads whole clearly, or only at the plain margin
+    def reads(clearly: bool) -> Callable[[str, list[str], bool], bool]:
+        """A form that reads whole clearly (`clearly`), or only at the plain margin."""
+
+        def recurring(question: str, names: list[str], strict: bool) -> bool:
+            asked.append(strict)
+            return strict if clearly else not strict
 
         return recurring
 
@@ -308,11 +310,19 @@ def test_a_few_sentences_all_alike_are_every_mention_only_where_the_form_reads_c
     assert strategy == "whole" and sentences == mentions([text], ["Brenna Holt"]) and asked == [True]
     asked.clear()  # a form that passes the plain margin only: the lookup, as without `recurring`
     assert gather([text], question, 2048, 256, recurring=reads(False)) == lookup and asked == [True]
-    # one sentence, or one holding every name the question gives (exact): no form read, as before
+    # every mention past the budget: the lookup, not nothing
+    assert gather([text], question, 12, 256, recurring=reads(True)) == gather([text], question, 12, 256)
     asked.clear()
+    # one sentence; look-alikes holding every name the question gives (exact); best sentences beside a
+    # weaker one: no strict form read, as before
     assert gather([voyages[0] + " " + filler], question, 2048, 256, recurring=reads(True))[0] == "lookup"
-    assert gather([text], "When did Brenna Holt reach Osterley?", 2048, 256, recurring=reads(True))[0] == "exact"
-    assert not asked
+    alike = filler.join(["Brenna Holt reached Osterley by sea.", "Brenna Holt reached Osterley on foot."]) + filler
+    assert gather([alike], "When did Brenna Holt reach Osterley?", 2048, 256, recurring=reads(True))[0] == "exact"
+    uneven = filler.join([*voyages, "Brenna Holt met Osterley's council."]) + filler
+    assert (
+        gather([uneven], "What did Brenna Holt do at Osterley and at Fennick?", 2048, 256, recurring=reads(True))[0] == "lookup"
+    )
+    assert True not in asked
 
 
 def test_a_pronoun_opening_a_sentence_is_no_hop_and_a_scan_is_bounded():

@@ -21,8 +21,8 @@ question is also a whole-document one where its names recur more than a lookup t
 several sentences none of which holds most of them, and its form reads as one (question_form.py),
 whatever its words; and where its names stand in two to LOOKUP_SENTENCES sentences that all match
 it alike ("Tell me the towns the envoy X visited": every sentence naming X), when its form reads
-clearly as one (`strict`: a lookup would hand over the same sentences, with ranked chunks beside
-them, so only a clear form takes those away).
+clearly as one (`strict`: a lookup would hand over those sentences too, with one hop and ranked
+chunks beside them, so only a clear form takes those away).
 """
 
 from __future__ import annotations
@@ -197,8 +197,9 @@ def gather(
     sentences than a lookup takes (more than HOP_SENTENCES, or more than LOOKUP_SENTENCES that
     match it equally well) or the best of them leave some of its names out, and `recurring(question,
     names, False)` says it is one (its form: question_form.py; None: never): then every mention, when
-    they fit. Likewise where two to LOOKUP_SENTENCES sentences name the question's names, all alike,
-    and `recurring(question, names, True)` says so (strict: its form reads clearly as one). What a question scans is bounded: at most MAX_NAMES names, and a scan stops once it has
+    they fit. Likewise where two to LOOKUP_SENTENCES sentences name the question's names, all
+    alike, the question is no `exact` one, and `recurring(question, names, True)` says so (strict:
+    its form reads clearly as one), when they fit; else the lookup, as without it. What a question scans is bounded: at most MAX_NAMES names, and a scan stops once it has
     more sentences than it can use."""
     common = common_words(documents)
     names = question_names(question, common)[:MAX_NAMES]
@@ -225,7 +226,9 @@ def gather(
     # initial: the question picks one of look-alikes, and ranked chunks would bring the others back
     exact = top == sum(len(name) for name in names) and (len(names) > 1 or re.search(r"\b[A-Z]\.", names[0]) is not None)
     if not exact and 2 <= len(best) == len(first) and whole(strict=True):  # every mention, all alike
-        return _whole_if_fits(first, whole_tokens)
+        every = _whole_if_fits(first, whole_tokens)
+        if every[0] == "whole":
+            return every
     alike = {(s.document, s.start) for s in best}  # a look-alike left out below does not come back as a hop
     if exact:
         best = closest(documents, best, question, names)

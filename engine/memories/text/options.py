@@ -29,7 +29,8 @@ class TextOptions:
     gather_chunks: int | None = None  # beside a whole-document gathering, at most this many ranked chunks (None: top_k)
     # a question whose names the documents repeat (more sentences than a lookup takes), or whose best sentences
     # leave some of its names out, is a whole-document one, whatever its words, when its form reads as one
-    # (question_form.py) and every mention fits gather_tokens (gather.py)
+    # (question_form.py) and every mention fits gather_tokens (gather.py); so is one whose names stand in two to
+    # four sentences, all alike, when its form reads clearly as one
     gather_recurring: bool = False
     # a question about a named chapter (book, part...) or the ending ranks only the chunks there, and
     # an ending gets the place's last tail_tokens too (locate.py)
