@@ -20,12 +20,11 @@ plain margin), a session a document (minutes on 2 cores).
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
+from bench.bench_lookalikes import question_rows
 from engine.config import DEFAULT_MODEL, SHIPPED_EMBEDDER_ADAPTER
 from engine.engine import Engine
 from engine.interface import GenerationParams, TokenDelta
@@ -34,10 +33,10 @@ from engine.memories.text.gather import common_words, gather, question_names
 from engine.memories.text.options import TextOptions
 from engine.models.embedder import Embedder
 from engine.models.manifest import manifest_of, memory_options
-from research.evals import qa, texts, wholedoc
+from research.evals import qa, wholedoc
 from research.training.evaluate import EvalSetup, run_with_engine
 
-QUESTION_FILES = ("qa_dev.jsonl", "wholebook_dev.jsonl", "qa.jsonl", "wholebook.jsonl")
+DEVELOPMENT_FILES = ("qa_dev.jsonl", "wholebook_dev.jsonl")
 SHIPPED = TextOptions(**memory_options(manifest_of(DEFAULT_MODEL, "")).get("text", {}))
 BUDGETS = (SHIPPED.gather_tokens, min(SHIPPED.gather_tokens, SHIPPED.lookup_tokens))  # as the memory passes them
 MARGINS = (
@@ -67,12 +66,10 @@ def reaches(text: str, question: str) -> bool:
 
 
 def reached(seeds: int, development_only: bool) -> Iterator[Reached]:
-    for name in QUESTION_FILES[:2] if development_only else QUESTION_FILES:
-        for line in (Path(wholedoc.__file__).parent / name).read_text(encoding="utf-8").splitlines():
-            row = json.loads(line)
-            text = texts.load(row["text"])
-            if reaches(text, row["question"]):
-                yield Reached(name, row["id"], row["question"], row["text"], text, tuple(row["answers"]), None)
+    files = DEVELOPMENT_FILES + (() if development_only else ("qa.jsonl", "wholebook.jsonl"))
+    for name, row, text in question_rows(files):
+        if reaches(text, row["question"]):
+            yield Reached(name, row["id"], row["question"], row["text"], text, tuple(row["answers"]), None)
     for phrasing in ("shipped", "reworded"):
         docs = wholedoc.documents(tuple(range(1, seeds + 1)), (32768, 131072), wholedoc.DEV_FILLER, phrasing=phrasing)
         for doc in docs:

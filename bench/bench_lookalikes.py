@@ -68,19 +68,24 @@ def one_right_sentence(docs: list[wholedoc.Document]) -> int:
     return right
 
 
+def question_rows(names: tuple[str, ...] = QUESTION_FILES) -> Iterator[tuple[str, dict, str]]:
+    """(file name, row, its text) of each question of the QA and whole-book files `names`."""
+    for name in names:
+        for line in (Path(wholedoc.__file__).parent / name).read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            yield name, row, texts.load(row["text"])
+
+
 def changed_gatherings() -> tuple[int, int]:
     """(questions whose gathering `closest` changes, questions) over the QA and whole-book files."""
     changed = total = 0
-    for name in QUESTION_FILES:
-        for line in (Path(wholedoc.__file__).parent / name).read_text(encoding="utf-8").splitlines():
-            row = json.loads(line)
-            text = [texts.load(row["text"])]
-            found = []
-            for _, way in WAYS:
-                with closest_as(way):
-                    found.append(gather.gather(text, row["question"], *BUDGETS))
-            changed += found[0] != found[1]
-            total += 1
+    for _, row, text in question_rows():
+        found = []
+        for _, way in WAYS:
+            with closest_as(way):
+                found.append(gather.gather([text], row["question"], *BUDGETS))
+        changed += found[0] != found[1]
+        total += 1
     return changed, total
 
 

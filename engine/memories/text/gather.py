@@ -199,8 +199,9 @@ def gather(
     names, False)` says it is one (its form: question_form.py; None: never): then every mention, when
     they fit. Likewise where two to LOOKUP_SENTENCES sentences name the question's names, all
     alike, the question is no `exact` one, and `recurring(question, names, True)` says so (strict:
-    its form reads clearly as one), when they fit; else the lookup, as without it. What a question scans is bounded: at most MAX_NAMES names, and a scan stops once it has
-    more sentences than it can use."""
+    its form reads clearly as one), when they fit; else the lookup, as without it. What a question
+    scans is bounded: at most MAX_NAMES names, and a scan stops once it has more sentences than it
+    can use."""
     common = common_words(documents)
     names = question_names(question, common)[:MAX_NAMES]
     if is_whole_document(question):
