@@ -104,7 +104,7 @@ def test_int4_over_whole_blocks_of_groups_and_their_tails(in_features, kernel_se
     float inputs) groups at a time: whole
     blocks, blocks and a tail, several blocks; the product, and a row's bits in any company."""
     layer = stored("int4", out_features=33, in_features=in_features, seed=in_features)
-    # 15 rows: in blocks of 8 (VNNI) or 4 and 4, then 4, 2 and 1
+    # 15 rows: in blocks of 4, 4 and 4, then 2 and 1
     x = torch.randn(15, in_features, generator=torch.Generator().manual_seed(5))
     want = exact(layer, x)
     got = product(layer, x)

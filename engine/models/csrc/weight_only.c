@@ -10,7 +10,7 @@
    fixed order whatever the number of rows, so a row's result never depends on its company. int4
    instead rounds each row's inputs to int8 and multiplies bytes by default, with the AVX2 kernels
    and with the AVX-512 ones where the CPU has VNNI (below: int4_matmul_avx2_int8, int4_matmul_vnni,
-   whose blocks take up to 8 rows); int8 likewise with the AVX-512 ones on a VNNI CPU
+   whose blocks take up to 4 rows); int8 likewise with the AVX-512 ones on a VNNI CPU
    (int8_matmul_vnni). */
 
 #include <float.h>
@@ -295,7 +295,8 @@ BLOCK_INT8_AVX2(1, )
 
 /* A call's inputs rounded to int8 (`quantize_inputs_avx2`, `quantize_inputs` or
    `quantize_int8_inputs` below) into buffers of their own, 64-byte aligned: `codes` bytes and
-   `steps` floats a row (int4: [quads, 128] and [quads, 16]). */
+   `steps` floats a row (int4 on AVX2: [quads, 128] and [quads, 16]; with VNNI: [spans, 512] and
+   [spans, 16]). */
 typedef void (*Rounding)(const float *x, long rows, long k, int8_t *quantized, float *lane_scales);
 typedef struct {
     int8_t *quantized;
@@ -505,98 +506,122 @@ AVX512 static void int4_matmul_avx512(const float *x, const float *sums, long ro
 }
 
 /* int4 with AVX-512 VNNI (llama.cpp's Q4 x Q8 way): each row's inputs are rounded to int8, a
-   scale a group of 32 (the group's largest magnitude / 127), and each group's codes are
-   multiplied by them as bytes (vpdpbusd: unsigned codes by signed inputs, four products summed a
-   lane). A weight row's product is then, over its groups, code scale * input scale * (the codes
-   times the rounded inputs) + minimum * (the sum of the group's inputs as they are). Four groups'
-   64 bytes of codes unpack into two vectors, their low halves [inputs 0-15 of each group, in
-   order] and their high halves [inputs 16-31 of each], so the rounded inputs are laid out that
-   way once a call (`quantized`), and each group's input scale on its 4 lanes (`lane_scales`); both
-   products of a lane add into one int32 sum of one group. A last quad short of groups is padded
+   step a group of 32 (the group's largest magnitude / 127), and each group's codes are multiplied
+   by them as bytes (vpdpbusd: unsigned codes by signed inputs, four products summed a lane). A
+   weight row's product is then, over its groups, code scale * input step * (the codes times the
+   rounded inputs) + minimum * (the sum of the group's inputs as they are).
+
+   The groups go in spans of 16, and a lane of a span's vectors holds one group: its 32 products are
+   summed exactly into one int32 lane by 8 vpdpbusd, then converted and scaled once. (Until
+   2026-11-30 a lane held a quarter of a group, converted and scaled every 8 products: on Zen 4 the
+   multiplies and FMAs share vpdpbusd's two pipes, so with 8 rows those, not the byte products,
+   bounded the kernel; docs/studies/quantize.md.) A span's 256 bytes of codes are 4 vectors of 4 groups' 16 bytes each; a 4 x 4 transpose of
+   their 4-byte words within each 128-bit lane turns them into 4 vectors whose lane L holds word q
+   (codes 4q..4q+3 in the low halves, 16+4q..16+4q+3 in the high ones) of group `SPAN_GROUP`(L)
+   = 4 (L % 4) + L / 4 of the span. The rounded inputs are laid out that way once a call (`quantized`),
+   and each group's input step on its lane (`lane_scales`). A last span short of groups is padded
    with zeros. */
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define SPAN_LANE(g) (4 * ((g) % 4) + (g) / 4) /* the lane of a span's g-th group; and the inverse */
+#define SPAN_GROUP(lane) SPAN_LANE(lane)
 
-/* Row r's inputs rounded to int8, in quads of groups as the codes lie (`quantized` [rows, quads,
-   128] bytes: groups 4m..4m+3's inputs 0-15, 16 a group, then their inputs 16-31) and each group's
-   step on its 4 lanes (`lane_scales` [rows, quads, 16] floats); the rounding is to nearest, ties to
-   even (the default rounding mode). A group whose largest magnitude is too small to invert rounds
-   to zeros; the groups that complete the last quad are zeros, their steps zero (no stale NaN may
-   reach the sums). */
+/* Row r's inputs rounded to int8 as above (`quantized` [rows, spans, 8, 64] bytes: a span's vectors
+   low_0, high_0, ..., low_3, high_3, where lane L of low_q holds inputs 4q..4q+3 of the span's group
+   SPAN_GROUP(L) and of high_q its inputs 16+4q..16+4q+3) and each group's step on its lane
+   (`lane_scales` [rows, spans, 16] floats); the rounding is to nearest, ties to even (the default
+   rounding mode). A group whose largest magnitude is too small to invert rounds to zeros; the lanes
+   of a last span's missing groups are zeros, their steps zero (no stale NaN may reach the sums). */
 VNNI static void quantize_inputs(const float *x, long rows, long k, int8_t *quantized, float *lane_scales) {
-    long groups = k / 32, quads = (groups + 3) / 4;
+    long groups = k / 32, spans = (groups + 15) / 16;
     for (long r = 0; r < rows; r++) {
-        int8_t *q = quantized + r * quads * 128;
-        float *s = lane_scales + r * quads * 16;
-        for (long g = groups; g < quads * 4; g++) {
-            long m = g / 4, u = g % 4;
-            for (int t = 0; t < 16; t++) q[m * 128 + u * 16 + t] = q[m * 128 + 64 + u * 16 + t] = 0;
-            for (int t = 0; t < 4; t++) s[m * 16 + u * 4 + t] = 0.0f;
-        }
+        int8_t *q = quantized + r * spans * 512;
+        float *s = lane_scales + r * spans * 16;
+        memset(q + (spans - 1) * 512, 0, 512);
+        memset(s + (spans - 1) * 16, 0, 16 * sizeof(float));
         for (long g = 0; g < groups; g++) {
             const float *xg = x + r * k + g * 32;
             __m512 lo = _mm512_loadu_ps(xg), hi = _mm512_loadu_ps(xg + 16);
             __m512 biggest = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
             float d = _mm512_reduce_max_ps(biggest) / 127.0f, inverse = d > FLT_MIN ? 1.0f / d : 0.0f;
             __m512 by = _mm512_set1_ps(inverse);
-            long m = g / 4, u = g % 4;
-            _mm_storeu_si128((__m128i *)(q + m * 128 + u * 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, by))));
-            _mm_storeu_si128((__m128i *)(q + m * 128 + 64 + u * 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, by))));
-            for (int t = 0; t < 4; t++) s[m * 16 + u * 4 + t] = d;
+            int8_t low[16], high[16];
+            _mm_storeu_si128((__m128i *)low, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, by))));
+            _mm_storeu_si128((__m128i *)high, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, by))));
+            long lane = SPAN_LANE(g % 16);
+            int8_t *span = q + (g / 16) * 512 + 4 * lane;
+            for (int w = 0; w < 4; w++) {
+                memcpy(span + 2 * w * 64, low + 4 * w, 4);
+                memcpy(span + (2 * w + 1) * 64, high + 4 * w, 4);
+            }
+            s[(g / 16) * 16 + lane] = d;
         }
     }
 }
 
-/* A quad of groups' 64 bytes of codes (16 a group; `count` groups, the rest read as zeros) as 64
-   unsigned bytes of their inputs 0-15 (`low`) and of their inputs 16-31 (`high`): the inputs' layout. */
-VNNI static inline void unpack_quad(const uint8_t *codes, long count, __m512i *low, __m512i *high) {
-    __m512i packed = count >= 4 ? _mm512_loadu_si512((const void *)codes)
-                                : _mm512_maskz_loadu_epi8((__mmask64)((1ull << (16 * count)) - 1), codes);
-    const __m512i low4 = _mm512_set1_epi8(15);
-    *low = _mm512_and_si512(packed, low4);
-    *high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+/* A span's codes (16 bytes a group; `count` groups, the rest read as zeros) as 4 vectors of 4-byte
+   words: lane L of words[w] holds word w of the span's group SPAN_GROUP(L), whose low halves meet
+   the inputs' low_w and high halves their high_w. */
+VNNI static inline void span_words(const uint8_t *codes, long count, __m512i *words) {
+    __m512i p[4];
+    for (int v = 0; v < 4; v++) {
+        long have = count - 4 * v;
+        p[v] = have >= 4  ? _mm512_loadu_si512((const void *)(codes + 64 * v))
+               : have > 0 ? _mm512_maskz_loadu_epi8((__mmask64)((1ull << (16 * have)) - 1), codes + 64 * v)
+                          : _mm512_setzero_si512();
+    }
+    __m512i t0 = _mm512_unpacklo_epi32(p[0], p[1]), t1 = _mm512_unpackhi_epi32(p[0], p[1]);
+    __m512i t2 = _mm512_unpacklo_epi32(p[2], p[3]), t3 = _mm512_unpackhi_epi32(p[2], p[3]);
+    words[0] = _mm512_unpacklo_epi64(t0, t2), words[1] = _mm512_unpackhi_epi64(t0, t2);
+    words[2] = _mm512_unpacklo_epi64(t1, t3), words[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
-/* One quad's part of a row's sum: the codes' low and high nibbles (`low`, `high`) times the row's
-   rounded inputs laid out alike (`xl`, `xh`), each lane's 8 byte products summed exactly in int32,
-   converted once, times the groups' input steps `xs` and code scales `scale`, added into `acc`. */
-VNNI static inline __m512 quad_product(__m512i low, __m512i high, __m512i xl, __m512i xh, __m512 xs, __m512 scale,
-                                       __m512 acc) {
-    __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), low, xl), high, xh);
+/* A span's int32 sums (a group a lane) converted once, times the groups' input steps `xs` and code
+   scales `scale` (both in the lanes' order), added into `acc`. */
+VNNI static inline __m512 scaled_sums(__m512i sum, __m512 xs, __m512 scale, __m512 acc) {
     return _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), xs), scale, acc);
 }
 
-/* ROWS rows against weight rows a and b, a quad of groups at a time: each lane's 8 byte products
-   summed exactly in int32 (its group's inputs 4i..4i+3 and 16+4i..16+4i+3), converted once, times
-   the group's input step and its scale. A row's sums are the same in any block. */
+/* ROWS (up to 4) rows against weight rows a and b, a span of 16 groups at a time: the minimums'
+   part first, by group_block, in the groups' order; then the span's products, in the lanes' order,
+   by scaled_sums. The byte products go a code vector at a time over the rows, so that each row's
+   int32 sums wait a pass of the rows between two vpdpbusd (their order does not change them: int32
+   sums are exact). A row's sums are the same in any block. Eight rows go as two blocks of 4: in one
+   block of 8 the rows' sums no longer fit the registers (0.83 of its time on 2 Zen 4 cores). */
 #define BLOCK_VNNI(ROWS, READ_AHEAD)                                                                             \
     VNNI static inline void block_vnni_##ROWS(const int8_t *q, const float *ls, const float *sums, long k, \
                                               const uint8_t *a, const uint16_t *ga, const uint8_t *b,     \
                                               const uint16_t *gb, const uint8_t *next, float *out) {      \
-        long groups = k / 32, quads = (groups + 3) / 4;                                                \
+        long groups = k / 32, spans = (groups + 15) / 16;                                              \
         __m512 sa[ROWS], sb[ROWS];                                                                     \
         EACH_ROW for (int r = 0; r < ROWS; r++) sa[r] = sb[r] = _mm512_setzero_ps();                   \
-        const __m512i quarters = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);    \
+        const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15); \
+        const __m512i low4 = _mm512_set1_epi8(15);                                                     \
         for (long g0 = 0; g0 < groups; g0 += 16) {                                                     \
             __m512 scale_a, scale_b;                                                                   \
             long count = group_block(ga, gb, sums, groups, g0, ROWS, sa, sb, &scale_a, &scale_b);     \
-            for (long g = 0; g < count; g += 4) {                                                      \
-                long m = (g0 + g) / 4, at = (g0 + g) * 16;                                             \
-                READ_AHEAD(next + at, 64);                                                             \
-                READ_AHEAD(next + k / 2 + at, 64);                                                     \
-                __m512i la, ha, lb, hb;                                                                \
-                unpack_quad(a + at, count - g, &la, &ha);                                              \
-                unpack_quad(b + at, count - g, &lb, &hb);                                              \
-                __m512i lanes = _mm512_add_epi32(quarters, _mm512_set1_epi32((int)g));                 \
-                __m512 ska = _mm512_permutexvar_ps(lanes, scale_a);                                    \
-                __m512 skb = _mm512_permutexvar_ps(lanes, scale_b);                                    \
+            long s = g0 / 16, at = g0 * 16;                                                            \
+            READ_AHEAD(next + at, 256);                                                                \
+            READ_AHEAD(next + k / 2 + at, 256);                                                        \
+            __m512i wa[4], wb[4], ia[ROWS], ib[ROWS];                                                  \
+            span_words(a + at, count, wa);                                                             \
+            span_words(b + at, count, wb);                                                             \
+            EACH_ROW for (int r = 0; r < ROWS; r++) ia[r] = ib[r] = _mm512_setzero_si512();            \
+            for (int v = 0; v < 8; v++) {                                                              \
+                __m512i ca = v % 2 ? _mm512_srli_epi16(wa[v / 2], 4) : wa[v / 2];                      \
+                __m512i cb = v % 2 ? _mm512_srli_epi16(wb[v / 2], 4) : wb[v / 2];                      \
+                ca = _mm512_and_si512(ca, low4), cb = _mm512_and_si512(cb, low4);                      \
                 EACH_ROW for (int r = 0; r < ROWS; r++) {                                              \
-                    const int8_t *xq = q + (r * quads + m) * 128;                                      \
-                    __m512i xl = _mm512_loadu_si512((const void *)xq), xh = _mm512_loadu_si512((const void *)(xq + 64)); \
-                    __m512 xs = _mm512_loadu_ps(ls + (r * quads + m) * 16);                            \
-                    sa[r] = quad_product(la, ha, xl, xh, xs, ska, sa[r]);                              \
-                    sb[r] = quad_product(lb, hb, xl, xh, xs, skb, sb[r]);                              \
+                    __m512i x = _mm512_loadu_si512((const void *)(q + (r * spans + s) * 512 + 64 * v)); \
+                    ia[r] = _mm512_dpbusd_epi32(ia[r], ca, x);                                         \
+                    ib[r] = _mm512_dpbusd_epi32(ib[r], cb, x);                                         \
                 }                                                                                      \
+            }                                                                                          \
+            __m512 ska = _mm512_permutexvar_ps(order, scale_a), skb = _mm512_permutexvar_ps(order, scale_b); \
+            EACH_ROW for (int r = 0; r < ROWS; r++) {                                                  \
+                __m512 xs = _mm512_loadu_ps(ls + (r * spans + s) * 16);                                \
+                sa[r] = scaled_sums(ia[r], xs, ska, sa[r]);                                            \
+                sb[r] = scaled_sums(ib[r], xs, skb, sb[r]);                                            \
             }                                                                                          \
         }                                                                                              \
         EACH_ROW for (int r = 0; r < ROWS; r++) {                                                      \
@@ -604,38 +629,38 @@ VNNI static inline __m512 quad_product(__m512i low, __m512i high, __m512i xl, __
             out[ROWS + r] = _mm512_reduce_add_ps(sb[r]);                                               \
         }                                                                                              \
     }
-BLOCK_VNNI(8, prefetch)
-BLOCK_VNNI(4, prefetch)
+BLOCK_VNNI(4, prefetch_l2)
 BLOCK_VNNI(2, prefetch_l2)
 BLOCK_VNNI(1, prefetch_l2)
 
 /* ROWS (1 or 2) rows against weight row a alone: block_vnni_ROWS's sums for a, in the same order,
    so the same bits. One or two rows stream the weights a row at a time (on 2 Zen 4 cores in 0.76-0.82
    of the time pairs took for one row, 0.85-0.91 for two: docs/studies/quantize.md); more rows share
-   each pair's unpacked codes. */
+   each pair's codes. */
 #define ONE_VNNI(ROWS)                                                                                   \
     VNNI static inline void one_vnni_##ROWS(const int8_t *q, const float *ls, const float *sums, long k, \
                                             const uint8_t *a, const uint16_t *ga, const uint8_t *next, float *out) { \
-        long groups = k / 32, quads = (groups + 3) / 4;                                                 \
+        long groups = k / 32, spans = (groups + 15) / 16;                                               \
         __m512 sa[ROWS];                                                                                \
         EACH_ROW for (int r = 0; r < ROWS; r++) sa[r] = _mm512_setzero_ps();                            \
-        const __m512i quarters = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);     \
+        const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);  \
+        const __m512i low4 = _mm512_set1_epi8(15);                                                      \
         for (long g0 = 0; g0 < groups; g0 += 16) {                                                      \
             __m512 scale_a;                                                                             \
             long count = group_row(ga, sums, groups, g0, ROWS, sa, &scale_a);                           \
-            for (long g = 0; g < count; g += 4) {                                                       \
-                long m = (g0 + g) / 4, at = (g0 + g) * 16;                                              \
-                prefetch_l2(next + at, 64);                                                             \
-                __m512i la, ha;                                                                         \
-                unpack_quad(a + at, count - g, &la, &ha);                                               \
-                __m512 ska = _mm512_permutexvar_ps(_mm512_add_epi32(quarters, _mm512_set1_epi32((int)g)), scale_a); \
-                EACH_ROW for (int r = 0; r < ROWS; r++) {                                               \
-                    const int8_t *xq = q + (r * quads + m) * 128;                                       \
-                    __m512i xl = _mm512_loadu_si512((const void *)xq), xh = _mm512_loadu_si512((const void *)(xq + 64)); \
-                    __m512 xs = _mm512_loadu_ps(ls + (r * quads + m) * 16);                             \
-                    sa[r] = quad_product(la, ha, xl, xh, xs, ska, sa[r]);                               \
-                }                                                                                       \
+            long s = g0 / 16, at = g0 * 16;                                                             \
+            prefetch_l2(next + at, 256);                                                                \
+            __m512i wa[4], ia[ROWS];                                                                    \
+            span_words(a + at, count, wa);                                                              \
+            EACH_ROW for (int r = 0; r < ROWS; r++) ia[r] = _mm512_setzero_si512();                     \
+            for (int v = 0; v < 8; v++) {                                                               \
+                __m512i ca = _mm512_and_si512(v % 2 ? _mm512_srli_epi16(wa[v / 2], 4) : wa[v / 2], low4); \
+                EACH_ROW for (int r = 0; r < ROWS; r++)                                                 \
+                    ia[r] = _mm512_dpbusd_epi32(ia[r], ca, _mm512_loadu_si512((const void *)(q + (r * spans + s) * 512 + 64 * v))); \
             }                                                                                           \
+            __m512 ska = _mm512_permutexvar_ps(order, scale_a);                                         \
+            EACH_ROW for (int r = 0; r < ROWS; r++)                                                     \
+                sa[r] = scaled_sums(ia[r], _mm512_loadu_ps(ls + (r * spans + s) * 16), ska, sa[r]);     \
         }                                                                                               \
         EACH_ROW for (int r = 0; r < ROWS; r++) out[r] = _mm512_reduce_add_ps(sa[r]);                   \
     }
@@ -644,9 +669,9 @@ ONE_VNNI(2)
 
 VNNI static void int4_matmul_vnni(const float *x, const float *sums, long rows, long k, const uint8_t *w,
                                   const uint16_t *groups, long n, float *out) {
-    /* a weight row's bytes, bfloat16 (scale, minimum) values, groups and quads of groups */
-    long bytes = k / 2, values = k / 16, count = k / 32, quads = (count + 3) / 4;
-    Rounded in = rounded(quantize_inputs, x, rows, k, quads * 128, quads * 16);
+    /* a weight row's bytes, bfloat16 (scale, minimum) values, groups and spans of groups */
+    long bytes = k / 2, values = k / 16, count = k / 32, spans = (count + 15) / 16;
+    Rounded in = rounded(quantize_inputs, x, rows, k, spans * 512, spans * 16);
     if (rows <= 2) {
         _Pragma("omp parallel for schedule(static)")
         for (long j = 0; j < n; j++) {
@@ -665,18 +690,17 @@ VNNI static void int4_matmul_vnni(const float *x, const float *sums, long rows, 
         const uint8_t *next = w + (j + 3 < n ? j + 2 : j) * bytes; /* the next pair's two rows, both inside w */
         const uint8_t *a = w + j * bytes, *b = w + second * bytes;
         const uint16_t *ga = groups + j * values, *gb = groups + second * values;
-        float out16[16];
+        float out8[8];
         for (long r = 0; r < rows;) {
-            long take = rows - r >= 8 ? 8 : rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
-            const int8_t *qr = in.quantized + r * quads * 128;
-            const float *lr = in.lane_scales + r * quads * 16, *sr = sums + r * count;
-            if (take == 8) block_vnni_8(qr, lr, sr, k, a, ga, b, gb, next, out16);
-            else if (take == 4) block_vnni_4(qr, lr, sr, k, a, ga, b, gb, next, out16);
-            else if (take == 2) block_vnni_2(qr, lr, sr, k, a, ga, b, gb, next, out16);
-            else block_vnni_1(qr, lr, sr, k, a, ga, b, gb, next, out16);
+            long take = rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
+            const int8_t *qr = in.quantized + r * spans * 512;
+            const float *lr = in.lane_scales + r * spans * 16, *sr = sums + r * count;
+            if (take == 4) block_vnni_4(qr, lr, sr, k, a, ga, b, gb, next, out8);
+            else if (take == 2) block_vnni_2(qr, lr, sr, k, a, ga, b, gb, next, out8);
+            else block_vnni_1(qr, lr, sr, k, a, ga, b, gb, next, out8);
             for (long t = 0; t < take; t++) {
-                out[(r + t) * n + j] = out16[t];
-                out[(r + t) * n + second] = out16[take + t];
+                out[(r + t) * n + j] = out8[t];
+                out[(r + t) * n + second] = out8[take + t];
             }
             r += take;
         }
