@@ -62,6 +62,7 @@ def main() -> int:
     parser.add_argument("--people", type=int, default=32, help="questions asked at once in the capacity drill")
     parser.add_argument("--streams", type=int, default=8, help="streams whose aggregate decode the capacity drill measures")
     parser.add_argument("--capacity-tokens", type=int, default=128, help="new tokens of each capacity drill answer")
+    parser.add_argument("--stream-rounds", type=int, default=3, help="rounds of one stream, then many, in the capacity drill")
     parser.add_argument("--summary-book", type=Path, default=BOOK, help="the book the summary drill summarizes")
     parser.add_argument("--pairs", type=int, default=3, help="question pairs per text in the second-question drill")
     parser.add_argument("--dev", action="store_true", help="the second-question drill on the development texts")
@@ -126,7 +127,9 @@ def main() -> int:
     if "capacity" in chosen:  # the default model, default settings
         server = Server([], env={"LONGDOC_MODEL": DEFAULT_MODEL}).start(timeout=1800)
         try:
-            results["capacity"] = asyncio.run(run_capacity(server, book, args.people, args.streams, args.capacity_tokens))
+            results["capacity"] = asyncio.run(
+                run_capacity(server, book, args.people, args.streams, args.capacity_tokens, args.stream_rounds)
+            )
         finally:
             server.stop()
         passed["capacity"] = capacity_passed(results["capacity"])
