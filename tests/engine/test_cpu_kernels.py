@@ -98,7 +98,9 @@ def test_a_row_gets_the_same_bits_in_any_company(mode, kernel_set):
 
 
 @pytest.mark.skipif(not BUILDABLE, reason="needs cc and an AVX2 CPU")
-@pytest.mark.parametrize("in_features", [256, 288, 320, 352, 512, 544, 1536])  # int8 inputs' quads: 0-3 groups over
+# AVX2 on int8 inputs: a last quad of 0-3 groups; VNNI: a last span of 8-11, 13, 15, 16 or 1 groups (13 and 15
+# end inside its 4th vector of codes)
+@pytest.mark.parametrize("in_features", [256, 288, 320, 352, 416, 480, 512, 544, 1536])
 def test_int4_over_whole_blocks_of_groups_and_their_tails(in_features, kernel_set):
     """int4 reads the groups' scales and minimums 16 (AVX-512, AVX2 on int8 inputs) or 8 (AVX2 on
     float inputs) groups at a time: whole
@@ -144,7 +146,7 @@ def test_int4_on_int8_inputs_rounds_them(kernel_set):
     group's step of the input and multiplies scale * code only, so the product stays within
     |x - rounded| @ |scale * code| of the float32 inputs' one, and is not it; with int8 inputs
     off, it is that product."""
-    layer = stored("int4", out_features=64, in_features=544)  # 17 groups: the last quad holds 1, and 3 of zeros
+    layer = stored("int4", out_features=64, in_features=544)  # 17 groups: a last quad (AVX2) or span (VNNI) of 1
     x = torch.randn(3, 544, generator=torch.Generator().manual_seed(7)) * torch.linspace(0.1, 10, 544)
     rounded = int4_inputs(x)
     step = x.reshape(3, 17, 32).abs().amax(-1) / 127

@@ -49,9 +49,10 @@ static inline void prefetch(const void *at, long bytes) {
 }
 
 /* The same, into the second-level cache, as the AVX-512 kernels for bf16, int8 and float32 weights
-   (and int8 on int8 inputs) and the VNNI kernel's blocks of 1 and 2 rows read ahead. On 2 Zen 4
-   cores it read one row's weights 1.2-1.45x as fast there; the VNNI blocks of 4 (and 8) rows, int4
-   on float inputs and the AVX2 kernels ran as fast or faster with `prefetch` (docs/studies/quantize.md). */
+   (and int8 on int8 inputs) and the VNNI kernel's blocks of 1, 2 and 4 rows read ahead. On 2 Zen 4
+   cores it read one row's weights 1.2-1.45x as fast there, and 4 rows (two blocks of 4 for 8 rows
+   since a9352c2) in 0.89 of the time; int4 on float inputs and the AVX2 kernels ran as fast or
+   faster with `prefetch` (docs/studies/quantize.md). */
 static inline void prefetch_l2(const void *at, long bytes) {
     for (long b = 0; b < bytes; b += 64) _mm_prefetch((const char *)at + b, _MM_HINT_T1);
 }
@@ -182,15 +183,15 @@ static void int4_matmul_avx2(const float *x, const float *sums, long rows, long 
     }
 }
 
-/* int4 on inputs rounded to int8 with AVX2 (no VNNI): the rounding, the layout and the sums of
-   int4_matmul_vnni below, 8 lanes at a time. Each row's inputs are rounded as quantize_inputs
-   rounds them, and a quad's codes are taken as two pairs of groups: 32 bytes of codes, unpacked
+/* int4 on inputs rounded to int8 with AVX2 (no VNNI): the rounding of int4_matmul_vnni below, in
+   a layout of its own (quads of groups, a quarter of a group a lane, as the VNNI kernel's was
+   before a9352c2), 8 lanes at a time. Each row's inputs are rounded as quantize_inputs rounds them,
+   and a quad's codes are taken as two pairs of groups: 32 bytes of codes, unpacked
    into their inputs 0-15 and 16-31, are multiplied by the rounded inputs as bytes (vpmaddubsw:
    unsigned codes by signed inputs, two products summed into 16 bits; the two halves added there,
    four products at most 4 * 15 * 127 in size, so exact; vpmaddwd by ones sums two of those into an
-   int32 lane), so a lane holds the same exact sum of 8 products as the VNNI kernel's. The pair of
-   groups g, g + 1 of a quad adds into the row's first 8-lane sum, g + 2, g + 3 into its second (the
-   VNNI kernel's lanes 0-7 and 8-15, in the same order). */
+   int32 lane), so a lane holds an exact sum of 8 products. The pair of groups g, g + 1 of a quad
+   adds into the row's first 8-lane sum, g + 2, g + 3 into its second. */
 static void quantize_inputs_avx2(const float *x, long rows, long k, int8_t *quantized, float *lane_scales) {
     long groups = k / 32, quads = (groups + 3) / 4;
     memset(quantized, 0, (size_t)(rows * quads * 128));
@@ -512,15 +513,15 @@ AVX512 static void int4_matmul_avx512(const float *x, const float *sums, long ro
    rounded inputs) + minimum * (the sum of the group's inputs as they are).
 
    The groups go in spans of 16, and a lane of a span's vectors holds one group: its 32 products are
-   summed exactly into one int32 lane by 8 vpdpbusd, then converted and scaled once. (Until
-   2026-11-30 a lane held a quarter of a group, converted and scaled every 8 products: on Zen 4 the
+   summed exactly into one int32 lane by 8 vpdpbusd, then converted and scaled once. (Before
+   a9352c2 a lane held a quarter of a group, converted and scaled every 8 products: on Zen 4 the
    multiplies and FMAs share vpdpbusd's two pipes, so with 8 rows those, not the byte products,
-   bounded the kernel; docs/studies/quantize.md.) A span's 256 bytes of codes are 4 vectors of 4 groups' 16 bytes each; a 4 x 4 transpose of
-   their 4-byte words within each 128-bit lane turns them into 4 vectors whose lane L holds word q
-   (codes 4q..4q+3 in the low halves, 16+4q..16+4q+3 in the high ones) of group `SPAN_GROUP`(L)
-   = 4 (L % 4) + L / 4 of the span. The rounded inputs are laid out that way once a call (`quantized`),
-   and each group's input step on its lane (`lane_scales`). A last span short of groups is padded
-   with zeros. */
+   bounded the kernel; docs/studies/quantize.md.) A span's 256 bytes of codes are 4 vectors of 4
+   groups' 16 bytes each; a 4 x 4 transpose of their 4-byte words within each 128-bit lane turns
+   them into 4 vectors whose lane L holds word q (codes 4q..4q+3 in the low halves, 16+4q..16+4q+3
+   in the high ones) of group `SPAN_GROUP`(L) = 4 (L % 4) + L / 4 of the span. The rounded inputs
+   are laid out that way once a call (`quantized`), and each group's input step on its lane
+   (`lane_scales`). A last span short of groups is padded with zeros. */
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #define SPAN_LANE(g) (4 * ((g) % 4) + (g) / 4) /* the lane of a span's g-th group; and the inverse */
@@ -537,6 +538,7 @@ VNNI static void quantize_inputs(const float *x, long rows, long k, int8_t *quan
     for (long r = 0; r < rows; r++) {
         int8_t *q = quantized + r * spans * 512;
         float *s = lane_scales + r * spans * 16;
+        if (spans == 0) break; /* no inputs */
         memset(q + (spans - 1) * 512, 0, 512);
         memset(s + (spans - 1) * 16, 0, 16 * sizeof(float));
         for (long g = 0; g < groups; g++) {
@@ -634,9 +636,9 @@ BLOCK_VNNI(2, prefetch_l2)
 BLOCK_VNNI(1, prefetch_l2)
 
 /* ROWS (1 or 2) rows against weight row a alone: block_vnni_ROWS's sums for a, in the same order,
-   so the same bits. One or two rows stream the weights a row at a time (on 2 Zen 4 cores in 0.76-0.82
-   of the time pairs took for one row, 0.85-0.91 for two: docs/studies/quantize.md); more rows share
-   each pair's codes. */
+   so the same bits. One or two rows stream the weights a row at a time (on 2 Zen 4 cores, measured
+   before a9352c2, in 0.76-0.82 of the time pairs took for one row, 0.85-0.91 for two:
+   docs/studies/quantize.md); more rows share each pair's codes. */
 #define ONE_VNNI(ROWS)                                                                                   \
     VNNI static inline void one_vnni_##ROWS(const int8_t *q, const float *ls, const float *sums, long k, \
                                             const uint8_t *a, const uint16_t *ga, const uint8_t *next, float *out) { \
@@ -655,8 +657,10 @@ BLOCK_VNNI(1, prefetch_l2)
             EACH_ROW for (int r = 0; r < ROWS; r++) ia[r] = _mm512_setzero_si512();                     \
             for (int v = 0; v < 8; v++) {                                                               \
                 __m512i ca = _mm512_and_si512(v % 2 ? _mm512_srli_epi16(wa[v / 2], 4) : wa[v / 2], low4); \
-                EACH_ROW for (int r = 0; r < ROWS; r++)                                                 \
-                    ia[r] = _mm512_dpbusd_epi32(ia[r], ca, _mm512_loadu_si512((const void *)(q + (r * spans + s) * 512 + 64 * v))); \
+                EACH_ROW for (int r = 0; r < ROWS; r++) {                                               \
+                    const void *x = q + (r * spans + s) * 512 + 64 * v;                                 \
+                    ia[r] = _mm512_dpbusd_epi32(ia[r], ca, _mm512_loadu_si512(x));                      \
+                }                                                                                       \
             }                                                                                           \
             __m512 ska = _mm512_permutexvar_ps(order, scale_a);                                         \
             EACH_ROW for (int r = 0; r < ROWS; r++)                                                     \
