@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
+from unittest import mock
 
 from bench.bench_lookalikes import question_rows
 from engine.config import DEFAULT_MODEL, SHIPPED_EMBEDDER_ADAPTER
@@ -78,16 +78,6 @@ def reached(seeds: int, development_only: bool) -> Iterator[Reached]:
                     yield Reached(f"records, {phrasing}", q.id, q.question, doc.name, doc.text, q.answers, q)
 
 
-@contextmanager
-def strict_margin(value: float) -> Iterator[None]:
-    shipped = question_form.STRICT_MARGIN
-    question_form.STRICT_MARGIN = value
-    try:
-        yield
-    finally:
-        question_form.STRICT_MARGIN = shipped
-
-
 def right(item: Reached, answer: str) -> bool:
     return wholedoc.grade(item.record, answer) if item.record is not None else qa.is_correct(answer, item.answers)
 
@@ -104,7 +94,7 @@ def answers(items: list[Reached]) -> None:
                 for item in mine:
                     marks = []
                     for name, value in MARGINS:
-                        with strict_margin(value):
+                        with mock.patch.object(question_form, "STRICT_MARGIN", value):
                             events = await engine.ask(session.id, item.question, GenerationParams(max_tokens=ANSWER_TOKENS))
                             answer = " ".join("".join([e.text async for e in events if isinstance(e, TokenDelta)]).split())
                         correct = right(item, answer)

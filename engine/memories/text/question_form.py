@@ -13,8 +13,9 @@ single passage answers. It reads as a whole-document one when its mean similarit
 closest whole-document exemplars passes that to the closest local ones by more than FORM_MARGIN
 (chosen on the development records and QA questions: docs/studies/wholedoc.md). Where a lookup would
 already hand over every sentence naming the question's names (a few, all alike; with one hop and
-ranked chunks beside them), the form must read clearly as one: by more than STRICT_MARGIN (chosen on the development data too: above every
-such development QA question's margin, 0.036 at most, below every such list's, 0.107 at least).
+ranked chunks beside them), the form must read clearly as one: by more than STRICT_MARGIN (chosen
+on the development data too: above every such development QA question's margin, 0.036 at most,
+below every such list's, 0.107 at least).
 """
 
 from __future__ import annotations

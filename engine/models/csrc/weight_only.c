@@ -519,17 +519,16 @@ AVX512 static void int4_matmul_avx512(const float *x, const float *sums, long ro
    bounded the kernel; docs/studies/quantize.md.) A span's 256 bytes of codes are 4 vectors of 4
    groups' 16 bytes each; a 4 x 4 transpose of their 4-byte words within each 128-bit lane turns
    them into 4 vectors whose lane L holds word q (codes 4q..4q+3 in the low halves, 16+4q..16+4q+3
-   in the high ones) of group `SPAN_GROUP`(L) = 4 (L % 4) + L / 4 of the span. The rounded inputs
+   in the high ones) of group `SPAN_LANE`(L) = 4 (L % 4) + L / 4 of the span. The rounded inputs
    are laid out that way once a call (`quantized`), and each group's input step on its lane
    (`lane_scales`). A last span short of groups is padded with zeros. */
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-#define SPAN_LANE(g) (4 * ((g) % 4) + (g) / 4) /* the lane of a span's g-th group; and the inverse */
-#define SPAN_GROUP(lane) SPAN_LANE(lane)
+#define SPAN_LANE(g) (4 * ((g) % 4) + (g) / 4) /* the lane of a span's g-th group, and the group of lane g */
 
 /* Row r's inputs rounded to int8 as above (`quantized` [rows, spans, 8, 64] bytes: a span's vectors
    low_0, high_0, ..., low_3, high_3, where lane L of low_q holds inputs 4q..4q+3 of the span's group
-   SPAN_GROUP(L) and of high_q its inputs 16+4q..16+4q+3) and each group's step on its lane
+   SPAN_LANE(L) and of high_q its inputs 16+4q..16+4q+3) and each group's step on its lane
    (`lane_scales` [rows, spans, 16] floats); the rounding is to nearest, ties to even (the default
    rounding mode). A group whose largest magnitude is too small to invert rounds to zeros; the lanes
    of a last span's missing groups are zeros, their steps zero (no stale NaN may reach the sums). */
@@ -562,7 +561,7 @@ VNNI static void quantize_inputs(const float *x, long rows, long k, int8_t *quan
 }
 
 /* A span's codes (16 bytes a group; `count` groups, the rest read as zeros) as 4 vectors of 4-byte
-   words: lane L of words[w] holds word w of the span's group SPAN_GROUP(L), whose low halves meet
+   words: lane L of words[w] holds word w of the span's group SPAN_LANE(L), whose low halves meet
    the inputs' low_w and high halves their high_w. */
 VNNI static inline void span_words(const uint8_t *codes, long count, __m512i *words) {
     __m512i p[4];
@@ -576,6 +575,11 @@ VNNI static inline void span_words(const uint8_t *codes, long count, __m512i *wo
     __m512i t2 = _mm512_unpacklo_epi32(p[2], p[3]), t3 = _mm512_unpackhi_epi32(p[2], p[3]);
     words[0] = _mm512_unpacklo_epi64(t0, t2), words[1] = _mm512_unpackhi_epi64(t0, t2);
     words[2] = _mm512_unpacklo_epi64(t1, t3), words[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* A span's 16 groups' values, given in the groups' order, in the lanes' order (lane L: group SPAN_LANE(L)). */
+VNNI static inline __m512 in_lanes(__m512 by_group) {
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), by_group);
 }
 
 /* A span's int32 sums (a group a lane) converted once, times the groups' input steps `xs` and code
@@ -597,7 +601,6 @@ VNNI static inline __m512 scaled_sums(__m512i sum, __m512 xs, __m512 scale, __m5
         long groups = k / 32, spans = (groups + 15) / 16;                                              \
         __m512 sa[ROWS], sb[ROWS];                                                                     \
         EACH_ROW for (int r = 0; r < ROWS; r++) sa[r] = sb[r] = _mm512_setzero_ps();                   \
-        const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15); \
         const __m512i low4 = _mm512_set1_epi8(15);                                                     \
         for (long g0 = 0; g0 < groups; g0 += 16) {                                                     \
             __m512 scale_a, scale_b;                                                                   \
@@ -619,7 +622,7 @@ VNNI static inline __m512 scaled_sums(__m512i sum, __m512 xs, __m512 scale, __m5
                     ib[r] = _mm512_dpbusd_epi32(ib[r], cb, x);                                         \
                 }                                                                                      \
             }                                                                                          \
-            __m512 ska = _mm512_permutexvar_ps(order, scale_a), skb = _mm512_permutexvar_ps(order, scale_b); \
+            __m512 ska = in_lanes(scale_a), skb = in_lanes(scale_b);                                   \
             EACH_ROW for (int r = 0; r < ROWS; r++) {                                                  \
                 __m512 xs = _mm512_loadu_ps(ls + (r * spans + s) * 16);                                \
                 sa[r] = scaled_sums(ia[r], xs, ska, sa[r]);                                            \
@@ -645,7 +648,6 @@ BLOCK_VNNI(1, prefetch_l2)
         long groups = k / 32, spans = (groups + 15) / 16;                                               \
         __m512 sa[ROWS];                                                                                \
         EACH_ROW for (int r = 0; r < ROWS; r++) sa[r] = _mm512_setzero_ps();                            \
-        const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);  \
         const __m512i low4 = _mm512_set1_epi8(15);                                                      \
         for (long g0 = 0; g0 < groups; g0 += 16) {                                                      \
             __m512 scale_a;                                                                             \
@@ -662,7 +664,7 @@ BLOCK_VNNI(1, prefetch_l2)
                     ia[r] = _mm512_dpbusd_epi32(ia[r], ca, _mm512_loadu_si512(x));                      \
                 }                                                                                       \
             }                                                                                           \
-            __m512 ska = _mm512_permutexvar_ps(order, scale_a);                                         \
+            __m512 ska = in_lanes(scale_a);                                                             \
             EACH_ROW for (int r = 0; r < ROWS; r++)                                                     \
                 sa[r] = scaled_sums(ia[r], _mm512_loadu_ps(ls + (r * spans + s) * 16), ska, sa[r]);     \
         }                                                                                               \
