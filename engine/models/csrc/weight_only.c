@@ -577,6 +577,13 @@ VNNI static inline void span_words(const uint8_t *codes, long count, __m512i *wo
     words[2] = _mm512_unpacklo_epi64(t1, t3), words[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
+/* Code vector v (0-7) of a span's words: the low nibbles of words[v / 2] for an even v, its high
+   nibbles for an odd one (they meet the inputs' low_w and high_w). */
+VNNI static inline __m512i span_codes(const __m512i *words, int v) {
+    __m512i word = words[v / 2];
+    return _mm512_and_si512(v % 2 ? _mm512_srli_epi16(word, 4) : word, _mm512_set1_epi8(15));
+}
+
 /* A span's 16 groups' values, given in the groups' order, in the lanes' order (lane L: group SPAN_LANE(L)). */
 VNNI static inline __m512 in_lanes(__m512 by_group) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), by_group);
@@ -594,28 +601,25 @@ VNNI static inline __m512 scaled_sums(__m512i sum, __m512 xs, __m512 scale, __m5
    int32 sums wait a pass of the rows between two vpdpbusd (their order does not change them: int32
    sums are exact). A row's sums are the same in any block. Eight rows go as two blocks of 4: in one
    block of 8 the rows' sums no longer fit the registers (0.83 of its time on 2 Zen 4 cores). */
-#define BLOCK_VNNI(ROWS, READ_AHEAD)                                                                             \
+#define BLOCK_VNNI(ROWS)                                                                                         \
     VNNI static inline void block_vnni_##ROWS(const int8_t *q, const float *ls, const float *sums, long k, \
                                               const uint8_t *a, const uint16_t *ga, const uint8_t *b,     \
                                               const uint16_t *gb, const uint8_t *next, float *out) {      \
         long groups = k / 32, spans = (groups + 15) / 16;                                              \
         __m512 sa[ROWS], sb[ROWS];                                                                     \
         EACH_ROW for (int r = 0; r < ROWS; r++) sa[r] = sb[r] = _mm512_setzero_ps();                   \
-        const __m512i low4 = _mm512_set1_epi8(15);                                                     \
         for (long g0 = 0; g0 < groups; g0 += 16) {                                                     \
             __m512 scale_a, scale_b;                                                                   \
             long count = group_block(ga, gb, sums, groups, g0, ROWS, sa, sb, &scale_a, &scale_b);     \
             long s = g0 / 16, at = g0 * 16;                                                            \
-            READ_AHEAD(next + at, 256);                                                                \
-            READ_AHEAD(next + k / 2 + at, 256);                                                        \
+            prefetch_l2(next + at, 256);                                                               \
+            prefetch_l2(next + k / 2 + at, 256);                                                       \
             __m512i wa[4], wb[4], ia[ROWS], ib[ROWS];                                                  \
             span_words(a + at, count, wa);                                                             \
             span_words(b + at, count, wb);                                                             \
             EACH_ROW for (int r = 0; r < ROWS; r++) ia[r] = ib[r] = _mm512_setzero_si512();            \
             for (int v = 0; v < 8; v++) {                                                              \
-                __m512i ca = v % 2 ? _mm512_srli_epi16(wa[v / 2], 4) : wa[v / 2];                      \
-                __m512i cb = v % 2 ? _mm512_srli_epi16(wb[v / 2], 4) : wb[v / 2];                      \
-                ca = _mm512_and_si512(ca, low4), cb = _mm512_and_si512(cb, low4);                      \
+                __m512i ca = span_codes(wa, v), cb = span_codes(wb, v);                                \
                 EACH_ROW for (int r = 0; r < ROWS; r++) {                                              \
                     __m512i x = _mm512_loadu_si512((const void *)(q + (r * spans + s) * 512 + 64 * v)); \
                     ia[r] = _mm512_dpbusd_epi32(ia[r], ca, x);                                         \
@@ -634,9 +638,9 @@ VNNI static inline __m512 scaled_sums(__m512i sum, __m512 xs, __m512 scale, __m5
             out[ROWS + r] = _mm512_reduce_add_ps(sb[r]);                                               \
         }                                                                                              \
     }
-BLOCK_VNNI(4, prefetch_l2)
-BLOCK_VNNI(2, prefetch_l2)
-BLOCK_VNNI(1, prefetch_l2)
+BLOCK_VNNI(4)
+BLOCK_VNNI(2)
+BLOCK_VNNI(1)
 
 /* ROWS (1 or 2) rows against weight row a alone: block_vnni_ROWS's sums for a, in the same order,
    so the same bits. One or two rows stream the weights a row at a time (on 2 Zen 4 cores, measured
@@ -648,7 +652,6 @@ BLOCK_VNNI(1, prefetch_l2)
         long groups = k / 32, spans = (groups + 15) / 16;                                               \
         __m512 sa[ROWS];                                                                                \
         EACH_ROW for (int r = 0; r < ROWS; r++) sa[r] = _mm512_setzero_ps();                            \
-        const __m512i low4 = _mm512_set1_epi8(15);                                                      \
         for (long g0 = 0; g0 < groups; g0 += 16) {                                                      \
             __m512 scale_a;                                                                             \
             long count = group_row(ga, sums, groups, g0, ROWS, sa, &scale_a);                           \
@@ -658,7 +661,7 @@ BLOCK_VNNI(1, prefetch_l2)
             span_words(a + at, count, wa);                                                              \
             EACH_ROW for (int r = 0; r < ROWS; r++) ia[r] = _mm512_setzero_si512();                     \
             for (int v = 0; v < 8; v++) {                                                               \
-                __m512i ca = _mm512_and_si512(v % 2 ? _mm512_srli_epi16(wa[v / 2], 4) : wa[v / 2], low4); \
+                __m512i ca = span_codes(wa, v);                                                         \
                 EACH_ROW for (int r = 0; r < ROWS; r++) {                                               \
                     const void *x = q + (r * spans + s) * 512 + 64 * v;                                 \
                     ia[r] = _mm512_dpbusd_epi32(ia[r], ca, _mm512_loadu_si512(x));                      \
